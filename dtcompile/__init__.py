@@ -1,0 +1,11 @@
+"""dtcompile: a ``torch.compile`` backend for DTensor programs.
+
+``torch.compile(model, backend="dtcompile")`` works once the package is
+installed; ``dtcompile.backend(**options)`` makes a configured one.
+"""
+
+from dtcompile.compiler import CompiledGraph, DTCompileBackend, backend
+from dtcompile.collectives import CollectiveInfo
+from dtcompile.config import DTCompileConfig
+
+__all__ = ["backend", "CollectiveInfo", "CompiledGraph", "DTCompileBackend", "DTCompileConfig"]

@@ -1,0 +1,1 @@
+"""Models and simulated worlds shared by dtcompile's tests, benchmarks and demo."""

@@ -1,0 +1,352 @@
+"""The small models that tests, benchmarks and the demo share.
+
+Each model comes as a plain ``nn.Module`` (the single-process reference) and a
+``parallelize_*`` function that turns a copy of it into its distributed form on a
+given mesh.  The distributed form takes and returns *plain* tensors so that eager,
+compiled and reference runs can be compared directly:
+
+- :func:`parallelize_mlp`: tensor parallel MLP, ``ColwiseParallel`` then
+  ``RowwiseParallel``; input and output replicated.
+- :func:`parallelize_block`: Llama-style block (RMSNorm, causal attention, SwiGLU
+  MLP) with tensor + sequence parallelism as torchtitan applies it; input and
+  output replicated, the residual stream sharded on the sequence dim inside.
+- :func:`parallelize_fsdp_mlp`: the MLP with every parameter a ``Shard(0)``
+  DTensor that is all-gathered in forward (SimpleFSDP style); input and output
+  are the rank's own batch shard, gradients are reduce-scattered.
+- :func:`parallelize_block_2d`: the block on a 2-D ``(dp, tp)`` mesh: tensor +
+  sequence parallel over ``tp``, data parallel over ``dp`` (parameters
+  replicated across ``dp``, gradients all-reduced there); input and output are
+  the ``dp`` rank's batch shard.
+
+The ``build_*`` functions create the model, its distributed form and example
+inputs in one call, seeded so every rank builds the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.utils import parametrize
+
+__all__ = [
+    "MLP",
+    "Block",
+    "BlockArgs",
+    "RMSNorm",
+    "parallelize_mlp",
+    "parallelize_block",
+    "parallelize_fsdp_mlp",
+    "parallelize_block_2d",
+    "build_mlp",
+    "build_block",
+    "build_fsdp_mlp",
+    "build_block_2d",
+]
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = True) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+@dataclass(frozen=True)
+class BlockArgs:
+    """Sizes of :class:`Block`. ``n_heads`` and ``hidden`` must divide by the TP degree."""
+
+    dim: int = 64
+    n_heads: int = 4
+    hidden: int = 128
+    eps: float = 1e-6
+
+
+class Attention(nn.Module):
+    def __init__(self, args: BlockArgs) -> None:
+        super().__init__()
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism the projections return the local heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        out = scores.softmax(dim=-1) @ v
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """A Llama-style transformer block: pre-norm attention and SwiGLU MLP."""
+
+    def __init__(self, args: BlockArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def parallelize_mlp(model: MLP, mesh: DeviceMesh) -> MLP:
+    """Tensor parallel: ``w1`` column-wise, ``w2`` row-wise (one all-reduce in forward)."""
+    return parallelize_module(
+        model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
+    )
+
+
+def parallelize_block(model: Block, mesh: DeviceMesh) -> Block:
+    """Tensor + sequence parallel, as torchtitan's Llama plan applies it to a block.
+
+    Norms run sequence-sharded (``Shard(1)``); attention and the MLP all-gather
+    the sequence, compute on local heads / hidden columns and reduce-scatter back
+    to the sequence shard.  The block's own input is replicated and its output is
+    gathered again, so it can be compared with the single-process model.
+    """
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    parallelize_module(model, mesh, plan)
+    # The block boundary: replicated in, sequence-sharded residual stream inside
+    # (a local slice, no communication), all-gathered again on the way out.
+    return parallelize_module(
+        model,
+        mesh,
+        PrepareModuleInputOutput(
+            input_layouts=(Replicate(),),
+            desired_input_layouts=(Shard(1),),
+            use_local_input=True,
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(Replicate(),),
+            use_local_output=True,
+        ),
+    )
+
+
+class _GatherForCompute(nn.Module):
+    """Parametrization: the stored DTensor parameter, redistributed for compute.
+
+    Forward redistributes the stored parameter to ``compute_placements`` and hands
+    the module a DTensor on ``compute_mesh`` (or a plain tensor when that is None).
+    Backward follows from ``to_local(grad_placements=...)``: the gradient is
+    ``Partial("avg")`` over the data-parallel axis, so redistributing it back to
+    the stored placements reduce-scatters (sharded) or all-reduces (replicated).
+    This is SimpleFSDP's ``ReplicateComputation``.
+    """
+
+    def __init__(self, dp_axis: int, compute_mesh: DeviceMesh | None) -> None:
+        super().__init__()
+        self.dp_axis = dp_axis
+        self.compute_mesh = compute_mesh
+
+    def forward(self, stored: DTensor) -> torch.Tensor:
+        placements = list(stored.placements)
+        placements[self.dp_axis] = Replicate()
+        grad_placements = list(placements)
+        grad_placements[self.dp_axis] = Partial("avg")
+        local = stored.redistribute(placements=placements).to_local(
+            grad_placements=grad_placements
+        )
+        if self.compute_mesh is None:
+            return local
+        del placements[self.dp_axis]
+        return DTensor.from_local(local, self.compute_mesh, placements, run_check=False)
+
+
+def _data_parallel(
+    model: nn.Module, mesh: DeviceMesh, *, shard: bool, dp_axis: int = 0
+) -> nn.Module:
+    """Stores every parameter as a DTensor on ``mesh``, data parallel over ``dp_axis``.
+
+    With ``shard=True`` the stored parameter is ``Shard(0)`` over ``dp_axis``
+    (FSDP: all-gather in forward, reduce-scatter in backward), otherwise
+    ``Replicate()`` (DDP: all-reduce in backward).  Parameters that already are
+    DTensors on a sub-mesh of ``mesh`` (tensor parallel) keep their placements on
+    the other axes and come back to the module as DTensors on that sub-mesh.
+    """
+    dp_placement = Shard(0) if shard else Replicate()
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                compute_mesh = param.device_mesh
+                placements = list(param.placements)
+                local = param.to_local()
+            else:
+                compute_mesh = None
+                placements, local = [], param.data
+            placements.insert(dp_axis, dp_placement)
+            if shard:
+                stored = distribute_tensor(local.detach(), mesh, placements)
+            else:
+                stored = DTensor.from_local(local.detach(), mesh, placements, run_check=False)
+            setattr(module, name, nn.Parameter(stored))
+            parametrize.register_parametrization(
+                module, name, _GatherForCompute(dp_axis, compute_mesh), unsafe=True
+            )
+    return model
+
+
+def parallelize_fsdp_mlp(model: MLP, mesh: DeviceMesh) -> MLP:
+    """FSDP-style: every parameter ``Shard(0)`` over the mesh, gathered in forward."""
+    return _data_parallel(model, mesh, shard=True)
+
+
+def parallelize_block_2d(model: Block, mesh: DeviceMesh) -> Block:
+    """Tensor + sequence parallel over ``mesh["tp"]``, data parallel over ``mesh["dp"]``."""
+    parallelize_block(model, mesh["tp"])
+    return _data_parallel(model, mesh, shard=False)
+
+
+@contextlib.contextmanager
+def _plain_tensors(seed: int) -> Iterator[torch.Generator]:
+    """Yields a generator seeded with ``seed`` for weights and inputs.
+
+    Weights are drawn from this generator (:func:`_init_weights`), not the
+    global RNG, so ranks simulated as threads build identical models.  The
+    reference model and inputs are plain tensors, also when built inside a
+    ``LocalTensorMode`` (where factory functions would make per-rank tensors).
+    """
+    with maybe_disable_local_tensor_mode():
+        yield torch.Generator().manual_seed(seed)
+
+
+@torch.no_grad()
+def _init_weights(model: nn.Module, gen: torch.Generator) -> nn.Module:
+    """Deterministic init: weights ``N(0, 1/fan_in)``, biases and norm scales near 0 and 1."""
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen)
+        if param.dim() == 2:
+            param.copy_(noise / math.sqrt(param.shape[1]))
+        elif name.endswith("bias"):
+            param.copy_(0.1 * noise)
+        else:
+            param.copy_(1.0 + 0.1 * noise)
+    return model
+
+
+def build_mlp(
+    mesh: DeviceMesh,
+    *,
+    batch: int = 4,
+    dim: int = 16,
+    hidden: int = 32,
+    bias: bool = True,
+    seed: int = 0,
+) -> tuple[MLP, MLP, torch.Tensor]:
+    """Returns ``(reference, parallel, input)``; the input is replicated."""
+    with _plain_tensors(seed) as gen:
+        reference = _init_weights(MLP(dim, hidden, bias=bias), gen)
+        x = torch.randn(batch, dim, generator=gen)
+    return reference, parallelize_mlp(copy.deepcopy(reference), mesh), x
+
+
+def build_block(
+    mesh: DeviceMesh,
+    *,
+    batch: int = 2,
+    seq: int = 8,
+    args: BlockArgs = BlockArgs(),
+    seed: int = 0,
+) -> tuple[Block, Block, torch.Tensor]:
+    """Returns ``(reference, parallel, input)``; the input is replicated, ``seq`` must divide by the TP degree."""
+    with _plain_tensors(seed) as gen:
+        reference = _init_weights(Block(args), gen)
+        x = torch.randn(batch, seq, args.dim, generator=gen)
+    return reference, parallelize_block(copy.deepcopy(reference), mesh), x
+
+
+def build_fsdp_mlp(
+    mesh: DeviceMesh, *, batch: int = 4, dim: int = 16, hidden: int = 32, seed: int = 0
+) -> tuple[MLP, MLP, torch.Tensor]:
+    """Returns ``(reference, parallel, global_input)``.
+
+    ``global_input`` is the whole batch, ``batch`` rows per rank; rank ``r``
+    feeds rows ``[r * batch, (r + 1) * batch)`` (see :func:`shard_batch`).
+    """
+    with _plain_tensors(seed) as gen:
+        reference = _init_weights(MLP(dim, hidden), gen)
+        x = torch.randn(mesh.size() * batch, dim, generator=gen)
+    return reference, parallelize_fsdp_mlp(copy.deepcopy(reference), mesh), x
+
+
+def build_block_2d(
+    mesh: DeviceMesh,
+    *,
+    batch: int = 2,
+    seq: int = 8,
+    args: BlockArgs = BlockArgs(),
+    seed: int = 0,
+) -> tuple[Block, Block, torch.Tensor]:
+    """Returns ``(reference, parallel, global_input)``; ``batch`` rows per ``dp`` rank."""
+    with _plain_tensors(seed) as gen:
+        reference = _init_weights(Block(args), gen)
+        x = torch.randn(mesh.size(0) * batch, seq, args.dim, generator=gen)
+    return reference, parallelize_block_2d(copy.deepcopy(reference), mesh), x

@@ -1,0 +1,120 @@
+"""What the functional collectives in an AOT graph are: kind, mesh axis, bytes.
+
+After AOTAutograd, DTensor communication is a call to a ``_c10d_functional``
+op followed by ``wait_tensor``.  :func:`collective_info` reads one such node;
+the group is named by its process-group name, which we map back to the mesh
+axis it was created for (DeviceMesh names its groups ``mesh_<axis>``).
+
+Bytes per rank follow the nccl-tests convention: the size of the whole buffer
+the collective moves, i.e. the output of an all-gather, the input of a
+reduce-scatter, all-reduce or all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+__all__ = ["CollectiveInfo", "collective_info", "graph_collectives", "axis_name"]
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """One collective in a graph."""
+
+    node: str
+    """Name of the FX node that issues it."""
+    op: str
+    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or ``broadcast``."""
+    axis: str
+    """The mesh axis (dimension name) of its group, or the group's name."""
+    group_size: int
+    shape: tuple[int, ...]
+    """Shape of the buffer counted in ``bytes`` (see the module docstring)."""
+    dtype: torch.dtype
+    bytes: int
+    """Bytes per rank."""
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.op}[{self.axis}, group_size={self.group_size}] "
+            f"{dtype}{list(self.shape)} {self.bytes} B"
+        )
+
+
+# op name -> (kind, index of the group-name argument, whether bytes are the output's)
+_COLLECTIVES: dict[str, tuple[str, int, bool]] = {
+    "all_gather_into_tensor": ("all_gather", 2, True),
+    "all_gather_into_tensor_coalesced": ("all_gather", 2, True),
+    "reduce_scatter_tensor": ("reduce_scatter", 3, False),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 3, False),
+    "all_reduce": ("all_reduce", 2, False),
+    "all_reduce_coalesced": ("all_reduce", 2, False),
+    "all_to_all_single": ("all_to_all", 3, False),
+    "broadcast": ("broadcast", 2, False),
+}
+
+
+def _functional_op_name(node: fx.Node) -> str | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "_c10d_functional":
+        return None
+    return target._opname
+
+
+def axis_name(group_name: str) -> str:
+    """The mesh axis a process group was created for, else the group's name."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        group = c10d._resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError):
+        return group_name
+    desc = getattr(group, "group_desc", "") or ""
+    if desc.startswith("mesh_"):
+        return desc.removeprefix("mesh_")
+    if c10d.is_initialized() and group is c10d._get_default_group():
+        return "world"
+    return group_name
+
+
+def _group_size(group_name: str) -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._resolve_process_group(group_name).size()
+
+
+def collective_info(node: fx.Node) -> CollectiveInfo | None:
+    """Describes ``node`` if it issues a functional collective, else ``None``."""
+    opname = _functional_op_name(node)
+    if opname not in _COLLECTIVES:
+        return None
+    kind, group_arg, count_output = _COLLECTIVES[opname]
+    group_name = node.args[group_arg]
+    source = node if count_output else node.args[0]
+    vals = source.meta.get("val")
+    vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+    if not vals or any(not isinstance(v, torch.Tensor) for v in vals):
+        raise AssertionError(f"collective {node.name} has no tensor metadata")
+    shape = tuple(int(s) for s in vals[0].shape) if len(vals) == 1 else (len(vals),)
+    num_bytes = sum(int(v.numel()) * v.element_size() for v in vals)
+    return CollectiveInfo(
+        node=node.name,
+        op=kind,
+        axis=axis_name(group_name),
+        group_size=_group_size(group_name),
+        shape=shape,
+        dtype=vals[0].dtype,
+        bytes=num_bytes,
+    )
+
+
+def graph_collectives(graph: fx.Graph) -> list[CollectiveInfo]:
+    """The collectives of ``graph`` in program order."""
+    infos = (collective_info(n) for n in graph.nodes)
+    return [info for info in infos if info is not None]

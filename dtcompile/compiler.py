@@ -1,0 +1,166 @@
+"""The dtcompile ``torch.compile`` backend.
+
+``backend(**options)`` returns a compiler function for ``torch.compile``; the
+name ``"dtcompile"`` (registered through the ``torch_dynamo_backends`` entry
+point) is that factory's result with default options.
+
+The pipeline for one Dynamo graph:
+
+1. AOTAutograd traces the joint forward/backward graph with Inductor's
+   decomposition table, DTensor desugars to local ops plus functional
+   collectives, and the min-cut partitioner splits it into a forward and a
+   backward graph (exactly the graphs Inductor would get).
+2. :func:`dtcompile.passes.run_passes` runs the ordered pass list on each.
+3. Lowering: Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph
+   as it is (``inductor=False``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from dtcompile.collectives import CollectiveInfo, graph_collectives
+from dtcompile.config import DTCompileConfig
+from dtcompile.passes import PassRecord, run_passes
+
+__all__ = ["backend", "CompiledGraph", "DTCompileBackend", "dtcompile"]
+
+log = logging.getLogger(__name__)
+
+# How many compiled graphs a backend keeps for inspection; older ones are dropped.
+_MAX_RECORDS = 256
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What dtcompile did with one AOT graph (forward, backward or inference)."""
+
+    compile_id: str
+    """Dynamo's compile id, e.g. ``"0/0"`` (frame 0, first compile)."""
+    kind: str
+    """``forward``, ``backward`` or ``inference``."""
+    graph: fx.GraphModule
+    """The graph after the passes, as handed to lowering."""
+    collectives: tuple[CollectiveInfo, ...]
+    passes: tuple[PassRecord, ...]
+
+
+class DTCompileBackend:
+    """The compiler function ``torch.compile`` calls; made by :func:`backend`.
+
+    ``records`` holds a :class:`CompiledGraph` for each graph it compiled
+    (bounded; the newest last).
+    """
+
+    def __init__(self, config: DTCompileConfig) -> None:
+        self.config = config
+        self.records: collections.deque[CompiledGraph] = collections.deque(maxlen=_MAX_RECORDS)
+
+    def __repr__(self) -> str:
+        return f"dtcompile.backend({self.config})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._functorch import config as functorch_config
+
+        # The AOTAutograd cache keys on the Dynamo graph and global configs, not on
+        # this backend's options and passes: a hit could return a graph compiled
+        # without them.  Inductor's per-graph FX cache (keyed on the graph after
+        # our passes) stays on.
+        with functorch_config.patch(enable_autograd_cache=False):
+            if self.config.inductor:
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(
+                    gm,
+                    example_inputs,
+                    inner_compile=self._inductor_inner_compile,
+                    config_patches=dict(self.config.inductor_config) or None,
+                )
+            return self._aot_without_inductor(gm, example_inputs)
+
+    def _inductor_inner_compile(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+    ) -> Any:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        if kwargs.get("is_backward"):
+            kind = "backward"
+        elif kwargs.get("is_inference"):
+            kind = "inference"
+        else:
+            kind = "forward"
+        gm = self._run_passes(gm, example_inputs, kind)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def _aot_without_inductor(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.compile_fx import select_decomp_table
+
+        def compiler(kind: str) -> Callable[..., Any]:
+            def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+                from torch._functorch.aot_autograd import make_boxed_func
+
+                return make_boxed_func(self._run_passes(graph, inputs, kind).forward)
+
+            return compile_graph
+
+        return aot_autograd(
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
+            decompositions=select_decomp_table(),
+            partition_fn=functools.partial(
+                min_cut_rematerialization_partition, compiler="inductor"
+            ),
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    def _run_passes(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str
+    ) -> fx.GraphModule:
+        gm.meta["dtcompile_graph_kind"] = kind
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        gm, passes = run_passes(gm, example_inputs, self.config)
+        gm.recompile()
+        record = CompiledGraph(
+            compile_id=str(compile_id) if compile_id is not None else "?",
+            kind=kind,
+            graph=gm,
+            collectives=tuple(graph_collectives(gm.graph)),
+            passes=tuple(passes),
+        )
+        self.records.append(record)
+        log.info(
+            "compile %s %s graph: %d nodes, %d collectives",
+            record.compile_id,
+            kind,
+            len(gm.graph.nodes),
+            len(record.collectives),
+        )
+        return gm
+
+
+def backend(**options: Any) -> DTCompileBackend:
+    """Returns the dtcompile compiler function, configured by ``options``.
+
+    ``options`` are the fields of :class:`DTCompileConfig`; an unknown name is a
+    ``ValueError`` that lists the valid ones::
+
+        model = torch.compile(model, backend=dtcompile.backend(inductor=False))
+    """
+    return DTCompileBackend(DTCompileConfig.from_options(options))
+
+
+# What ``torch.compile(backend="dtcompile")`` resolves to (the entry point).
+dtcompile = backend()

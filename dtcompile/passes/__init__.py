@@ -1,0 +1,92 @@
+"""The ordered list of FX passes dtcompile runs on every AOT graph.
+
+Every pass has one contract, ``(gm, example_inputs, config) -> gm``, a unique
+name by which ``DTCompileConfig.disable_passes`` switches it off, and logs what
+it changed.  They run on the forward and backward graphs after AOTAutograd's
+partitioner and before lowering; ``gm.meta["dtcompile_graph_kind"]`` says which
+graph it is (``forward``, ``backward`` or ``inference``).
+
+Where each pass lives:
+
+- ``annotate_collectives`` (:mod:`dtcompile.passes.annotate`): records every
+  functional collective (op, mesh axis, group size, bytes per rank) in
+  ``node.meta["dtcompile_collective"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import fx
+
+from dtcompile.collectives import graph_collectives
+from dtcompile.passes.annotate import annotate_collectives
+
+if TYPE_CHECKING:
+    from dtcompile.config import DTCompileConfig
+
+__all__ = ["GraphPass", "PASSES", "PassRecord", "run_passes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    fn: Callable[[fx.GraphModule, Sequence[Any], "DTCompileConfig"], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did to one graph."""
+
+    name: str
+    ran: bool
+    """False when the pass was switched off by name."""
+    nodes_before: int
+    nodes_after: int
+    collectives_before: int
+    collectives_after: int
+
+
+PASSES: tuple[GraphPass, ...] = (GraphPass("annotate_collectives", annotate_collectives),)
+
+
+def run_passes(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: "DTCompileConfig"
+) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """Runs :data:`PASSES` in order, skipping those in ``config.disable_passes``."""
+    records = []
+    kind = gm.meta.get("dtcompile_graph_kind", "graph")
+    for graph_pass in PASSES:
+        nodes = len(gm.graph.nodes)
+        collectives = len(graph_collectives(gm.graph))
+        if graph_pass.name in config.disable_passes:
+            log.debug("%s: pass %s switched off", kind, graph_pass.name)
+            records.append(
+                PassRecord(graph_pass.name, False, nodes, nodes, collectives, collectives)
+            )
+            continue
+        gm = graph_pass.fn(gm, example_inputs, config)
+        record = PassRecord(
+            graph_pass.name,
+            True,
+            nodes,
+            len(gm.graph.nodes),
+            collectives,
+            len(graph_collectives(gm.graph)),
+        )
+        log.info(
+            "%s: pass %s: nodes %d -> %d, collectives %d -> %d",
+            kind,
+            record.name,
+            record.nodes_before,
+            record.nodes_after,
+            record.collectives_before,
+            record.collectives_after,
+        )
+        records.append(record)
+    return gm, records

@@ -1,0 +1,3 @@
+"""Inspection tools (issue #5: the ``dtcompile-report`` command); none yet."""
+
+__all__: list[str] = []
