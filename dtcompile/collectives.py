@@ -12,12 +12,15 @@ reduce-scatter, all-reduce or all-to-all.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
-__all__ = ["CollectiveInfo", "collective_info", "graph_collectives", "axis_name"]
+__all__ = ["CollectiveInfo", "axis_name", "collective_info", "graph_collectives", "is_collective", "mesh_axes"]
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,42 @@ def _functional_op_name(node: fx.Node) -> str | None:
     return target._opname
 
 
-def axis_name(group_name: str) -> str:
-    """The mesh axis a process group was created for, else the group's name."""
+def mesh_axes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:
+    """Group name -> mesh axis name, for every DeviceMesh that the graph's DTensors use.
+
+    Read from the Dynamo graph's inputs and node values before AOTAutograd
+    desugars the DTensors away.  A 1-D mesh over the whole world reuses the
+    default group, so only the mesh knows that group's axis name.
+    """
+    from torch.distributed.tensor import DTensor
+
+    values = list(example_inputs)
+    values += [n.meta.get("example_value") for n in gm.graph.nodes]
+    axes: dict[str, str] = {}
+    for value in pytree.tree_leaves(values):
+        if not isinstance(value, DTensor):
+            continue
+        mesh = value.device_mesh
+        names = mesh.mesh_dim_names
+        group_names = getattr(mesh, "_dim_group_names", None)
+        if names is None or not group_names:
+            continue
+        axes.update(zip(group_names, names))
+    return axes
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Whether ``node`` issues a functional collective (its ``wait_tensor`` is not one)."""
+    return _functional_op_name(node) in _COLLECTIVES
+
+
+def axis_name(group_name: str, axes: Mapping[str, str] | None = None) -> str:
+    """The mesh axis a process group serves: from ``axes`` (see :func:`mesh_axes`),
+    else from the group's description, else the group's name."""
     from torch.distributed import distributed_c10d as c10d
 
+    if axes and group_name in axes:
+        return axes[group_name]
     try:
         group = c10d._resolve_process_group(group_name)
     except (RuntimeError, ValueError, KeyError):
@@ -89,7 +124,7 @@ def _group_size(group_name: str) -> int:
     return c10d._resolve_process_group(group_name).size()
 
 
-def collective_info(node: fx.Node) -> CollectiveInfo | None:
+def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> CollectiveInfo | None:
     """Describes ``node`` if it issues a functional collective, else ``None``."""
     opname = _functional_op_name(node)
     if opname not in _COLLECTIVES:
@@ -106,7 +141,7 @@ def collective_info(node: fx.Node) -> CollectiveInfo | None:
     return CollectiveInfo(
         node=node.name,
         op=kind,
-        axis=axis_name(group_name),
+        axis=axis_name(group_name, axes),
         group_size=_group_size(group_name),
         shape=shape,
         dtype=vals[0].dtype,
@@ -114,7 +149,9 @@ def collective_info(node: fx.Node) -> CollectiveInfo | None:
     )
 
 
-def graph_collectives(graph: fx.Graph) -> list[CollectiveInfo]:
+def graph_collectives(
+    graph: fx.Graph, axes: Mapping[str, str] | None = None
+) -> list[CollectiveInfo]:
     """The collectives of ``graph`` in program order."""
-    infos = (collective_info(n) for n in graph.nodes)
+    infos = (collective_info(n, axes) for n in graph.nodes)
     return [info for info in infos if info is not None]

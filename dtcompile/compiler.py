@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from dtcompile.collectives import CollectiveInfo, graph_collectives
+from dtcompile.collectives import CollectiveInfo, graph_collectives, mesh_axes
 from dtcompile.config import DTCompileConfig
 from dtcompile.passes import PassRecord, run_passes
 
@@ -74,6 +74,7 @@ class DTCompileBackend:
         # this backend's options and passes: a hit could return a graph compiled
         # without them.  Inductor's per-graph FX cache (keyed on the graph after
         # our passes) stays on.
+        axes = mesh_axes(gm, example_inputs)
         with functorch_config.patch(enable_autograd_cache=False):
             if self.config.inductor:
                 from torch._inductor.compile_fx import compile_fx
@@ -81,13 +82,17 @@ class DTCompileBackend:
                 return compile_fx(
                     gm,
                     example_inputs,
-                    inner_compile=self._inductor_inner_compile,
+                    inner_compile=functools.partial(self._inductor_inner_compile, axes),
                     config_patches=dict(self.config.inductor_config) or None,
                 )
-            return self._aot_without_inductor(gm, example_inputs)
+            return self._aot_without_inductor(gm, example_inputs, axes)
 
     def _inductor_inner_compile(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+        self,
+        axes: dict[str, str],
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        **kwargs: Any,
     ) -> Any:
         from torch._inductor.compile_fx import compile_fx_inner
 
@@ -97,11 +102,11 @@ class DTCompileBackend:
             kind = "inference"
         else:
             kind = "forward"
-        gm = self._run_passes(gm, example_inputs, kind)
+        gm = self._run_passes(gm, example_inputs, kind, axes)
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _aot_without_inductor(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], axes: dict[str, str]
     ) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -111,7 +116,7 @@ class DTCompileBackend:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
-                return make_boxed_func(self._run_passes(graph, inputs, kind).forward)
+                return make_boxed_func(self._run_passes(graph, inputs, kind, axes).forward)
 
             return compile_graph
 
@@ -127,9 +132,10 @@ class DTCompileBackend:
         )(gm, example_inputs)
 
     def _run_passes(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str, axes: dict[str, str]
     ) -> fx.GraphModule:
         gm.meta["dtcompile_graph_kind"] = kind
+        gm.meta["dtcompile_mesh_axes"] = axes
         compile_id = torch._guards.CompileContext.current_compile_id()
         gm, passes = run_passes(gm, example_inputs, self.config)
         gm.recompile()
@@ -137,7 +143,7 @@ class DTCompileBackend:
             compile_id=str(compile_id) if compile_id is not None else "?",
             kind=kind,
             graph=gm,
-            collectives=tuple(graph_collectives(gm.graph)),
+            collectives=tuple(graph_collectives(gm.graph, axes)),
             passes=tuple(passes),
         )
         self.records.append(record)

@@ -4,7 +4,8 @@ Every pass has one contract, ``(gm, example_inputs, config) -> gm``, a unique
 name by which ``DTCompileConfig.disable_passes`` switches it off, and logs what
 it changed.  They run on the forward and backward graphs after AOTAutograd's
 partitioner and before lowering; ``gm.meta["dtcompile_graph_kind"]`` says which
-graph it is (``forward``, ``backward`` or ``inference``).
+graph it is (``forward``, ``backward`` or ``inference``) and
+``gm.meta["dtcompile_mesh_axes"]`` maps process-group names to mesh axis names.
 
 Where each pass lives:
 
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from dtcompile.collectives import graph_collectives
+from dtcompile.collectives import is_collective
 from dtcompile.passes.annotate import annotate_collectives
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ class PassRecord:
 PASSES: tuple[GraphPass, ...] = (GraphPass("annotate_collectives", annotate_collectives),)
 
 
+def _num_collectives(gm: fx.GraphModule) -> int:
+    return sum(1 for node in gm.graph.nodes if is_collective(node))
+
+
 def run_passes(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: "DTCompileConfig"
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
@@ -63,7 +68,7 @@ def run_passes(
     kind = gm.meta.get("dtcompile_graph_kind", "graph")
     for graph_pass in PASSES:
         nodes = len(gm.graph.nodes)
-        collectives = len(graph_collectives(gm.graph))
+        collectives = _num_collectives(gm)
         if graph_pass.name in config.disable_passes:
             log.debug("%s: pass %s switched off", kind, graph_pass.name)
             records.append(
@@ -77,7 +82,7 @@ def run_passes(
             nodes,
             len(gm.graph.nodes),
             collectives,
-            len(graph_collectives(gm.graph)),
+            _num_collectives(gm),
         )
         log.info(
             "%s: pass %s: nodes %d -> %d, collectives %d -> %d",

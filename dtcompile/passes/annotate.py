@@ -18,8 +18,9 @@ def annotate_collectives(
 ) -> fx.GraphModule:
     """Stores each collective's :class:`CollectiveInfo` in ``node.meta["dtcompile_collective"]``."""
     count = 0
+    axes = gm.meta.get("dtcompile_mesh_axes")
     for node in gm.graph.nodes:
-        info = collective_info(node)
+        info = collective_info(node, axes)
         if info is not None:
             node.meta["dtcompile_collective"] = info
             count += 1

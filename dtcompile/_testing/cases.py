@@ -1,0 +1,119 @@
+"""The four shared models as test cases: mesh, per-rank input, one training step.
+
+A :class:`ModelCase` knows how to build its mesh for a world size, which slice
+of the global input a rank feeds, and how to run one step (forward, loss
+``out.pow(2).mean()``, backward) on the parallel model or on the single-process
+reference, returning comparable plain tensors.  Data-parallel models average
+gradients over ``dp``, so their gradients equal the reference's on the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from dtcompile._testing import models
+
+__all__ = ["ModelCase", "CASES", "StepResult", "run_step", "rank_step"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step's output and every parameter's full gradient, by reference name."""
+
+    output: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    build: Callable[..., tuple[nn.Module, nn.Module, torch.Tensor]]
+    """``build(mesh) -> (reference, parallel, global_input)``, see :mod:`models`."""
+    mesh_dim_names: tuple[str, ...]
+    data_parallel_axis: str | None
+    """The mesh axis over which ranks feed different slices of the batch."""
+
+    def mesh(self, world_size: int, device_type: str = "cpu") -> DeviceMesh:
+        shape = (world_size,) if len(self.mesh_dim_names) == 1 else (2, world_size // 2)
+        return init_device_mesh(device_type, shape, mesh_dim_names=self.mesh_dim_names)
+
+    def local_input(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """The slice of the global input this rank feeds (all of it without data parallelism)."""
+        if self.data_parallel_axis is None:
+            return x
+        axis = self.mesh_dim_names.index(self.data_parallel_axis)
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None, "this rank is not part of the mesh"
+        return x.chunk(mesh.size(axis))[coordinate[axis]]
+
+    def local_output(self, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """The slice of the reference output this rank's output must equal."""
+        return self.local_input(out, mesh)
+
+
+CASES: dict[str, ModelCase] = {
+    case.name: case
+    for case in [
+        ModelCase("tp_mlp", models.build_mlp, ("tp",), None),
+        ModelCase("tp_sp_block", models.build_block, ("tp",), None),
+        ModelCase("fsdp_mlp", models.build_fsdp_mlp, ("dp",), "dp"),
+        ModelCase("block_2d", models.build_block_2d, ("dp", "tp"), "dp"),
+    ]
+}
+
+
+def _reference_name(name: str) -> str:
+    # parametrize stores the DTensor parameter as `<module>.parametrizations.<name>.original`.
+    return name.replace(".parametrizations.", ".").removesuffix(".original")
+
+
+def run_step(model: nn.Module | Callable[..., Any], params: nn.Module, x: torch.Tensor) -> StepResult:
+    """Forward, ``out.pow(2).mean()`` backward; gradients gathered to full tensors."""
+    for p in params.parameters():
+        p.grad = None
+    out = model(x)
+    out.pow(2).mean().backward()
+    grads = {}
+    for name, p in params.named_parameters():
+        assert p.grad is not None, f"parameter {name} got no gradient"
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[_reference_name(name)] = grad.detach()
+    if isinstance(out, DTensor):
+        out = out.full_tensor()
+    return StepResult(out.detach().clone(), grads)
+
+
+def rank_step(
+    rank: int, case_name: str, backend: Any, world_size: int, steps: int = 1
+) -> list[StepResult]:
+    """On one rank of a live world: build the case, run ``steps`` steps, return results.
+
+    ``backend`` is ``None`` for eager, else what ``torch.compile`` takes.  For use
+    with :func:`run_threaded` and :func:`run_gloo`.
+    """
+    case = CASES[case_name]
+    mesh = case.mesh(world_size)
+    _, parallel, x = case.build(mesh)
+    local_x = case.local_input(x, mesh)
+    fn = parallel if backend is None else torch.compile(parallel, backend=backend, fullgraph=True)
+    return [run_step(fn, parallel, local_x) for _ in range(steps)]
+
+
+def reference_step(case_name: str, world_size: int) -> tuple[StepResult, Callable[..., torch.Tensor]]:
+    """The single-process reference step for a case, and ``slice(out, mesh)``.
+
+    Needs no process group: the reference model is built on a fake world.
+    """
+    from dtcompile._testing.worlds import fake_world
+
+    case = CASES[case_name]
+    with fake_world(world_size):
+        reference, _, x = case.build(case.mesh(world_size))
+    return run_step(reference, reference, x), case.local_output

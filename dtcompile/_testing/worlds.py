@@ -1,0 +1,231 @@
+"""Worlds of N ranks for tests: fake, simulated in one process, and real gloo ranks.
+
+- :func:`fake_world`: the fake process group.  One process plays rank ``rank``
+  of ``world_size``; collectives return garbage.  For graph structure.
+- :func:`local_tensor_world`: the fake process group plus
+  ``LocalTensorMode(world_size)``: every tensor holds all ranks' values and
+  collectives have real semantics.  Eager only: stock torch 2.13 fails to
+  compile DTensor-over-LocalTensor programs (see the README's limits).
+- :func:`run_threaded`: every rank a thread of this process with torch's
+  threaded process group: real collective semantics, and each rank compiles
+  its own program as a real rank would.  For compiled numerics in one process.
+- :func:`run_gloo`: every rank a process, gloo over 127.0.0.1.  The ground truth.
+
+The two runners take ``fn(rank, *args)`` and return the ranks' results in rank
+order; a rank that raises fails the run with that rank's traceback, and no
+rank is left waiting when another dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "RankFailure",
+    "fake_world",
+    "local_tensor_world",
+    "run_threaded",
+    "run_gloo",
+]
+
+R = TypeVar("R")
+
+
+class RankFailure(RuntimeError):
+    """A rank of a simulated or real world raised, or did not finish in time."""
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """The fake process group as the default group for the duration of the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "fake_world: a default process group is already initialized; "
+            "destroy it first (dist.destroy_process_group())"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        _destroy_default_group()
+
+
+@contextlib.contextmanager
+def local_tensor_world(world_size: int) -> Iterator[Any]:
+    """A fake world whose ranks are all simulated by ``LocalTensorMode``; yields the mode."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with fake_world(world_size), LocalTensorMode(world_size) as mode:
+        yield mode
+
+
+def _failure(what: str, failures: Sequence[tuple[int, str]]) -> RankFailure:
+    details = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures))
+    ranks = sorted(rank for rank, _ in failures)
+    return RankFailure(f"{what}: rank(s) {ranks} failed\n{details}")
+
+
+def run_threaded(
+    world_size: int,
+    fn: Callable[..., R],
+    *args: Any,
+    timeout: float = 300.0,
+) -> list[R]:
+    """Runs ``fn(rank, *args)`` on ``world_size`` ranks, each a thread of this process.
+
+    Ranks talk through torch's threaded process group (real collective
+    semantics).  ``torch.compile`` inside ``fn`` compiles once per rank, as on
+    real ranks.  Raises :class:`RankFailure` naming the rank(s) that raised or
+    did not finish within ``timeout`` seconds.
+    """
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "run_threaded: a default process group is already initialized; "
+            "run it outside fake_world()/local_tensor_world()"
+        )
+    results: dict[int, R] = {}
+    failures: queue.Queue[tuple[int, str]] = queue.Queue()
+    store = dist.HashStore()
+
+    def rank_main(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            results[rank] = fn(rank, *args)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+            failures.put((rank, traceback.format_exc()))
+            # Wakes the ranks that wait for this one in a collective.
+            threaded.ProcessLocalGroup.exception_handle(exc)
+        finally:
+            dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    threaded._install_threaded_pg()
+    try:
+        threads = [
+            threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
+            for rank in range(world_size)
+        ]
+        for thread in threads:
+            thread.start()
+        for rank, thread in enumerate(threads):
+            thread.join(timeout)
+            if thread.is_alive():
+                failures.put((rank, f"did not finish within {timeout} s"))
+                threaded.ProcessLocalGroup.exception_handle(TimeoutError(f"rank {rank}"))
+    finally:
+        threaded.ProcessLocalGroup.reset()
+        threaded._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if not failures.empty():
+        raise _failure("run_threaded", list(failures.queue))
+    return [results[rank] for rank in range(world_size)]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gloo_rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    timeout: float,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        try:
+            results.put((rank, True, fn(rank, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_gloo(
+    world_size: int,
+    fn: Callable[..., R],
+    *args: Any,
+    timeout: float = 300.0,
+) -> list[R]:
+    """Runs ``fn(rank, *args)`` on ``world_size`` processes with gloo over 127.0.0.1.
+
+    ``fn`` and ``args`` must be picklable (a module-level function), and so must
+    its result.  The first rank to fail, or ``timeout`` seconds passing, ends
+    the run: the other ranks are killed and :class:`RankFailure` carries the
+    failing rank's traceback.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_gloo_rank_main,
+            args=(rank, world_size, port, fn, args, results, timeout),
+            name=f"gloo-rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    failures: list[tuple[int, str]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size and not failures:
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                # A rank that crashed (signal, os._exit) never reports: look at exit codes.
+                failures = [
+                    (rank, f"exited with code {proc.exitcode} before returning a result")
+                    for rank, proc in enumerate(procs)
+                    if proc.exitcode not in (None, 0) and rank not in outputs
+                ]
+                if not failures and time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outputs))
+                    failures = [(r, f"no result within {timeout} s") for r in missing]
+                continue
+            if ok:
+                outputs[rank] = payload
+            else:
+                failures.append((rank, payload))
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results.close()
+    if failures:
+        raise _failure("run_gloo", failures)
+    return [outputs[rank] for rank in range(world_size)]
