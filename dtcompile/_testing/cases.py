@@ -20,7 +20,15 @@ from torch.distributed.tensor import DTensor
 
 from dtcompile._testing import models
 
-__all__ = ["ModelCase", "CASES", "StepResult", "run_step", "rank_step"]
+__all__ = [
+    "CASES",
+    "ModelCase",
+    "StepResult",
+    "rank_eager_and_compiled",
+    "rank_step",
+    "reference_step",
+    "run_step",
+]
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,26 @@ def rank_step(
     local_x = case.local_input(x, mesh)
     fn = parallel if backend is None else torch.compile(parallel, backend=backend, fullgraph=True)
     return [run_step(fn, parallel, local_x) for _ in range(steps)]
+
+
+def rank_eager_and_compiled(
+    rank: int, case_name: str, world_size: int, backend_options: dict[str, Any] | None
+) -> tuple[StepResult, StepResult, int]:
+    """On one rank: an eager step, then a step compiled with dtcompile, on the same model.
+
+    Returns both results and how many graphs dtcompile compiled on this rank (a
+    compiled run that compiled nothing would silently be eager).
+    """
+    import dtcompile
+
+    case = CASES[case_name]
+    mesh = case.mesh(world_size)
+    _, parallel, x = case.build(mesh)
+    local_x = case.local_input(x, mesh)
+    eager = run_step(parallel, parallel, local_x)
+    backend = dtcompile.backend(**(backend_options or {}))
+    compiled = torch.compile(parallel, backend=backend, fullgraph=True)
+    return eager, run_step(compiled, parallel, local_x), len(backend.records)
 
 
 def reference_step(case_name: str, world_size: int) -> tuple[StepResult, Callable[..., torch.Tensor]]:

@@ -19,6 +19,7 @@ rank is left waiting when another dies.
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing
 import os
 import queue
@@ -107,12 +108,17 @@ def run_threaded(
         )
     results: dict[int, R] = {}
     failures: queue.Queue[tuple[int, str]] = queue.Queue()
+    stopped: list[int] = []
     store = dist.HashStore()
 
     def rank_main(rank: int) -> None:
         dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
         try:
             results[rank] = fn(rank, *args)
+        except SystemExit:
+            # The threaded group ends ranks waiting in a collective with SystemExit
+            # once another rank failed: not a failure of this rank's own.
+            stopped.append(rank)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             failures.put((rank, traceback.format_exc()))
             # Wakes the ranks that wait for this one in a collective.
@@ -139,8 +145,15 @@ def run_threaded(
         threaded._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     if not failures.empty():
-        raise _failure("run_threaded", list(failures.queue))
+        what = "run_threaded"
+        if stopped:
+            what += f" (rank(s) {sorted(stopped)} stopped waiting for them)"
+        raise _failure(what, list(failures.queue))
     return [results[rank] for rank in range(world_size)]
+
+
+# Seconds to collect the other ranks' reports once one rank failed.
+_FAILURE_GRACE_S = 3.0
 
 
 def _free_port() -> int:
@@ -164,7 +177,11 @@ def _gloo_rank_main(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
         try:
-            results.put((rank, True, fn(rank, *args)))
+            # Sent as bytes: tensors pickled through a Queue share file descriptors
+            # with the parent, which break once this process has exited.
+            buffer = io.BytesIO()
+            torch.save(fn(rank, *args), buffer)
+            results.put((rank, True, buffer.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -200,8 +217,12 @@ def run_gloo(
     outputs: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
+    # After the first failure, wait briefly for the other ranks' reports: the rank
+    # that failed first is often not the first to report (its peers see the
+    # connection drop at once).
+    grace_until = float("inf")
     try:
-        while len(outputs) < world_size and not failures:
+        while len(outputs) + len(failures) < world_size and time.monotonic() < grace_until:
             try:
                 rank, ok, payload = results.get(timeout=0.5)
             except queue.Empty:
@@ -214,11 +235,14 @@ def run_gloo(
                 if not failures and time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(outputs))
                     failures = [(r, f"no result within {timeout} s") for r in missing]
+                if failures:
+                    break
                 continue
             if ok:
-                outputs[rank] = payload
+                outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 failures.append((rank, payload))
+                grace_until = min(grace_until, time.monotonic() + _FAILURE_GRACE_S)
     finally:
         for proc in procs:
             proc.join(timeout=5 if not failures else 0.1)
