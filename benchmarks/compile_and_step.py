@@ -77,8 +77,8 @@ def _table(title: str, rows: dict[str, tuple[float, float]]) -> str:
     base_step = rows["inductor"][1]
     lines = [
         title,
-        f"| backend | compile s | vs inductor | step ms | vs inductor |",
-        f"|---|---:|---:|---:|---:|",
+        "| backend | compile s | vs inductor | step ms | vs inductor |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name, (c, s) in rows.items():
         c_ratio = f"{c / base_compile:.2f}x" if name != "eager" else "-"

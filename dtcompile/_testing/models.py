@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -292,6 +292,19 @@ def _init_weights(model: nn.Module, gen: torch.Generator) -> nn.Module:
     return model
 
 
+def _build(
+    make_reference: Callable[[], nn.Module],
+    parallelize: Callable[[nn.Module, DeviceMesh], nn.Module],
+    mesh: DeviceMesh,
+    input_shape: tuple[int, ...],
+    seed: int,
+) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    with _plain_tensors(seed) as gen:
+        reference = _init_weights(make_reference(), gen)
+        x = torch.randn(input_shape, generator=gen)
+    return reference, parallelize(copy.deepcopy(reference), mesh), x
+
+
 def build_mlp(
     mesh: DeviceMesh,
     *,
@@ -302,10 +315,9 @@ def build_mlp(
     seed: int = 0,
 ) -> tuple[MLP, MLP, torch.Tensor]:
     """Returns ``(reference, parallel, input)``; the input is replicated."""
-    with _plain_tensors(seed) as gen:
-        reference = _init_weights(MLP(dim, hidden, bias=bias), gen)
-        x = torch.randn(batch, dim, generator=gen)
-    return reference, parallelize_mlp(copy.deepcopy(reference), mesh), x
+    return _build(
+        lambda: MLP(dim, hidden, bias=bias), parallelize_mlp, mesh, (batch, dim), seed
+    )
 
 
 def build_block(
@@ -317,10 +329,7 @@ def build_block(
     seed: int = 0,
 ) -> tuple[Block, Block, torch.Tensor]:
     """Returns ``(reference, parallel, input)``; the input is replicated, ``seq`` must divide by the TP degree."""
-    with _plain_tensors(seed) as gen:
-        reference = _init_weights(Block(args), gen)
-        x = torch.randn(batch, seq, args.dim, generator=gen)
-    return reference, parallelize_block(copy.deepcopy(reference), mesh), x
+    return _build(lambda: Block(args), parallelize_block, mesh, (batch, seq, args.dim), seed)
 
 
 def build_fsdp_mlp(
@@ -329,12 +338,10 @@ def build_fsdp_mlp(
     """Returns ``(reference, parallel, global_input)``.
 
     ``global_input`` is the whole batch, ``batch`` rows per rank; rank ``r``
-    feeds rows ``[r * batch, (r + 1) * batch)`` (see :func:`shard_batch`).
+    feeds rows ``[r * batch, (r + 1) * batch)`` (see ``ModelCase.local_input``).
     """
-    with _plain_tensors(seed) as gen:
-        reference = _init_weights(MLP(dim, hidden), gen)
-        x = torch.randn(mesh.size() * batch, dim, generator=gen)
-    return reference, parallelize_fsdp_mlp(copy.deepcopy(reference), mesh), x
+    shape = (mesh.size() * batch, dim)
+    return _build(lambda: MLP(dim, hidden), parallelize_fsdp_mlp, mesh, shape, seed)
 
 
 def build_block_2d(
@@ -346,7 +353,5 @@ def build_block_2d(
     seed: int = 0,
 ) -> tuple[Block, Block, torch.Tensor]:
     """Returns ``(reference, parallel, global_input)``; ``batch`` rows per ``dp`` rank."""
-    with _plain_tensors(seed) as gen:
-        reference = _init_weights(Block(args), gen)
-        x = torch.randn(mesh.size(0) * batch, seq, args.dim, generator=gen)
-    return reference, parallelize_block_2d(copy.deepcopy(reference), mesh), x
+    shape = (mesh.size(0) * batch, seq, args.dim)
+    return _build(lambda: Block(args), parallelize_block_2d, mesh, shape, seed)
