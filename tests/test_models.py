@@ -21,7 +21,7 @@ def _schedule(backend: dtcompile.DTCompileBackend) -> str:
     return "\n".join(lines)
 
 
-def _compile_step(case_name: str, mesh, backend) -> None:
+def _compile_step(case_name: str, mesh, backend) -> CompileCounterWithBackend:
     case = CASES[case_name]
     _, parallel, x = case.build(mesh)
     counter = CompileCounterWithBackend(backend)
