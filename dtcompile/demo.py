@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_threaded(
         args.world_size, rank_eager_and_compiled, args.model, args.world_size, options
     )
-    reference, local_output = reference_step(args.model, args.world_size)
+    reference = reference_step(args.model, args.world_size)
     ok = True
     tol = 1e-5
     for rank, (eager, compiled, num_graphs) in enumerate(results):

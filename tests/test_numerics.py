@@ -35,7 +35,7 @@ def _assert_step_close(got: StepResult, want: StepResult, what: str) -> None:
 
 
 def _check_ranks(case_name, world_size, results, mesh_for_rank) -> None:
-    reference, _ = reference_step(case_name, world_size)
+    reference = reference_step(case_name, world_size)
     case = CASES[case_name]
     for rank, (eager, compiled, num_graphs) in enumerate(results):
         assert num_graphs >= 2, f"rank {rank}: dtcompile compiled {num_graphs} graphs"
@@ -49,7 +49,7 @@ class _RankMesh:
     """The coordinates of rank r on a case's mesh, without a live world (for slicing)."""
 
     def __init__(self, case_name: str, world_size: int, rank: int) -> None:
-        shape = (world_size,) if len(CASES[case_name].mesh_dim_names) == 1 else (2, world_size // 2)
+        shape = CASES[case_name].mesh_shape(world_size)
         self._shape = shape
         self._coordinate = list(torch.arange(world_size).reshape(shape).eq(rank).nonzero()[0].tolist())
 
@@ -81,7 +81,7 @@ def _per_rank(t: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("case_name", CASES)
 def test_local_tensor_mode_eager_matches_reference(case_name):
     world_size = 4
-    reference, _ = reference_step(case_name, world_size)
+    reference = reference_step(case_name, world_size)
     case = CASES[case_name]
     with local_tensor_world(world_size) as mode:
         mesh = case.mesh(world_size)

@@ -25,7 +25,6 @@ __all__ = [
     "ModelCase",
     "StepResult",
     "rank_eager_and_compiled",
-    "rank_step",
     "reference_step",
     "run_step",
 ]
@@ -48,9 +47,14 @@ class ModelCase:
     data_parallel_axis: str | None
     """The mesh axis over which ranks feed different slices of the batch."""
 
+    def mesh_shape(self, world_size: int) -> tuple[int, ...]:
+        """1-D: all ranks on one axis; 2-D: ``dp=2`` and the rest on the second axis."""
+        return (world_size,) if len(self.mesh_dim_names) == 1 else (2, world_size // 2)
+
     def mesh(self, world_size: int, device_type: str = "cpu") -> DeviceMesh:
-        shape = (world_size,) if len(self.mesh_dim_names) == 1 else (2, world_size // 2)
-        return init_device_mesh(device_type, shape, mesh_dim_names=self.mesh_dim_names)
+        return init_device_mesh(
+            device_type, self.mesh_shape(world_size), mesh_dim_names=self.mesh_dim_names
+        )
 
     def local_input(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """The slice of the global input this rank feeds (all of it without data parallelism)."""
@@ -98,22 +102,6 @@ def run_step(model: nn.Module | Callable[..., Any], params: nn.Module, x: torch.
     return StepResult(out.detach().clone(), grads)
 
 
-def rank_step(
-    rank: int, case_name: str, backend: Any, world_size: int, steps: int = 1
-) -> list[StepResult]:
-    """On one rank of a live world: build the case, run ``steps`` steps, return results.
-
-    ``backend`` is ``None`` for eager, else what ``torch.compile`` takes.  For use
-    with :func:`run_threaded` and :func:`run_gloo`.
-    """
-    case = CASES[case_name]
-    mesh = case.mesh(world_size)
-    _, parallel, x = case.build(mesh)
-    local_x = case.local_input(x, mesh)
-    fn = parallel if backend is None else torch.compile(parallel, backend=backend, fullgraph=True)
-    return [run_step(fn, parallel, local_x) for _ in range(steps)]
-
-
 def rank_eager_and_compiled(
     rank: int, case_name: str, world_size: int, backend_options: dict[str, Any] | None
 ) -> tuple[StepResult, StepResult, int]:
@@ -134,8 +122,8 @@ def rank_eager_and_compiled(
     return eager, run_step(compiled, parallel, local_x), len(backend.records)
 
 
-def reference_step(case_name: str, world_size: int) -> tuple[StepResult, Callable[..., torch.Tensor]]:
-    """The single-process reference step for a case, and ``slice(out, mesh)``.
+def reference_step(case_name: str, world_size: int) -> StepResult:
+    """The single-process reference step for a case (whole batch, whole output).
 
     Needs no process group: the reference model is built on a fake world.
     """
@@ -144,4 +132,4 @@ def reference_step(case_name: str, world_size: int) -> tuple[StepResult, Callabl
     case = CASES[case_name]
     with fake_world(world_size):
         reference, _, x = case.build(case.mesh(world_size))
-    return run_step(reference, reference, x), case.local_output
+    return run_step(reference, reference, x)
