@@ -135,8 +135,9 @@ def run_threaded(
         ]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + timeout
         for rank, thread in enumerate(threads):
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 failures.put((rank, f"did not finish within {timeout} s"))
                 threaded.ProcessLocalGroup.exception_handle(TimeoutError(f"rank {rank}"))
