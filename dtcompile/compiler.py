@@ -18,15 +18,17 @@ The pipeline for one Dynamo graph:
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
+import dynamo_vars
 from dtcompile.collectives import CollectiveInfo, graph_collectives, mesh_axes
 from dtcompile.config import DTCompileConfig
 from dtcompile.passes import PassRecord, run_passes
@@ -53,6 +55,23 @@ class CompiledGraph:
     passes: tuple[PassRecord, ...]
 
 
+@contextlib.contextmanager
+def _fresh_sharding_caches() -> Iterator[None]:
+    """DTensor's sharding caches, empty before AOTAutograd and emptied after it.
+
+    AOTAutograd runs DTensor ops on inputs whose mesh is a trace-time fake; those
+    land in DTensor's caches, which compare meshes by ``==``, and a later hit gave
+    compiled gradients and eager results the fake (or an earlier, equal mesh).
+    """
+    from dynamo_vars.dtensor_api import clear_sharding_caches
+
+    clear_sharding_caches()
+    try:
+        yield
+    finally:
+        clear_sharding_caches()
+
+
 class DTCompileBackend:
     """The compiler function ``torch.compile`` calls; made by :func:`backend`.
 
@@ -75,7 +94,7 @@ class DTCompileBackend:
         # without them.  Inductor's per-graph FX cache (keyed on the graph after
         # our passes) stays on.
         axes = mesh_axes(gm, example_inputs)
-        with functorch_config.patch(enable_autograd_cache=False):
+        with functorch_config.patch(enable_autograd_cache=False), _fresh_sharding_caches():
             if self.config.inductor:
                 from torch._inductor.compile_fx import compile_fx
 
@@ -164,7 +183,11 @@ def backend(**options: Any) -> DTCompileBackend:
     ``ValueError`` that lists the valid ones::
 
         model = torch.compile(model, backend=dtcompile.backend(inductor=False))
+
+    Making a backend installs :mod:`dynamo_vars` into Dynamo (once per process),
+    so that Dynamo traces the DTensor code before the backend sees it.
     """
+    dynamo_vars.install()
     return DTCompileBackend(DTCompileConfig.from_options(options))
 
 

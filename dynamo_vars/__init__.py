@@ -1,7 +1,15 @@
-"""Dynamo VariableTrackers and guards for DeviceMesh, Placement, ProcessGroup and DTensor.
+"""dynamo_vars: Dynamo support for DeviceMesh, Placement, ProcessGroup and the DTensor API.
 
-Not built yet (issue #3): dtcompile currently relies on stock Dynamo's tracing of
-these objects.
+Installed automatically when the ``dtcompile`` backend is looked up; also
+``dynamo_vars.install()`` / ``uninstall()``, or ``with dynamo_vars.enabled(): ...``.
+
+One family per module: :mod:`~dynamo_vars.device_mesh`,
+:mod:`~dynamo_vars.placements`, :mod:`~dynamo_vars.process_groups`,
+:mod:`~dynamo_vars.dtensor_api`; readable guard failures in
+:mod:`~dynamo_vars.guards`; every change to Dynamo is made (and undone) in
+``dynamo_vars/_install.py``.
 """
 
-__all__: list[str] = []
+from dynamo_vars._install import enabled, install, is_installed, uninstall
+
+__all__ = ["enabled", "install", "is_installed", "uninstall"]

@@ -1,0 +1,280 @@
+"""The DTensor API in compiled code.
+
+Stock Dynamo traces ``from_local``, ``to_local``, ``redistribute`` and
+``full_tensor``; this module covers the rest of what training code calls:
+
+- The factories ``ones, zeros, full, empty, rand, randn`` with ``device_mesh=``
+  and ``placements=`` (stock: "Failed to convert args/kwargs to proxy") and
+  ``distribute_tensor`` (stock: skipped ``ScatterOptions``) are traced through
+  polyfills built from what Dynamo already traces: the local shard is created
+  with the local shape, then wrapped with ``DTensor.from_local``.
+- ``compute_local_shape_and_global_offset`` is folded at trace time: its
+  inputs (shape, mesh, placements) are constants and its result depends on
+  them only (stock: data-dependent ``.item()`` on ``_StridedShard`` offsets).
+- ``implicit_replication()`` and ``loss_parallel()`` become contexts that set
+  their DTensor state both while Dynamo traces and, through calls kept in the
+  graph, while AOTAutograd re-traces (stock: the whole frame silently runs
+  eagerly / "mixed torch.Tensor and DTensor").
+- The DTensor input guard reads ``placements of arg x changed: (Shard(dim=0),)
+  -> (Replicate(),)`` and also checks the placements' exact types.
+- :func:`clear_sharding_caches`, which the dtcompile backend calls before and
+  after AOTAutograd: AOTAutograd's metadata pass runs DTensor ops on inputs
+  whose mesh is a trace-time fake outside of what DTensor counts as tracing,
+  so the fake lands in DTensor's sharding caches (they compare meshes by
+  ``==``), and a later hit handed it to compiled gradients and even to eager
+  results.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx.node import has_side_effect
+
+from dynamo_vars import guards
+from dynamo_vars._trackers import Handler, fold, polyfill, state_context
+from dynamo_vars.placements import same_placements
+
+__all__ = ["clear_sharding_caches"]
+
+
+# ---------------------------------------------------------------- factories and distribute_tensor
+
+
+def _local_shape(size: Any, mesh: Any, placements: Sequence[Any]) -> tuple[int, ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(size, mesh, placements)[0]
+
+
+def _spec_args(size: tuple[Any, ...], device_mesh: Any, placements: Any) -> tuple[torch.Size, Any, tuple[Any, ...]]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import normalize_to_torch_size
+
+    if device_mesh is None:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        device_mesh = _mesh_resources.get_current_mesh()
+    if placements is None:
+        placements = tuple(Replicate() for _ in range(device_mesh.ndim))
+    placements = tuple(placements)
+    if len(placements) != device_mesh.ndim:
+        raise ValueError(
+            f"DTensor factory: {len(placements)} placements {placements} for a mesh with "
+            f"{device_mesh.ndim} axes; give one placement per mesh axis"
+        )
+    return normalize_to_torch_size(size), device_mesh, placements
+
+
+def _wrap_local(local: torch.Tensor, size: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    stride = torch._prims_common.make_contiguous_strides_for(size)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=size, stride=stride)
+
+
+def _check_layout(layout: torch.layout) -> None:
+    if layout != torch.strided:
+        raise ValueError(f"DTensor factory: layout {layout} is not supported; use torch.strided")
+
+
+def _check_requires_grad(requires_grad: bool, name: str) -> None:
+    if requires_grad:
+        from torch._dynamo.exc import unimplemented
+
+        unimplemented(
+            gb_type=f"dtcompile: {name}(requires_grad=True) inside a compiled region",
+            context=name,
+            explanation=(
+                f"{name}(requires_grad=True) makes a new leaf tensor (a parameter); Dynamo "
+                "cannot create leaves that require grad inside a graph."
+            ),
+            hints=["Create parameters outside the compiled function (at model setup) and pass them in."],
+        )
+
+
+def _init_factory(init: Callable[..., torch.Tensor], name: str) -> Callable[..., Any]:
+    def factory(*size, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
+        _check_layout(layout)
+        _check_requires_grad(requires_grad, name)
+        size, mesh, placements = _spec_args(size, device_mesh, placements)
+        local = init(_local_shape(size, mesh, placements), dtype=dtype, device=mesh.device_type)
+        return _wrap_local(local, size, mesh, placements)
+
+    factory.__name__ = factory.__qualname__ = name
+    return factory
+
+
+ones = _init_factory(torch.ones, "ones")
+zeros = _init_factory(torch.zeros, "zeros")
+empty = _init_factory(torch.empty, "empty")
+
+
+def full(size, fill_value, *, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
+    _check_layout(layout)
+    _check_requires_grad(requires_grad, "full")
+    size, mesh, placements = _spec_args(size, device_mesh, placements)
+    local = torch.full(_local_shape(size, mesh, placements), fill_value, dtype=dtype, device=mesh.device_type)
+    return _wrap_local(local, size, mesh, placements)
+
+
+def _random_factory(init: Callable[..., torch.Tensor], name: str) -> Callable[..., Any]:
+    def factory(*size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None):
+        # The global tensor is drawn, then each rank keeps its shard: shards are
+        # independent draws and replicated axes agree, as DTensor's RNG tracker
+        # promises in eager (at the cost of materializing the global tensor).
+        _check_layout(layout)
+        _check_requires_grad(requires_grad, name)
+        size, mesh, placements = _spec_args(size, device_mesh, placements)
+        whole = init(size, dtype=dtype, device=mesh.device_type)
+        return distribute_tensor(whole, mesh, placements, src_data_rank=None)
+
+    factory.__name__ = factory.__qualname__ = name
+    return factory
+
+
+rand = _random_factory(torch.rand, "rand")
+randn = _random_factory(torch.randn, "randn")
+
+
+def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
+    """``distribute_tensor`` as traceable ops: broadcast from ``src_data_rank`` along
+    every mesh axis (skipped for ``None``), then keep the local shard."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import DTensor, Replicate
+
+    _check_requires_grad(tensor.requires_grad, "distribute_tensor")
+    size, mesh, placements = _spec_args(tensor.shape, device_mesh, placements)
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh != mesh or not same_placements(tensor.placements, placements):
+            raise ValueError(
+                f"distribute_tensor: the tensor is already a DTensor on {tensor.device_mesh} with placements "
+                f"{tensor.placements}, not {mesh} with {placements}; use redistribute() instead"
+            )
+        return tensor
+    local = tensor.detach()
+    if src_data_rank is not None:
+        for axis in range(mesh.ndim):
+            local = funcol.broadcast(local, src_data_rank, (mesh, axis))
+    replicated = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, placements)
+
+
+# ---------------------------------------------------------------- implicit_replication, loss_parallel
+
+
+@has_side_effect
+def set_implicit_replication(enabled: bool) -> None:
+    """Graph call that turns DTensor's implicit replication on or off (kept by DCE)."""
+    torch._C._set_dtensor_allow_implicit_replication(enabled)
+
+
+def _implicit_replication_enabled() -> bool:
+    return torch._C._get_dtensor_allow_implicit_replication()
+
+
+def _loss_ops() -> tuple[dict[Any, Any], dict[Any, Any]]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+
+    return customized_loss_ops, DTensor._op_dispatcher._custom_op_handlers
+
+
+def _loss_parallel_enabled() -> bool:
+    loss_ops, handlers = _loss_ops()
+    return all(handlers.get(op) is fn for op, fn in loss_ops.items())
+
+
+@has_side_effect
+def set_loss_parallel(enabled: bool) -> None:
+    """Graph call that installs or removes ``loss_parallel``'s DTensor op handlers (kept by DCE)."""
+    loss_ops, handlers = _loss_ops()
+    if enabled:
+        handlers.update(loss_ops)
+    else:
+        for op, fn in loss_ops.items():
+            if handlers.get(op) is fn:
+                del handlers[op]
+
+
+# ---------------------------------------------------------------- the DTensor input guard
+
+
+def _dtensor_spec_guard(original: Any) -> Any:
+    from torch._dynamo.guards import check_dtensor_spec, extract_dtensor_spec
+
+    @functools.wraps(original)
+    def DTENSOR_SPEC_MATCH(self: Any, guard: Any) -> None:
+        value = self.get(guard)
+        expected = extract_dtensor_spec(guard, value)
+        placement_types = tuple(type(p) for p in value.placements)
+
+        def check(x: Any) -> bool:
+            return check_dtensor_spec(x, expected) and tuple(type(p) for p in x.placements) == placement_types
+
+        def explain_mesh(old: Any, new: Any) -> str | None:
+            if old.mesh == new.mesh:
+                return None
+            return f"mesh of {{what}} changed: {guards.describe_mesh_change(old.mesh, new.mesh)}"
+
+        def explain_placements(old: Any, new: Any) -> str | None:
+            if same_placements(old.placements, new.placements) and old.shard_order == new.shard_order:
+                return None
+            before, after = guards.describe_placements(old.placements), guards.describe_placements(new.placements)
+            if before == after:
+                before, after = f"{before} shard order {old.shard_order}", f"{after} shard order {new.shard_order}"
+            return f"placements of {{what}} changed: {before} -> {after}"
+
+        def explain_rest(old: Any, new: Any) -> str | None:
+            return None if check(new) else f"DTensor spec of {{what}} changed: {old} -> {new}"
+
+        parts = {"mesh": explain_mesh, "placements": explain_placements, "spec": explain_rest}
+        key = guards.record(expected, parts)
+        name = guard.name
+        label = name[: -len("._spec")] if name.endswith("._spec") else name
+        code = [part.replace(f", {name!r})", f", {label!r})") for part in guards.code_parts(key, name)]
+        self.get_guard_manager(guard).add_lambda_guard(check, code, guard.user_stack)
+
+    return DTENSOR_SPEC_MATCH
+
+
+GUARD_BUILDERS = {"DTENSOR_SPEC_MATCH": _dtensor_spec_guard}
+
+
+# ---------------------------------------------------------------- sharding caches
+
+
+def clear_sharding_caches() -> None:
+    """Empty DTensor's sharding-propagation and redistribute-plan caches (this thread's)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    # (torch.distributed.tensor.debug._clear_sharding_prop_cache does these two,
+    # but importing that package needs numpy.)
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_redistribute_planner_cache()
+
+
+
+def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:
+    import torch.distributed.tensor as dtensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return {
+        dtensor.ones: polyfill(ones),
+        dtensor.zeros: polyfill(zeros),
+        dtensor.empty: polyfill(empty),
+        dtensor.full: polyfill(full),
+        dtensor.rand: polyfill(rand),
+        dtensor.randn: polyfill(randn),
+        dtensor.distribute_tensor: polyfill(distribute_tensor),
+        compute_local_shape_and_global_offset: fold,
+        implicit_replication: state_context(set_implicit_replication, _implicit_replication_enabled, True),
+        loss_parallel: state_context(set_loss_parallel, _loss_parallel_enabled, True),
+    }

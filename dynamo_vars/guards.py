@@ -1,0 +1,104 @@
+"""Guards on meshes and placements whose failures read as mesh and placement differences.
+
+Stock Dynamo guards a DTensor input with a lambda named ``__dtensor_spec_<id>``
+and a mesh with ``___check_opaque_guard_fn_<id>``; a recompile then reports that
+name.  The guards installed here check the same facts (stock's check functions
+are reused, so what recompiles does not change) and describe a failure in words::
+
+    placements of d changed: (Shard(dim=0),) -> (Replicate(),)
+    mesh of d changed: DeviceMesh((tp=4)) -> DeviceMesh((dp=2, tp=2))
+
+How: a lambda guard carries several ``verbose_code_parts``; on a guard failure
+Dynamo evaluates each part with the frame's locals and reports the first that
+returns a string.  Every part here is a call
+``__load_module('dynamo_vars.guards').explain(<key>, <part>, <source>)`` into
+:func:`explain`, which compares the current value with the one recorded under
+``key`` when the guard was built.  ``__load_module`` is in Dynamo's guard scope.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["describe_mesh", "describe_placements", "explain", "source_label"]
+
+# key -> (part -> function(old value, new value) -> str | None).  Entries live as
+# long as the process: one small record per guard built.
+_EXPECTED: dict[int, tuple[Any, dict[str, Callable[[Any, Any], str | None]]]] = {}
+_KEYS = itertools.count()
+
+
+def _real(obj: Any) -> Any:
+    """The real object behind a ``FakeScriptObject`` (what a trace sees), else ``obj``."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    return obj.real_obj if isinstance(obj, FakeScriptObject) else obj
+
+
+def describe_mesh(mesh: Any) -> str:
+    """``DeviceMesh((dp=2, tp=4))``: shape and axis names, the short form of ``repr``."""
+    mesh = _real(mesh)
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    axes = ", ".join(f"{name}={size}" for name, size in zip(names, mesh.shape))
+    return f"DeviceMesh(({axes}))"
+
+
+def _mesh_identity(mesh: Any) -> tuple[Any, ...]:
+    mesh = _real(mesh)
+    return (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, mesh.mesh.flatten().tolist())
+
+
+def describe_mesh_change(old: Any, new: Any) -> str:
+    """The difference of two meshes; when shape and names agree, the ranks or device that differ."""
+    before, after = describe_mesh(old), describe_mesh(new)
+    if before != after:
+        return f"{before} -> {after}"
+    old_real, new_real = _real(old), _real(new)
+    if old_real.device_type != new_real.device_type:
+        return f"{before} on {old_real.device_type} -> on {new_real.device_type}"
+    return f"{before} over ranks {old_real.mesh.flatten().tolist()} -> ranks {new_real.mesh.flatten().tolist()}"
+
+
+def describe_placements(placements: Any) -> str:
+    """``(Shard(dim=0), Replicate())``; a user subclass shows as its own repr."""
+    return "(" + ", ".join(repr(p) for p in placements) + ("," if len(placements) == 1 else "") + ")"
+
+
+def source_label(source_name: str) -> str:
+    """``L['x']`` -> ``arg x``; ``L['self']._modules['fc'].weight`` -> ``self.fc.weight``; globals kept."""
+    match = re.fullmatch(r"L\['([^']+)'\]", source_name)
+    if match:
+        return f"arg {match.group(1)}"
+    name = re.sub(r"\._modules\['([^']+)'\]", r".\1", source_name)
+    name = re.sub(r"\._(parameters|buffers)\['([^']+)'\]", r".\2", name)
+    name = re.sub(r"^L\['([^']+)'\]", r"\1", name)
+    name = re.sub(r"^G\['([^']+)'\]", r"global \1", name)
+    return name
+
+
+def record(expected: Any, parts: dict[str, Callable[[Any, Any], str | None]]) -> int:
+    """Remember what a guard expects; returns the key its code parts name."""
+    key = next(_KEYS)
+    _EXPECTED[key] = (expected, parts)
+    return key
+
+
+def code_parts(key: int, source_name: str) -> list[str]:
+    """One verbose code part per explained aspect, in the order they are checked."""
+    _, parts = _EXPECTED[key]
+    return [
+        f"__load_module('dynamo_vars.guards').explain({key}, {part!r}, {source_name}, {source_name!r})"
+        for part in parts
+    ]
+
+
+def explain(key: int, part: str, value: Any, source_name: str) -> str | bool:
+    """A failure description for aspect ``part`` of the guard ``key``, or ``True`` if it holds."""
+    expected, parts = _EXPECTED[key]
+    message = parts[part](expected, value)
+    if message is None:
+        return True
+    return message.format(what=source_label(source_name))
