@@ -67,12 +67,18 @@ def _mesh_guard(original: Any) -> Any:
         def check(x: Any) -> bool:
             return check_opaque_obj(x, expected_values)
 
-        def explain_mesh(_: Any, new: Any) -> str | None:
+        def explain_shape(_: Any, new: Any) -> str | None:
+            if guards.describe_mesh(new) == guards.describe_mesh(expected_mesh):
+                return None
+            return f"mesh changed: {guards.describe_mesh_change(expected_mesh, new)} ({{what}})"
+
+        def explain_rest(_: Any, new: Any) -> str | None:
             if check(new):
                 return None
             return f"mesh changed: {guards.describe_mesh_change(expected_mesh, new)} ({{what}})"
 
-        key = guards.record(expected_mesh, {"mesh": explain_mesh})
+        # Two parts: Dynamo evaluates the parts of a failed guard only when there are several.
+        key = guards.record(expected_mesh, {"shape": explain_shape, "ranks": explain_rest})
         self.get_guard_manager(guard).add_lambda_guard(check, guards.code_parts(key, guard.name), guard.user_stack)
 
     return OPAQUE_OBJ_GUARD_FN_MATCH

@@ -96,48 +96,55 @@ def _check_requires_grad(requires_grad: bool, name: str) -> None:
         )
 
 
-def _init_factory(init: Callable[..., torch.Tensor], name: str) -> Callable[..., Any]:
-    def factory(*size, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
-        _check_layout(layout)
-        _check_requires_grad(requires_grad, name)
-        size, mesh, placements = _spec_args(size, device_mesh, placements)
-        local = init(_local_shape(size, mesh, placements), dtype=dtype, device=mesh.device_type)
-        return _wrap_local(local, size, mesh, placements)
-
-    factory.__name__ = factory.__qualname__ = name
-    return factory
+# The polyfills are plain module-level functions (no closures): Dynamo inlines
+# them without a source, and a closure cell would need one for its guard.
 
 
-ones = _init_factory(torch.ones, "ones")
-zeros = _init_factory(torch.zeros, "zeros")
-empty = _init_factory(torch.empty, "empty")
-
-
-def full(size, fill_value, *, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
+def _filled(init, name, size, fill_value, dtype, layout, requires_grad, device_mesh, placements):
     _check_layout(layout)
-    _check_requires_grad(requires_grad, "full")
+    _check_requires_grad(requires_grad, name)
     size, mesh, placements = _spec_args(size, device_mesh, placements)
-    local = torch.full(_local_shape(size, mesh, placements), fill_value, dtype=dtype, device=mesh.device_type)
+    local_shape = _local_shape(size, mesh, placements)
+    if fill_value is None:
+        local = init(local_shape, dtype=dtype, device=mesh.device_type)
+    else:
+        local = init(local_shape, fill_value, dtype=dtype, device=mesh.device_type)
     return _wrap_local(local, size, mesh, placements)
 
 
-def _random_factory(init: Callable[..., torch.Tensor], name: str) -> Callable[..., Any]:
-    def factory(*size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None):
-        # The global tensor is drawn, then each rank keeps its shard: shards are
-        # independent draws and replicated axes agree, as DTensor's RNG tracker
-        # promises in eager (at the cost of materializing the global tensor).
-        _check_layout(layout)
-        _check_requires_grad(requires_grad, name)
-        size, mesh, placements = _spec_args(size, device_mesh, placements)
-        whole = init(size, dtype=dtype, device=mesh.device_type)
-        return distribute_tensor(whole, mesh, placements, src_data_rank=None)
-
-    factory.__name__ = factory.__qualname__ = name
-    return factory
+def _random(init, name, size, dtype, layout, requires_grad, device_mesh, placements):
+    # The global tensor is drawn, then each rank keeps its shard: shards are
+    # independent draws and replicated axes agree, as DTensor's RNG tracker
+    # promises in eager (at the cost of materializing the global tensor).
+    _check_layout(layout)
+    _check_requires_grad(requires_grad, name)
+    size, mesh, placements = _spec_args(size, device_mesh, placements)
+    whole = init(size, dtype=dtype, device=mesh.device_type)
+    return distribute_tensor(whole, mesh, placements, src_data_rank=None)
 
 
-rand = _random_factory(torch.rand, "rand")
-randn = _random_factory(torch.randn, "randn")
+def ones(*size, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
+    return _filled(torch.ones, "ones", size, None, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def zeros(*size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None):
+    return _filled(torch.zeros, "zeros", size, None, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def empty(*size, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
+    return _filled(torch.empty, "empty", size, None, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def full(size, fill_value, *, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
+    return _filled(torch.full, "full", size, fill_value, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def rand(*size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None):
+    return _random(torch.rand, "rand", size, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def randn(*size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None):
+    return _random(torch.randn, "randn", size, dtype, layout, requires_grad, device_mesh, placements)
 
 
 def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
@@ -224,9 +231,13 @@ def _dtensor_spec_guard(original: Any) -> Any:
             if same_placements(old.placements, new.placements) and old.shard_order == new.shard_order:
                 return None
             before, after = guards.describe_placements(old.placements), guards.describe_placements(new.placements)
-            if before == after:
-                before, after = f"{before} shard order {old.shard_order}", f"{after} shard order {new.shard_order}"
-            return f"placements of {{what}} changed: {before} -> {after}"
+            if before != after:
+                return f"placements of {{what}} changed: {before} -> {after}"
+            old_classes = tuple(type(p).__qualname__ for p in old.placements)
+            new_classes = tuple(type(p).__qualname__ for p in new.placements)
+            if old_classes != new_classes:
+                return f"placement classes of {{what}} changed: {old_classes} -> {new_classes} (equal by ==: {before})"
+            return f"shard order of {{what}} changed: {old.shard_order} -> {new.shard_order}"
 
         def explain_rest(old: Any, new: Any) -> str | None:
             return None if check(new) else f"DTensor spec of {{what}} changed: {old} -> {new}"

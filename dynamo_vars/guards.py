@@ -8,7 +8,8 @@ are reused, so what recompiles does not change) and describe a failure in words:
     placements of d changed: (Shard(dim=0),) -> (Replicate(),)
     mesh of d changed: DeviceMesh((tp=4)) -> DeviceMesh((dp=2, tp=2))
 
-How: a lambda guard carries several ``verbose_code_parts``; on a guard failure
+How: a lambda guard carries several ``verbose_code_parts`` (at least two: with
+one, Dynamo reports its text instead of evaluating it); on a guard failure
 Dynamo evaluates each part with the frame's locals and reports the first that
 returns a string.  Every part here is a call
 ``__load_module('dynamo_vars.guards').explain(<key>, <part>, <source>)`` into
@@ -101,4 +102,4 @@ def explain(key: int, part: str, value: Any, source_name: str) -> str | bool:
     message = parts[part](expected, value)
     if message is None:
         return True
-    return message.format(what=source_label(source_name))
+    return message.replace("{what}", source_label(source_name))

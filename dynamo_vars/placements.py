@@ -46,10 +46,18 @@ def _placement_guard(original: Any) -> Any:
         def check(x: Any) -> bool:
             return same_placement(x, value)
 
-        def explain(_: Any, new: Any) -> str | None:
-            return None if check(new) else f"placement changed: {value!r} -> {new!r} ({{what}})"
+        def explain_value(_: Any, new: Any) -> str | None:
+            return None if new == value else f"placement changed: {value!r} -> {new!r} ({{what}})"
 
-        key = guards.record(value, {"placement": explain})
+        def explain_type(_: Any, new: Any) -> str | None:
+            if type(new) is type(value):
+                return None
+            return (
+                f"placement class changed: {type(value).__qualname__} -> {type(new).__qualname__} "
+                f"(equal by ==: {value!r}) ({{what}})"
+            )
+
+        key = guards.record(value, {"value": explain_value, "type": explain_type})
         self.get_guard_manager(guard).add_lambda_guard(check, guards.code_parts(key, guard.name), guard.user_stack)
 
     return EQUALS_MATCH

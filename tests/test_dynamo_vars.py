@@ -1,0 +1,247 @@
+"""dynamo_vars: the idiom corpus, guards and recompile reasons, structured graph breaks, install/uninstall."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.tensor as dtensor
+from expecttest import assert_expected_inline
+from torch._dynamo.exc import Unsupported
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import guard_failures
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import dtcompile
+import dynamo_vars
+from dtcompile._testing import models
+from dtcompile._testing.idioms import IDIOMS, check_idiom, mesh_world
+from dtcompile._testing.worlds import fake_world
+
+# The Inductor path adds nothing Dynamo-level; lowering is tested in test_models.py.
+BACKEND = dtcompile.backend(inductor=False)
+
+# What stock torch 2.13 (aot_eager, dynamo_vars not installed) fails on: raises,
+# breaks the graph, or returns a result that differs from eager or carries a fake
+# mesh.  Pinned so that a torch upgrade that fixes (or breaks) one shows up here.
+STOCK_FAILURES = {
+    "mesh_get_all_groups": "UnsafeScriptObjectError: Attempted to access unregistered member",
+    "redistribute_shard_to_replicate": "a DTensor carries mesh <torch._library.fake_class_registry.FakeScriptObject",
+    "full_tensor": "a DTensor carries mesh <torch._library.fake_class_registry.FakeScriptObject",
+    "distribute_tensor_shard": "'LocalIntNode' object has no attribute 'expr'",
+    "distribute_tensor_2d": "'LocalIntNode' object has no attribute 'expr'",
+    "factory_ones": "Failed to convert args/kwargs to proxy",
+    "factory_zeros": "Failed to convert args/kwargs to proxy",
+    "factory_full": "Failed to convert args/kwargs to proxy",
+    "factory_empty": "Failed to convert args/kwargs to proxy",
+    "factory_rand": "Attempted to call function marked as skipped",
+    "factory_randn": "Attempted to call function marked as skipped",
+    "factory_default_placements": "Failed to convert args/kwargs to proxy",
+    "local_shape_and_offset_strided": "UnsafeScriptObjectError: Unsupported method call",
+    "implicit_replication_context": "Attempted to call function marked as skipped",
+    "loss_parallel_inside": "TorchRuntimeError: RuntimeError when making fake tensor call",
+}
+
+
+def test_corpus_is_large_and_covers_every_family_and_mesh():
+    assert len(IDIOMS) >= 60
+    assert len({i.name for i in IDIOMS}) == len(IDIOMS)
+    families = {i.family for i in IDIOMS}
+    assert families == {"device_mesh", "placements", "process_group", "dtensor_api"}
+    assert {i.mesh for i in IDIOMS} == {"1d", "2d", "3d"}
+    assert {i.world for i in IDIOMS} == {"fake", "local"}
+    assert sum(i.backward for i in IDIOMS) >= 10
+
+
+@pytest.mark.parametrize("item", IDIOMS, ids=lambda i: i.name)
+def test_idiom_compiles_fullgraph_and_matches_eager(item):
+    """One frame, no graph break, no recompile on a second call, eager's values and the user's mesh."""
+    result = check_idiom(item, BACKEND)
+    assert result.ok, result.error
+    assert (result.num_frames, result.num_graph_breaks) == (1, 0)
+
+
+def test_stock_torch_fails_exactly_the_pinned_idioms():
+    """The same corpus with stock aot_eager and dynamo_vars uninstalled: the gain, made visible.
+
+    In a fresh process: which stock runs get a fake mesh depends on what ran before.
+    """
+    script = textwrap.dedent(
+        """
+        import json, warnings
+        warnings.simplefilter("ignore")
+        import dynamo_vars
+        from dtcompile._testing.idioms import IDIOMS, check_idiom
+        with dynamo_vars.enabled(False):
+            results = [check_idiom(item, "aot_eager") for item in IDIOMS]
+        print(json.dumps({r.name: r.error for r in results if not r.ok}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    failures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(failures) == set(STOCK_FAILURES), failures
+    for name, expected in STOCK_FAILURES.items():
+        assert expected in failures[name], (name, failures[name])
+    assert len(IDIOMS) - len(failures) == 64
+
+
+def test_results_carry_the_users_mesh_after_other_programs_ran():
+    """A model compiled first (its meshes are equal to the idioms' meshes) must not leak its
+    mesh, real or fake, into later compiled outputs and gradients."""
+    from dtcompile._testing.cases import rank_eager_and_compiled
+
+    with fake_world(4):
+        rank_eager_and_compiled(0, "tp_sp_block", 4, {"inductor": False})
+    torch._dynamo.reset()
+    for name in ["redistribute_shard_to_replicate", "full_tensor", "to_local_with_grad_placements"]:
+        item = next(i for i in IDIOMS if i.name == name)
+        result = check_idiom(item, BACKEND)
+        assert result.ok, (name, result.error)
+
+
+# ---------------------------------------------------------------- guards and recompile reasons
+
+
+def _recompile_reasons(fn, calls):
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(BACKEND)
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    for args in calls:
+        compiled(*args)
+    return counter.frame_count, "\n".join(guard_failures[fn.__code__])
+
+
+def test_dtensor_placement_and_mesh_changes_recompile_with_readable_reasons(world8):
+    tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(8, 8)
+
+    def double(d):
+        return d * 2
+
+    frames, reasons = _recompile_reasons(
+        double,
+        [
+            (distribute_tensor(x, tp, [Shard(0)], src_data_rank=None),),
+            (distribute_tensor(x, tp, [Shard(0)], src_data_rank=None),),
+            (distribute_tensor(x, tp, [Replicate()], src_data_rank=None),),
+            (distribute_tensor(x, dp_tp, [Replicate(), Shard(1)], src_data_rank=None),),
+        ],
+    )
+    assert frames == 3
+    assert_expected_inline(
+        reasons,
+        """\
+0/0: placements of arg d changed: (Shard(dim=0),) -> (Replicate(),)
+0/1: mesh of arg d changed: DeviceMesh((tp=4)) -> DeviceMesh((dp=2, tp=2))
+0/0: mesh of arg d changed: DeviceMesh((tp=4)) -> DeviceMesh((dp=2, tp=2))""",
+    )
+
+
+def test_mesh_argument_changes_recompile_with_readable_reasons(world8):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    strided_tp = DeviceMesh("cpu", torch.tensor([0, 2, 4, 6]), mesh_dim_names=("tp",))
+    x = torch.randn(4, 4)
+
+    def wrap(t, m):
+        return DTensor.from_local(t, m, [Replicate()] * m.ndim, run_check=False)
+
+    frames, reasons = _recompile_reasons(wrap, [(x, tp), (x, tp), (x, dp_tp), (x, strided_tp)])
+    assert frames == 3
+    assert_expected_inline(
+        reasons,
+        """\
+0/0: mesh changed: DeviceMesh((tp=4)) -> DeviceMesh((dp=2, tp=2)) (arg m)
+0/1: mesh changed: DeviceMesh((dp=2, tp=2)) -> DeviceMesh((tp=4)) (arg m)
+0/0: mesh changed: DeviceMesh((tp=4)) over ranks [0, 1, 2, 3] -> ranks [0, 2, 4, 6] (arg m)""",
+    )
+
+
+class _TaggedPartial(Partial):
+    """A user Partial that only tags its values: equal to ``Partial('sum')`` by ``==``."""
+
+    def _reduce_value(self, tensor, mesh, mesh_dim):
+        return super()._reduce_value(tensor, mesh, mesh_dim) * 10
+
+
+def test_placement_argument_changes_and_user_subclass_recompile(world4):
+    """A Partial subclass equal to Partial('sum') by == still gets its own graph, traced as itself."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    x = torch.ones(4, 4)
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return BACKEND(gm, inputs)
+
+    def reduce(t, p):
+        return DTensor.from_local(t, mesh, [p], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(reduce, backend=record, fullgraph=True)
+    plain = compiled(x, Partial())
+    tagged = compiled(x, _TaggedPartial())
+    compiled(x, Shard(0))
+    # The fake PG's all_reduce leaves values as they are: the subclass's own
+    # reduction (x10) is what tells the two graphs apart.
+    assert plain[0, 0].item() == 1.0 and tagged[0, 0].item() == 10.0
+    assert len(graphs) == 3
+    placements_in_graph = [
+        type(p).__name__
+        for gm in graphs
+        for node in gm.graph.nodes
+        if node.target is DTensor.from_local
+        for p in node.args[2]
+    ]
+    assert placements_in_graph == ["Partial", "_TaggedPartial", "Shard"]
+    assert_expected_inline(
+        "\n".join(guard_failures[reduce.__code__]),
+        """\
+0/0: placement class changed: Partial -> _TaggedPartial (equal by ==: Partial(sum)) (arg p)
+0/1: placement changed: Partial(sum) -> Shard(dim=0) (arg p)
+0/0: placement changed: Partial(sum) -> Shard(dim=0) (arg p)""",
+    )
+
+
+def test_dtensor_with_user_placement_subclass_recompiles(world4):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    x = torch.ones(4, 4)
+    outputs = []
+
+    def replicate(d):
+        return d.redistribute(mesh, [Replicate()]).to_local()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(replicate, backend=BACKEND, fullgraph=True)
+    for placement in [Partial(), _TaggedPartial()]:
+        outputs.append(compiled(DTensor.from_local(x, mesh, [placement], run_check=False))[0, 0].item())
+    assert outputs == [1.0, 10.0]
+    assert_expected_inline(
+        "\n".join(guard_failures[replicate.__code__]),
+        """0/0: placement classes of arg d changed: ('Partial',) -> ('_TaggedPartial',) (equal by ==: (Partial(sum),))""",
+    )
+
+
+def test_same_mesh_and_placements_never_recompile(world8):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    counter = CompileCounterWithBackend(BACKEND)
+
+    def step(d, p, m):
+        return DTensor.from_local(d.to_local(), m, [Replicate(), p], run_check=False) * m["tp"].size()
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for _ in range(3):
+        # fresh, equal objects every call: new DTensor, new Shard(0), the same mesh
+        d = distribute_tensor(torch.randn(8, 8), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+        compiled(d, Shard(0), mesh)
+    assert counter.frame_count == 1
