@@ -82,6 +82,8 @@ def _check_layout(layout: torch.layout) -> None:
 
 
 def _check_requires_grad(requires_grad: bool, name: str) -> None:
+    """Run at trace time (folded, see ``ID_HANDLERS``): ``unimplemented`` is a graph break
+    only when raised by Dynamo itself, not from code it inlines."""
     if requires_grad:
         from torch._dynamo.exc import unimplemented
 
@@ -286,6 +288,7 @@ def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:
         dtensor.randn: polyfill(randn),
         dtensor.distribute_tensor: polyfill(distribute_tensor),
         compute_local_shape_and_global_offset: fold,
+        _check_requires_grad: fold,
         implicit_replication: state_context(set_implicit_replication, _implicit_replication_enabled, True),
         loss_parallel: state_context(set_loss_parallel, _loss_parallel_enabled, True),
     }

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import dtcompile
 import dynamo_vars
-from dtcompile._testing import models
 from dtcompile._testing.idioms import IDIOMS, check_idiom, mesh_world
 from dtcompile._testing.worlds import fake_world
 
@@ -245,3 +244,108 @@ def test_same_mesh_and_placements_never_recompile(world8):
         d = distribute_tensor(torch.randn(8, 8), mesh, [Replicate(), Shard(0)], src_data_rank=None)
         compiled(d, Shard(0), mesh)
     assert counter.frame_count == 1
+
+
+# ---------------------------------------------------------------- structured graph breaks
+
+
+def _graph_break_text(fn, *args):
+    with pytest.raises(Unsupported) as err:
+        torch.compile(fn, backend=BACKEND, fullgraph=True)(*args)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (lambda t: t * dist.new_group([0, 1]).size(), "dist.new_group creates a process group"),
+        (lambda t: t * dist.new_subgroups(2)[0].size(), "dist.new_subgroups creates a process group"),
+        (lambda t: t * init_device_mesh("cpu", (4,)).size(), "init_device_mesh creates process groups"),
+    ],
+    ids=["new_group", "new_subgroups", "init_device_mesh"],
+)
+def test_building_groups_inside_compiled_code_is_a_structured_graph_break(world4, call, expected):
+    text = _graph_break_text(call, torch.ones(2))
+    assert "dtcompile: " in text and "inside a compiled region" in text
+    assert expected in text
+    assert "Hint: Create" in text and "before the compiled function" in text
+
+
+def test_new_leaf_parameters_inside_compiled_code_are_a_structured_graph_break(world4):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    text = _graph_break_text(lambda: dtensor.ones(4, 4, device_mesh=mesh, requires_grad=True))
+    assert "ones(requires_grad=True) makes a new leaf tensor (a parameter)" in text
+    assert "Hint: Create parameters outside the compiled function" in text
+    text = _graph_break_text(lambda t: distribute_tensor(t, mesh, [Shard(0)]), torch.ones(8, 4, requires_grad=True))
+    assert "distribute_tensor(requires_grad=True) makes a new leaf tensor" in text
+
+
+def test_graph_break_outside_fullgraph_still_runs_correctly(world4):
+    """Without fullgraph the break splits the frame and the program still gives eager's result."""
+    def fn(t):
+        t = t * 2
+        group = dist.new_group([0, 1, 2, 3])
+        return t + group.size()
+
+    counter = CompileCounterWithBackend(BACKEND)
+    out = torch.compile(fn, backend=counter)(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 6.0))
+    assert counter.frame_count >= 1
+
+
+def test_factory_placements_must_match_the_mesh(world8):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(Exception, match=r"DTensor factory: 1 placements \(Shard\(dim=0\),\) for a mesh with 2 axes"):
+        torch.compile(lambda: dtensor.zeros(8, 8, device_mesh=mesh, placements=[Shard(0)]), backend=BACKEND, fullgraph=True)()
+
+
+# ---------------------------------------------------------------- install / uninstall
+
+
+def test_uninstall_restores_stock_dynamo_and_enabled_restores_the_previous_state(world8):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+
+    def fn(t):
+        return t * len(mesh.get_all_groups())
+
+    assert dynamo_vars.is_installed()  # dtcompile.backend() installed it
+    with dynamo_vars.enabled(False):
+        assert not dynamo_vars.is_installed()
+        with pytest.raises(Exception, match="unregistered member"):
+            torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.ones(2))
+        torch._dynamo.reset()
+        with dynamo_vars.enabled():
+            torch.testing.assert_close(torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0))
+        assert not dynamo_vars.is_installed()
+    assert dynamo_vars.is_installed()
+
+
+@pytest.mark.parametrize("name", ["mesh_get_group", "placements_iterate_and_branch", "redistribute_2d_partial", "matmul_colwise_rowwise"])
+def test_installing_does_not_change_graphs_that_already_traced(name):
+    """Code stock Dynamo traces gets the very same Dynamo graph with dynamo_vars installed."""
+    item = next(i for i in IDIOMS if i.name == name)
+
+    def dynamo_graph() -> str:
+        graphs = []
+
+        def record(gm, inputs):
+            graphs.append(gm.code)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with mesh_world(item.mesh, item.world) as mesh:
+            fn, args = item.build(mesh)[:2]
+            fn(*args)  # as the corpus does: LocalTensorMode cannot trace some ops on a cold start
+            torch.compile(fn, backend=record, fullgraph=True)(*args)
+        return "\n".join(graphs)
+
+    with dynamo_vars.enabled(False):
+        stock = dynamo_graph()
+    assert stock and dynamo_graph() == stock
+
+
+@pytest.mark.parametrize("name", ["factory_zeros", "distribute_tensor_2d", "implicit_replication_context"])
+def test_idioms_lower_through_inductor(name):
+    item = next(i for i in IDIOMS if i.name == name)
+    result = check_idiom(item, dtcompile.backend())
+    assert result.ok, result.error
