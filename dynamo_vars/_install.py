@@ -82,7 +82,7 @@ def _install_locked() -> None:
             _undo.append(lambda name=name, original=original: setattr(GuardBuilder, name, original))
 
     for family in families:
-        for cls, members in getattr(family, "OPAQUE_MEMBERS", lambda: {})().items():
+        for cls, members in getattr(family, "OPAQUE_MEMBERS", dict)().items():
             info = opaque_object._resolve_opaque_type_info(cls)
             added = {k: v for k, v in members.items() if k not in info.members}
             info.members.update(added)

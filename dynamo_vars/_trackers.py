@@ -109,7 +109,7 @@ class StateContextVariable(ContextWrappingVariable):
     marked ``torch.fx.node.has_side_effect`` so dead-code elimination keeps it.
     """
 
-    _nonvar_fields = {"setter", "cm_fn", *ContextWrappingVariable._nonvar_fields}
+    _nonvar_fields = {"setter", "cm_fn", *ContextWrappingVariable._nonvar_fields}  # noqa: RUF012 (Dynamo convention)
 
     def __init__(self, cm_fn: Callable[..., Any], setter: Callable[[Any], None], target: Any, initial: Any, **kwargs: Any) -> None:
         super().__init__(target_values=[target], initial_values=[initial], **kwargs)

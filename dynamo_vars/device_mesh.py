@@ -34,8 +34,10 @@ def OPAQUE_MEMBERS() -> dict[type, dict[str, Any]]:
 
 
 _BUILD_OUTSIDE = [
-    "Create the mesh before the compiled function (at model setup) and pass it in, "
-    "close over it, or keep it as a module attribute.",
+    (
+        "Create the mesh before the compiled function (at model setup) and pass it in, "
+        "close over it, or keep it as a module attribute."
+    ),
 ]
 
 

@@ -156,7 +156,7 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ran
     from torch.distributed.tensor import DTensor, Replicate
 
     _check_requires_grad(tensor.requires_grad, "distribute_tensor")
-    size, mesh, placements = _spec_args(tensor.shape, device_mesh, placements)
+    _, mesh, placements = _spec_args(tensor.shape, device_mesh, placements)
     if isinstance(tensor, DTensor):
         if tensor.device_mesh != mesh or not same_placements(tensor.placements, placements):
             raise ValueError(
@@ -247,7 +247,7 @@ def _dtensor_spec_guard(original: Any) -> Any:
         parts = {"mesh": explain_mesh, "placements": explain_placements, "spec": explain_rest}
         key = guards.record(expected, parts)
         name = guard.name
-        label = name[: -len("._spec")] if name.endswith("._spec") else name
+        label = name.removesuffix("._spec")
         code = [part.replace(f", {name!r})", f", {label!r})") for part in guards.code_parts(key, name)]
         self.get_guard_manager(guard).add_lambda_guard(check, code, guard.user_stack)
 

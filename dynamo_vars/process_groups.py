@@ -23,8 +23,10 @@ from dynamo_vars._trackers import Handler, graph_break
 __all__: list[str] = []
 
 _HOIST = [
-    "Create process groups once at setup, before the compiled function, and pass them in "
-    "or close over them.",
+    (
+        "Create process groups once at setup, before the compiled function, and pass them in "
+        "or close over them."
+    ),
 ]
 
 

@@ -28,13 +28,20 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.tensor as dtensor
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from dtcompile._testing.worlds import fake_world
 
-__all__ = ["IDIOMS", "Idiom", "IdiomResult", "MESHES", "check_idiom", "mesh_world"]
+__all__ = ["IDIOMS", "MESHES", "Idiom", "IdiomResult", "check_idiom", "mesh_world"]
 
 # Mesh kinds: name -> (world size, shape, dim names).
 MESHES: dict[str, tuple[int, tuple[int, ...], tuple[str, ...]]] = {
@@ -564,15 +571,15 @@ def factory_empty(mesh):
 # reference is the global draw, distributed: what the RNG tracker promises.
 @idiom("dtensor_api", values=False)
 def factory_rand(mesh):
-    fn = lambda: dtensor.rand(8, 4, device_mesh=mesh, placements=[Shard(0)], dtype=torch.float64)  # noqa: E731
-    reference = lambda: distribute_tensor(torch.rand(8, 4, dtype=torch.float64), mesh, [Shard(0)], src_data_rank=None)  # noqa: E731
+    fn = lambda: dtensor.rand(8, 4, device_mesh=mesh, placements=[Shard(0)], dtype=torch.float64)
+    reference = lambda: distribute_tensor(torch.rand(8, 4, dtype=torch.float64), mesh, [Shard(0)], src_data_rank=None)
     return fn, (), reference
 
 
 @idiom("dtensor_api", mesh="2d", values=False)
 def factory_randn(mesh):
-    fn = lambda: dtensor.randn(9, 4, device_mesh=mesh, placements=[Replicate(), Shard(0)])  # noqa: E731
-    reference = lambda: distribute_tensor(torch.randn(9, 4), mesh, [Replicate(), Shard(0)], src_data_rank=None)  # noqa: E731
+    fn = lambda: dtensor.randn(9, 4, device_mesh=mesh, placements=[Replicate(), Shard(0)])
+    reference = lambda: distribute_tensor(torch.randn(9, 4), mesh, [Replicate(), Shard(0)], src_data_rank=None)
     return fn, (), reference
 
 
