@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dtcompile  # noqa: E402
 from dtcompile._testing.cases import CASES, run_step  # noqa: E402
 from dtcompile._testing.models import BlockArgs, build_block  # noqa: E402
-from dtcompile._testing.worlds import fake_world, run_gloo  # noqa: E402
+from dtcompile.testing.worlds import fake_world, run_gloo  # noqa: E402
 
 ARGS = BlockArgs(dim=256, n_heads=8, hidden=1024)
 BATCH, SEQ = 4, 128

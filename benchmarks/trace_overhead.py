@@ -32,7 +32,7 @@ import dynamo_vars
 from dtcompile._testing.cases import CASES
 from dtcompile._testing.idioms import IDIOMS, mesh_world
 from dtcompile._testing.models import BlockArgs, build_block
-from dtcompile._testing.worlds import fake_world
+from dtcompile.testing.worlds import fake_world
 
 ARGS = BlockArgs(dim=256, n_heads=8, hidden=1024)
 # Idioms stock Dynamo cannot trace are left out: only like is compared with like.

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from dtcompile._testing.cases import CASES, StepResult, rank_eager_and_compiled, reference_step
-from dtcompile._testing.worlds import fake_world, run_threaded
+from dtcompile.testing.worlds import fake_world, run_threaded
 
 log = logging.getLogger(__name__)
 

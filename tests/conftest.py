@@ -1,16 +1,13 @@
-"""Fixtures: fake worlds and meshes for graph-structure tests.
+"""Fixtures for the project's tests, built on the ``dtcompile`` pytest plugin's worlds.
 
-The simulated and real-rank runners live in ``dtcompile._testing.worlds`` so
-that benchmarks and the demo use the same code.
+``fake_world`` and ``simulated_world`` come from ``dtcompile.testing.plugin``
+(the same fixtures users get); the ones here only name the meshes the tests use.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-
-from dtcompile._testing.worlds import fake_world
 
 
 @pytest.fixture(autouse=True)
@@ -22,22 +19,22 @@ def _fresh_dynamo():
 
 
 @pytest.fixture
-def world4():
-    with fake_world(4):
-        yield 4
+def world4(fake_world):
+    fake_world(4)
+    return 4
 
 
 @pytest.fixture
-def world8():
-    with fake_world(8):
-        yield 8
+def world8(fake_world):
+    fake_world(8)
+    return 8
 
 
 @pytest.fixture
-def tp_mesh(world4):
-    return init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+def tp_mesh(fake_world):
+    return fake_world(4, (4,), ("tp",))
 
 
 @pytest.fixture
-def dp_tp_mesh(world8):
-    return init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+def dp_tp_mesh(fake_world):
+    return fake_world(8, (2, 4), ("dp", "tp"))

@@ -27,7 +27,7 @@ from torch.distributed.tensor import (
 import dtcompile
 import dynamo_vars
 from dtcompile._testing.idioms import IDIOMS, check_idiom, mesh_world
-from dtcompile._testing.worlds import fake_world
+from dtcompile.testing.worlds import fake_world
 
 # The Inductor path adds nothing Dynamo-level; lowering is tested in test_models.py.
 BACKEND = dtcompile.backend(inductor=False)

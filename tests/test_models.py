@@ -4,86 +4,128 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
+from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtcompile
 from dtcompile._testing.cases import CASES
+from dtcompile.testing import assert_no_graph_breaks, assert_no_recompiles, collective_schedule
 
 
-def _schedule(backend: dtcompile.DTCompileBackend) -> str:
-    """The collectives of every compiled graph, one line each, in compile order."""
-    lines = []
-    for record in backend.records:
-        ops = ", ".join(f"{c.op}[{c.axis}]" for c in record.collectives) or "-"
-        lines.append(f"{record.compile_id} {record.kind}: {ops}")
-    return "\n".join(lines)
-
-
-def _compile_step(case_name: str, mesh, backend) -> CompileCounterWithBackend:
+def _compile_steps(case_name: str, mesh, backend) -> None:
+    """Three compiled training steps, then one more call: no recompile, every grad set."""
     case = CASES[case_name]
     _, parallel, x = case.build(mesh)
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(parallel, backend=counter, fullgraph=True)
+    compiled = torch.compile(parallel, backend=backend, fullgraph=True)
     local_x = case.local_input(x, mesh)
-    for _ in range(3):
-        out = compiled(local_x)
-        out.pow(2).mean().backward()
-        assert all(p.grad is not None for p in parallel.parameters())
-    frames = counter.frame_count
-    compiled(local_x)
-    # The same inputs never recompile: every frame compiled once, on the first call.
-    assert counter.frame_count == frames
-    return counter
+    with assert_no_graph_breaks():
+        compiled(local_x).pow(2).mean().backward()
+    with assert_no_recompiles():
+        for _ in range(3):
+            compiled(local_x).pow(2).mean().backward()
+            assert all(p.grad is not None for p in parallel.parameters())
 
 
-EXPECTED_SCHEDULES = {
-    "tp_mlp": """\
-0/0 forward: all_reduce[tp]
-0/0 backward: -""",
-    "tp_sp_block": """\
-0/0 inference: -
-1/0 forward: all_gather[tp], reduce_scatter[tp], all_gather[tp], reduce_scatter[tp]
-2/0 forward: all_gather[tp]
-2/0 backward: -
-1/0 backward: all_gather[tp], reduce_scatter[tp], all_gather[tp], reduce_scatter[tp]""",
-    "fsdp_mlp": """\
-0/0 forward: all_gather[dp], all_gather[dp], all_gather[dp], all_gather[dp]
-0/0 backward: reduce_scatter[dp], reduce_scatter[dp], reduce_scatter[dp], reduce_scatter[dp]""",
-}
+def _schedule(case_name: str, mesh) -> str:
+    """The collective schedule of one step, compiled with the default dtcompile (Inductor)."""
+    case = CASES[case_name]
+    _, parallel, x = case.build(mesh)
+    return str(collective_schedule(parallel, case.local_input(x, mesh), backend=dtcompile.backend()))
 
 
-@pytest.mark.parametrize("case_name", ["tp_mlp", "tp_sp_block", "fsdp_mlp"])
-def test_1d_models_compile_forward_and_backward(world4, case_name):
-    backend = dtcompile.backend()
-    mesh = CASES[case_name].mesh(4)
-    _compile_step(case_name, mesh, backend)
-    assert _schedule(backend) == EXPECTED_SCHEDULES[case_name]
+def test_tp_mlp_schedule(world4):
+    mesh = CASES["tp_mlp"].mesh(4)
+    _compile_steps("tp_mlp", mesh, dtcompile.backend())
+    assert_expected_inline(_schedule("tp_mlp", mesh), """\
+forward 0/0:
+  all_reduce      tp     x4    float32[4, 16]  256 B
+backward 0/0: (no collectives)
+forward total: 1 collectives, 256 B per rank
+backward total: 0 collectives, 0 B per rank""")
 
 
-def test_2d_block_compiles_forward_and_backward(world8):
-    backend = dtcompile.backend()
+def test_tp_sp_block_schedule(world4):
+    mesh = CASES["tp_sp_block"].mesh(4)
+    _compile_steps("tp_sp_block", mesh, dtcompile.backend())
+    assert_expected_inline(_schedule("tp_sp_block", mesh), """\
+forward 0/0: (no collectives)
+forward 1/0:
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+forward 2/0:
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+backward 2/0: (no collectives)
+backward 1/0:
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+forward total: 5 collectives, 20480 B per rank
+backward total: 4 collectives, 16384 B per rank""")
+
+
+def test_fsdp_mlp_schedule(world4):
+    mesh = CASES["fsdp_mlp"].mesh(4)
+    _compile_steps("fsdp_mlp", mesh, dtcompile.backend())
+    assert_expected_inline(_schedule("fsdp_mlp", mesh), """\
+forward 0/0:
+  all_gather      dp     x4    float32[32, 16]  2048 B
+  all_gather      dp     x4    float32[32]  128 B
+  all_gather      dp     x4    float32[16, 32]  2048 B
+  all_gather      dp     x4    float32[16]  64 B
+backward 0/0:
+  reduce_scatter  dp     x4    float32[16]  64 B
+  reduce_scatter  dp     x4    float32[16, 32]  2048 B
+  reduce_scatter  dp     x4    float32[32]  128 B
+  reduce_scatter  dp     x4    float32[32, 16]  2048 B
+forward total: 4 collectives, 4288 B per rank
+backward total: 4 collectives, 4288 B per rank""")
+
+
+def test_2d_block_schedule(world8):
     mesh = CASES["block_2d"].mesh(8)
-    _compile_step("block_2d", mesh, backend)
-    schedule = _schedule(backend).splitlines()
-    assert schedule[:4] == EXPECTED_SCHEDULES["tp_sp_block"].splitlines()[:4]
+    _compile_steps("block_2d", mesh, dtcompile.backend())
     # Backward: the TP+SP collectives, plus one all-reduce over dp per parameter
-    # (7 weights, 2 norm scales) and the norm-scale all-reduces over tp.
-    backward = [c for c in backend.records if c.compile_id == "1/0" and c.kind == "backward"]
-    (backward,) = backward
-    ops = [f"{c.op}[{c.axis}]" for c in backward.collectives]
-    assert ops.count("all_reduce[dp]") == 9
-    assert ops.count("all_gather[tp]") == 2 and ops.count("reduce_scatter[tp]") == 2
-    assert {c.group_size for c in backward.collectives if c.axis == "dp"} == {2}
+    # (7 weights, 2 norm scales).
+    assert_expected_inline(_schedule("block_2d", mesh), """\
+forward 0/0: (no collectives)
+forward 1/0:
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+forward 2/0:
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+backward 2/0: (no collectives)
+backward 1/0:
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  all_reduce      dp     x2    float32[64, 32]  8192 B
+  all_reduce      dp     x2    float32[32, 64]  8192 B
+  all_reduce      dp     x2    float32[32, 64]  8192 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_reduce      tp     x4    float32[64]  256 B
+  all_reduce      dp     x2    float32[64]  256 B
+  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  all_reduce      dp     x2    float32[64, 16]  4096 B
+  all_reduce      dp     x2    float32[16, 64]  4096 B
+  all_reduce      dp     x2    float32[16, 64]  4096 B
+  all_reduce      dp     x2    float32[16, 64]  4096 B
+  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_reduce      tp     x4    float32[64]  256 B
+  all_reduce      dp     x2    float32[64]  256 B
+forward total: 5 collectives, 20480 B per rank
+backward total: 15 collectives, 58368 B per rank""")
 
 
 def test_collective_bytes_follow_from_shapes(world4):
-    backend = dtcompile.backend(inductor=False)
-    mesh = CASES["tp_sp_block"].mesh(4)
-    _compile_step("tp_sp_block", mesh, backend)
-    forward = next(r for r in backend.records if r.compile_id == "1/0" and r.kind == "forward")
-    gather = forward.collectives[0]
+    case = CASES["tp_sp_block"]
+    mesh = case.mesh(4)
+    _, parallel, x = case.build(mesh)
+    schedule = collective_schedule(parallel, x)
+    gather = schedule.forward[0]
     # batch 2, seq 8, dim 64, float32: the gathered activation is 2 * 8 * 64 * 4 bytes.
     assert (gather.op, gather.group_size, gather.bytes) == ("all_gather", 4, 2 * 8 * 64 * 4)
     assert gather.shape == (8, 2, 64) and gather.dtype == torch.float32

@@ -1,8 +1,9 @@
 """Numerics: compiled == eager == single-process reference, outputs and gradients.
 
-Simulated ranks: eager on ``LocalTensorMode`` (all ranks in one tensor), compiled
-on ranks-as-threads (stock torch cannot compile DTensor over LocalTensor, pinned
-below).  Real ranks: 2 gloo processes.
+Simulated ranks: eager on ``LocalTensorMode`` (all ranks in one tensor) against
+the reference; compiled against eager on ranks-as-threads with
+``dtcompile.testing.assert_matches_eager`` (stock torch cannot compile these
+models over LocalTensor, pinned below).  Real ranks: 2 gloo processes, both checks.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed._local_tensor import LocalTensor
+from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 
 from dtcompile._testing.cases import (
     CASES,
@@ -19,7 +20,8 @@ from dtcompile._testing.cases import (
     reference_step,
     run_step,
 )
-from dtcompile._testing.worlds import local_tensor_world, run_gloo, run_threaded
+import dtcompile
+from dtcompile.testing import assert_matches_eager, run_gloo, simulated_world, threaded_world
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 MODES = {"aot": {"inductor": False}, "inductor": {}}
@@ -60,14 +62,29 @@ class _RankMesh:
         return self._shape[axis]
 
 
+def _builder(case_name: str):
+    """Per rank: the parallel model and this rank's input."""
+    case = CASES[case_name]
+
+    def build(mesh):
+        _, parallel, x = case.build(mesh)
+        return parallel, (case.local_input(x, mesh),)
+
+    return build
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case_name", CASES)
-def test_threaded_ranks_compiled_matches_eager_and_reference(case_name, mode):
-    world_size = 4
-    results = run_threaded(
-        world_size, rank_eager_and_compiled, case_name, world_size, MODES[mode]
+def test_threaded_ranks_compiled_matches_eager(case_name, mode):
+    """Every rank a thread that compiles its own program; eager vs the reference is
+    checked on LocalTensorMode and on gloo below."""
+    case = CASES[case_name]
+    assert_matches_eager(
+        _builder(case_name),
+        world=threaded_world(4, case.mesh_shape(4), case.mesh_dim_names),
+        backend=dtcompile.backend(**MODES[mode]),
+        **TOL,
     )
-    _check_ranks(case_name, world_size, results, lambda r: _RankMesh(case_name, world_size, r))
 
 
 def _per_rank(t: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -83,8 +100,8 @@ def test_local_tensor_mode_eager_matches_reference(case_name):
     world_size = 4
     reference = reference_step(case_name, world_size)
     case = CASES[case_name]
-    with local_tensor_world(world_size) as mode:
-        mesh = case.mesh(world_size)
+    with simulated_world(world_size, case.mesh_shape(world_size), case.mesh_dim_names) as mesh:
+        mode = local_tensor_mode()
         _, parallel, x = case.build(mesh)
         local_x = LocalTensor(
             {r: case.local_input(x, _RankMesh(case_name, world_size, r)) for r in range(world_size)}
@@ -105,9 +122,9 @@ def test_local_tensor_mode_eager_matches_reference(case_name):
     "for aten.addmm); when this passes, compiled numerics can move to LocalTensorMode",
 )
 def test_local_tensor_mode_compile_is_broken_in_stock_torch():
-    with local_tensor_world(4):
-        case = CASES["tp_mlp"]
-        _, parallel, x = case.build(case.mesh(4))
+    case = CASES["tp_mlp"]
+    with simulated_world(4, (4,), case.mesh_dim_names) as mesh:
+        _, parallel, x = case.build(mesh)
         local_x = LocalTensor({r: x for r in range(4)})
         torch.compile(parallel, backend="aot_eager", fullgraph=True)(local_x)
 

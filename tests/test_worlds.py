@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtcompile._testing.worlds import RankFailure, fake_world, run_gloo, run_threaded
+from dtcompile.testing.worlds import RankFailure, fake_world, run_gloo, run_threaded
 
 
 def _all_reduce_rank(rank: int) -> float:

@@ -127,7 +127,7 @@ def reference_step(case_name: str, world_size: int) -> StepResult:
 
     Needs no process group: the reference model is built on a fake world.
     """
-    from dtcompile._testing.worlds import fake_world
+    from dtcompile.testing.worlds import fake_world
 
     case = CASES[case_name]
     with fake_world(world_size):

@@ -39,7 +39,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from dtcompile._testing.worlds import fake_world
+from dtcompile.testing.worlds import fake_world
 
 __all__ = ["IDIOMS", "MESHES", "Idiom", "IdiomResult", "check_idiom", "mesh_world"]
 

@@ -1,11 +1,12 @@
 """Worlds of N ranks for tests: fake, simulated in one process, and real gloo ranks.
 
 - :func:`fake_world`: the fake process group.  One process plays rank ``rank``
-  of ``world_size``; collectives return garbage.  For graph structure.
-- :func:`local_tensor_world`: the fake process group plus
+  of ``world_size``; collectives move no data.  For graph structure, at any
+  world size (the shapes a rank sees are local).
+- :func:`simulated_world`: the fake process group plus
   ``LocalTensorMode(world_size)``: every tensor holds all ranks' values and
-  collectives have real semantics.  Eager only: stock torch 2.13 fails to
-  compile DTensor-over-LocalTensor programs (see the README's limits).
+  collectives have real semantics.  Stock torch 2.13 compiles only simple
+  programs on it (see the README's limits).
 - :func:`run_threaded`: every rank a thread of this process with torch's
   threaded process group: real collective semantics, and each rank compiles
   its own program as a real rank would.  For compiled numerics in one process.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import multiprocessing
 import os
 import queue
@@ -37,9 +39,9 @@ import torch.distributed as dist
 __all__ = [
     "RankFailure",
     "fake_world",
-    "local_tensor_world",
-    "run_threaded",
     "run_gloo",
+    "run_threaded",
+    "simulated_world",
 ]
 
 R = TypeVar("R")
@@ -54,9 +56,35 @@ def _destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
+def _mesh(world_size: int, mesh_shape: Sequence[int] | None, mesh_dim_names: Sequence[str] | None) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(mesh_shape) if mesh_shape is not None else (world_size,)
+    if math.prod(shape) != world_size:
+        raise ValueError(
+            f"mesh_shape {shape} has {math.prod(shape)} ranks but world_size is {world_size}; "
+            "give a shape whose product is the world size"
+        )
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    if names is not None and len(names) != len(shape):
+        raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {len(shape)}-D mesh_shape {shape}")
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
-    """The fake process group as the default group for the duration of the block."""
+def fake_world(
+    world_size: int,
+    mesh_shape: Sequence[int] | None = None,
+    mesh_dim_names: Sequence[str] | None = None,
+    *,
+    rank: int = 0,
+) -> Iterator[Any]:
+    """The fake process group as the default group for the block; yields a cpu mesh.
+
+    The mesh has ``mesh_shape`` (default: one axis over all ranks) and
+    ``mesh_dim_names``.  This process plays ``rank``; collectives move no data.
+    The default group is destroyed on exit, also when the block raises.
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -66,18 +94,27 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        yield _mesh(world_size, mesh_shape, mesh_dim_names)
     finally:
         _destroy_default_group()
 
 
 @contextlib.contextmanager
-def local_tensor_world(world_size: int) -> Iterator[Any]:
-    """A fake world whose ranks are all simulated by ``LocalTensorMode``; yields the mode."""
+def simulated_world(
+    world_size: int,
+    mesh_shape: Sequence[int] | None = None,
+    mesh_dim_names: Sequence[str] | None = None,
+) -> Iterator[Any]:
+    """All ``world_size`` ranks in this process: a fake world plus ``LocalTensorMode``.
+
+    Every tensor holds one value per rank and collectives have their real
+    semantics.  Yields the mesh; the mode is ``torch.distributed._local_tensor``'s
+    current mode (``LocalTensorMode.current()``) inside the block.
+    """
     from torch.distributed._local_tensor import LocalTensorMode
 
-    with fake_world(world_size), LocalTensorMode(world_size) as mode:
-        yield mode
+    with fake_world(world_size, mesh_shape, mesh_dim_names) as mesh, LocalTensorMode(world_size):
+        yield mesh
 
 
 def _failure(what: str, failures: Sequence[tuple[int, str]]) -> RankFailure:

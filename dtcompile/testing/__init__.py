@@ -1,0 +1,46 @@
+"""dtcompile.testing: test parallelism plans in CI, in one CPU process.
+
+Worlds (context managers; also pytest fixtures of the same names through the
+``dtcompile`` pytest plugin):
+
+- :func:`fake_world` -- the fake process group at any world size, one rank
+  played; for graph structure and collective schedules;
+- :func:`simulated_world` -- every rank in one process (``LocalTensorMode``),
+  real collective semantics; :func:`threaded_world` -- ranks as threads, each
+  compiling its own program; :func:`run_threaded`, :func:`run_gloo` -- run a
+  function on every rank of a threaded or a real gloo world.
+
+Checks:
+
+- :func:`collective_schedule` -- the forward and backward collectives of a
+  compiled program, with a stable text form for ``assertExpectedInline``;
+- :func:`assert_matches_eager` -- outputs and gradients, rank by rank;
+- :func:`assert_no_graph_breaks`, :func:`assert_no_recompiles` -- context
+  managers whose failures carry Dynamo's reasons.
+"""
+
+from dtcompile.testing.asserts import (
+    ThreadedWorld,
+    assert_matches_eager,
+    assert_no_graph_breaks,
+    assert_no_recompiles,
+    threaded_world,
+)
+from dtcompile.testing.schedule import CollectiveSchedule, ScheduledCollective, collective_schedule
+from dtcompile.testing.worlds import RankFailure, fake_world, run_gloo, run_threaded, simulated_world
+
+__all__ = [
+    "CollectiveSchedule",
+    "RankFailure",
+    "ScheduledCollective",
+    "ThreadedWorld",
+    "assert_matches_eager",
+    "assert_no_graph_breaks",
+    "assert_no_recompiles",
+    "collective_schedule",
+    "fake_world",
+    "run_gloo",
+    "run_threaded",
+    "simulated_world",
+    "threaded_world",
+]

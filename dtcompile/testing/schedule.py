@@ -1,0 +1,113 @@
+"""The collectives a compiled program issues, as plain data with a stable text form.
+
+    schedule = collective_schedule(model, x)
+    assert_expected_inline(str(schedule), '''...''')
+
+A change that adds, drops or resizes a collective changes the text, and the
+snapshot diff shows which one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["CollectiveSchedule", "ScheduledCollective", "collective_schedule"]
+
+
+@dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective of one compiled graph."""
+
+    graph: str
+    """Dynamo's compile id of the graph, e.g. ``0/0``."""
+    op: str
+    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or ``broadcast``."""
+    axis: str
+    """The mesh axis (dimension name) of its group."""
+    group_size: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+    """Bytes per rank (the buffer the collective moves, as nccl-tests count it)."""
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        shape = ", ".join(map(str, self.shape))
+        return f"{self.op:<15} {self.axis:<6} x{self.group_size:<4} {dtype}[{shape}]  {self.bytes} B"
+
+
+@dataclass(frozen=True)
+class CollectiveSchedule:
+    """The forward (or inference) and backward collectives, each in graph order."""
+
+    forward: tuple[ScheduledCollective, ...]
+    backward: tuple[ScheduledCollective, ...]
+    graphs: tuple[tuple[str, str], ...]
+    """``(kind, compile id)`` of every graph compiled, collectives or not, in order."""
+
+    def __str__(self) -> str:
+        lines = []
+        for kind, graph in self.graphs:
+            items = [c for c in (self.backward if kind == "backward" else self.forward) if c.graph == graph]
+            lines.append(f"{kind} {graph}:" + ("" if items else " (no collectives)"))
+            lines += [f"  {c}" for c in items]
+        for kind, items in (("forward", self.forward), ("backward", self.backward)):
+            lines.append(f"{kind} total: {len(items)} collectives, {sum(c.bytes for c in items)} B per rank")
+        return "\n".join(lines)
+
+
+def collective_schedule(
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: Any = "dtcompile",
+    backward: bool = True,
+    **kwargs: Any,
+) -> CollectiveSchedule:
+    """Compile ``fn`` once (``fullgraph=True``), run it on ``args``, and return its collectives.
+
+    ``backward=True`` also runs a backward pass (from the sum of every output
+    that requires grad) so the backward graph is compiled and listed.  The
+    default backend is dtcompile without Inductor lowering (same graphs and
+    passes, faster); pass ``backend=dtcompile.backend(...)`` for other options.
+    Resets Dynamo's caches first, so compile ids start at ``0/0``.
+    """
+    import dtcompile
+    from dtcompile.compiler import DTCompileBackend
+
+    if backend == "dtcompile":
+        backend = dtcompile.backend(inductor=False)
+    if not isinstance(backend, DTCompileBackend):
+        raise TypeError(
+            f"collective_schedule: backend must be 'dtcompile' or a dtcompile.backend(...), "
+            f"got {backend!r}; the schedule is read from what dtcompile records"
+        )
+    torch._dynamo.reset()
+    start = len(backend.records)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
+    if backward:
+        _backward_from_sum(out)
+    records = list(backend.records)[start:]
+    forward, backward_items = [], []
+    for record in records:
+        items = backward_items if record.kind == "backward" else forward
+        items += [
+            ScheduledCollective(record.compile_id, c.op, c.axis, c.group_size, c.shape, c.dtype, c.bytes)
+            for c in record.collectives
+        ]
+    graphs = tuple(("backward" if r.kind == "backward" else "forward", r.compile_id) for r in records)
+    return CollectiveSchedule(tuple(forward), tuple(backward_items), graphs)
+
+
+def _backward_from_sum(out: Any) -> None:
+    """Backward from the sum of every output that requires grad (local shards for DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if leaves:
+        loss = sum((t.to_local() if isinstance(t, DTensor) else t).float().sum() for t in leaves)
+        loss.backward()
