@@ -10,7 +10,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import dtcompile
 from dtcompile._testing.cases import CASES
-from dtcompile.testing import assert_no_graph_breaks, assert_no_recompiles, collective_schedule
+from dtcompile.testing import (
+    assert_no_graph_breaks,
+    assert_no_recompiles,
+    collective_schedule,
+)
 
 
 def _compile_steps(case_name: str, mesh, backend) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 
+import dtcompile
 from dtcompile._testing.cases import (
     CASES,
     StepResult,
@@ -20,8 +21,12 @@ from dtcompile._testing.cases import (
     reference_step,
     run_step,
 )
-import dtcompile
-from dtcompile.testing import assert_matches_eager, run_gloo, simulated_world, threaded_world
+from dtcompile.testing import (
+    assert_matches_eager,
+    run_gloo,
+    simulated_world,
+    threaded_world,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 MODES = {"aot": {"inductor": False}, "inductor": {}}

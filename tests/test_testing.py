@@ -11,7 +11,11 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from dtcompile.testing import (
     assert_matches_eager,

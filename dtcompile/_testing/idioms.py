@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.tensor as dtensor
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
@@ -39,7 +39,8 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from dtcompile.testing.worlds import fake_world
+from dtcompile.testing.asserts import per_rank, run_step
+from dtcompile.testing.worlds import fake_world, simulated_world
 
 __all__ = ["IDIOMS", "MESHES", "Idiom", "IdiomResult", "check_idiom", "mesh_world"]
 
@@ -677,17 +678,11 @@ def matmul_colwise_rowwise(mesh):
 
 @contextlib.contextmanager
 def mesh_world(kind: str, world: str = "fake") -> Iterator[DeviceMesh]:
-    """A fake world for mesh kind ``kind`` and its mesh; with ``world="local"`` also LocalTensorMode."""
+    """A fake world for mesh kind ``kind`` and its mesh; with ``world="local"`` a simulated one."""
     world_size, shape, names = MESHES[kind]
-    with fake_world(world_size):
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        if world == "local":
-            from torch.distributed._local_tensor import LocalTensorMode
-
-            with LocalTensorMode(world_size):
-                yield mesh
-        else:
-            yield mesh
+    enter = simulated_world if world == "local" else fake_world
+    with enter(world_size, shape, names) as mesh:
+        yield mesh
 
 
 @dataclass
@@ -703,17 +698,11 @@ class IdiomResult:
 
 
 def _plain(x: Any) -> Any:
-    """A comparable value: LocalTensors become a stack of all ranks' tensors."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed._local_tensor import LocalTensor
+    """A comparable value: every rank's tensor, stacked (one rank outside LocalTensorMode)."""
+    from torch.distributed._local_tensor import local_tensor_mode
 
-    if isinstance(x, AsyncCollectiveTensor):
-        x = x.wait()
-    if isinstance(x, LocalTensor):
-        return torch.stack([x._local_tensors[r].detach() for r in sorted(x._local_tensors)])
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    return x
+    mode = local_tensor_mode()
+    return torch.stack(per_rank(x, len(mode.ranks) if mode is not None else 1)) if isinstance(x, torch.Tensor) else x
 
 
 def _summary(x: Any, mesh: DeviceMesh, values: bool, what: str) -> Any:
@@ -736,24 +725,10 @@ def _summary(x: Any, mesh: DeviceMesh, values: bool, what: str) -> Any:
     return x
 
 
-def _run(fn: Callable, args: tuple, backward: bool, context: Callable[[], Any] | None = None) -> tuple[Any, list[Any]]:
+def _run(fn: Callable, args: tuple, backward: bool, context: Callable[[], Any] | None, params: Any = None) -> tuple[Any, Any]:
     with context() if context is not None else contextlib.nullcontext():
-        return _run_in_context(fn, args, backward)
-
-
-def _run_in_context(fn: Callable, args: tuple, backward: bool) -> tuple[Any, list[Any]]:
-    out = fn(*args)
-    grads: list[Any] = []
-    if backward:
-        leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-        loss = sum((o.to_local() if isinstance(o, DTensor) else o).float().sum() for o in leaves)
-        loss.backward()
-        params = list(fn.parameters()) if isinstance(fn, nn.Module) else []
-        for t in [*args, *params]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                grads.append(t.grad)
-                t.grad = None
-    return out, grads
+        step = run_step(fn, args, backward, params=params)
+    return step.outputs, step.grads
 
 
 def _assert_same(expected: Any, actual: Any, what: str) -> None:
@@ -782,8 +757,9 @@ def check_idiom(item: Idiom, backend: Any) -> IdiomResult:
             fn, args, *reference = item.build(mesh)
             eager_out, eager_grads = _run(reference[0] if reference else fn, args, item.backward, item.context)
             compiled = torch.compile(fn, backend=counter, fullgraph=True)
-            out, grads = _run(compiled, args, item.backward, item.context)
-            again, _ = _run(compiled, args, False, item.context)
+            params = fn if isinstance(fn, nn.Module) else None
+            out, grads = _run(compiled, args, item.backward, item.context, params)
+            again, _ = _run(compiled, args, False, item.context, params)
 
             def summarize(x: Any, what: str) -> Any:
                 return pytree.tree_map(lambda leaf: _summary(leaf, mesh, item.values, what), x)

@@ -26,8 +26,18 @@ from dtcompile.testing.asserts import (
     assert_no_recompiles,
     threaded_world,
 )
-from dtcompile.testing.schedule import CollectiveSchedule, ScheduledCollective, collective_schedule
-from dtcompile.testing.worlds import RankFailure, fake_world, run_gloo, run_threaded, simulated_world
+from dtcompile.testing.schedule import (
+    CollectiveSchedule,
+    ScheduledCollective,
+    collective_schedule,
+)
+from dtcompile.testing.worlds import (
+    RankFailure,
+    fake_world,
+    run_gloo,
+    run_threaded,
+    simulated_world,
+)
 
 __all__ = [
     "CollectiveSchedule",

@@ -179,11 +179,15 @@ def _threaded_rank(rank: int, world: ThreadedWorld, build: Callable[..., Any], b
     mesh = _mesh(world.world_size, world.mesh_shape, world.mesh_dim_names)
     fn, args = build(mesh)
     eager, compiled = _eager_and_compiled(fn, args, backward, backend if backend is not None else _default_backend())
-    detach = lambda step: Step(  # noqa: E731 - results cross threads: plain tensors only
-        {k: per_rank(v, 1)[0] for k, v in step.outputs.items()},
-        {k: None if v is None else per_rank(v, 1)[0] for k, v in step.grads.items()},
-    )
-    return detach(eager), detach(compiled)
+
+    def plain(step: Step) -> Step:
+        """Results cross threads: this rank's plain tensors only."""
+        return Step(
+            {k: per_rank(v, 1)[0] for k, v in step.outputs.items()},
+            {k: None if v is None else per_rank(v, 1)[0] for k, v in step.grads.items()},
+        )
+
+    return plain(eager), plain(compiled)
 
 
 def assert_matches_eager(

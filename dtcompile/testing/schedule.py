@@ -9,6 +9,7 @@ snapshot diff shows which one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,24 +17,17 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from dtcompile.collectives import CollectiveInfo
+
 __all__ = ["CollectiveSchedule", "ScheduledCollective", "collective_schedule"]
 
 
 @dataclass(frozen=True)
-class ScheduledCollective:
-    """One collective of one compiled graph."""
+class ScheduledCollective(CollectiveInfo):
+    """One collective (see :class:`~dtcompile.CollectiveInfo`) and the graph that issues it."""
 
-    graph: str
+    graph: str = ""
     """Dynamo's compile id of the graph, e.g. ``0/0``."""
-    op: str
-    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or ``broadcast``."""
-    axis: str
-    """The mesh axis (dimension name) of its group."""
-    group_size: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    bytes: int
-    """Bytes per rank (the buffer the collective moves, as nccl-tests count it)."""
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -95,12 +89,13 @@ def collective_schedule(
     forward, backward_items = [], []
     for record in records:
         items = backward_items if record.kind == "backward" else forward
-        items += [
-            ScheduledCollective(record.compile_id, c.op, c.axis, c.group_size, c.shape, c.dtype, c.bytes)
-            for c in record.collectives
-        ]
+        items += [ScheduledCollective(**_fields(c), graph=record.compile_id) for c in record.collectives]
     graphs = tuple(("backward" if r.kind == "backward" else "forward", r.compile_id) for r in records)
     return CollectiveSchedule(tuple(forward), tuple(backward_items), graphs)
+
+
+def _fields(collective: CollectiveInfo) -> dict[str, Any]:
+    return {f.name: getattr(collective, f.name) for f in dataclasses.fields(CollectiveInfo)}
 
 
 def _backward_from_sum(out: Any) -> None:

@@ -141,7 +141,7 @@ def run_threaded(
     if dist.is_initialized():
         raise RuntimeError(
             "run_threaded: a default process group is already initialized; "
-            "run it outside fake_world()/local_tensor_world()"
+            "run it outside fake_world()/simulated_world()"
         )
     results: dict[int, R] = {}
     failures: queue.Queue[tuple[int, str]] = queue.Queue()
