@@ -15,8 +15,13 @@ import sys
 
 import torch
 
-from dtcompile._testing.cases import CASES, StepResult, rank_eager_and_compiled, reference_step
-from dtcompile.testing.worlds import fake_world, run_threaded
+from dtcompile._testing.cases import (
+    CASES,
+    StepResult,
+    rank_eager_and_compiled,
+    reference_step,
+)
+from dtcompile.testing import collective_schedule, fake_world, run_threaded
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +37,10 @@ def _collective_table(case_name: str, world_size: int, inductor: bool) -> str:
     import dtcompile
 
     case = CASES[case_name]
-    backend = dtcompile.backend(inductor=inductor)
-    torch._dynamo.reset()  # compile ids count from 0 again, as in a fresh process
-    with fake_world(world_size):
-        mesh = case.mesh(world_size)
+    with fake_world(world_size, case.mesh_shape(world_size), case.mesh_dim_names) as mesh:
         _, parallel, x = case.build(mesh)
-        compiled = torch.compile(parallel, backend=backend, fullgraph=True)
-        compiled(case.local_input(x, mesh)).pow(2).mean().backward()
-    rows = [f"{'graph':<14} {'op':<15} {'axis':<5} {'group':>5} {'shape':<14} {'bytes/rank':>10}"]
-    for record in backend.records:
-        graph = f"{record.compile_id} {record.kind}"
-        if not record.collectives:
-            rows.append(f"{graph:<14} (no collectives)")
-        for c in record.collectives:
-            shape = "x".join(map(str, c.shape))
-            rows.append(
-                f"{graph:<14} {c.op:<15} {c.axis:<5} {c.group_size:>5} {shape:<14} {c.bytes:>10}"
-            )
-    total = sum(c.bytes for r in backend.records for c in r.collectives)
-    rows.append(f"total: {sum(len(r.collectives) for r in backend.records)} collectives, {total} bytes per rank")
-    return "\n".join(rows)
+        backend = dtcompile.backend(inductor=inductor)
+        return str(collective_schedule(parallel, case.local_input(x, mesh), backend=backend))
 
 
 def main(argv: list[str] | None = None) -> int:

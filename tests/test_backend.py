@@ -126,3 +126,13 @@ def test_compiler_settings_change_only_inside_the_call():
         object.__setattr__(PASSES[0], "fn", original)
     assert seen == {"autograd_cache": False, "max_fusion_size": 7}
     assert (functorch_config.enable_autograd_cache, inductor_config.max_fusion_size) == before
+
+
+def test_demo_checks_numerics_and_prints_the_schedule(capsys):
+    from dtcompile import demo
+
+    assert demo.main(["--no-inductor"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: compiled matches eager and the reference" in out
+    assert "  all_gather      tp     x4    float32[8, 2, 64]  4096 B" in out
+    assert "backward total: 4 collectives, 16384 B per rank" in out
