@@ -7,5 +7,6 @@ installed; ``dtcompile.backend(**options)`` makes a configured one.
 from dtcompile.compiler import CompiledGraph, DTCompileBackend, backend
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.config import DTCompileConfig
+from dtcompile.report import Report, explain
 
-__all__ = ["backend", "CollectiveInfo", "CompiledGraph", "DTCompileBackend", "DTCompileConfig"]
+__all__ = ["CollectiveInfo", "CompiledGraph", "DTCompileBackend", "DTCompileConfig", "Report", "backend", "explain"]

@@ -39,6 +39,9 @@ class CollectiveInfo:
     dtype: torch.dtype
     bytes: int
     """Bytes per rank."""
+    group_span: int = 1
+    """How many consecutive ranks the group covers (``max - min + 1``): whether it
+    fits in one node is what picks the link in the cost model."""
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -118,10 +121,13 @@ def axis_name(group_name: str, axes: Mapping[str, str] | None = None) -> str:
     return group_name
 
 
-def _group_size(group_name: str) -> int:
+def _group_size_and_span(group_name: str) -> tuple[int, int]:
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    return c10d._resolve_process_group(group_name).size()
+    group = c10d._resolve_process_group(group_name)
+    ranks = dist.get_process_group_ranks(group)
+    return group.size(), max(ranks) - min(ranks) + 1
 
 
 def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> CollectiveInfo | None:
@@ -138,14 +144,16 @@ def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> Col
         raise AssertionError(f"collective {node.name} has no tensor metadata")
     shape = tuple(int(s) for s in vals[0].shape) if len(vals) == 1 else (len(vals),)
     num_bytes = sum(int(v.numel()) * v.element_size() for v in vals)
+    group_size, group_span = _group_size_and_span(group_name)
     return CollectiveInfo(
         node=node.name,
         op=kind,
         axis=axis_name(group_name, axes),
-        group_size=_group_size(group_name),
+        group_size=group_size,
         shape=shape,
         dtype=vals[0].dtype,
         bytes=num_bytes,
+        group_span=group_span,
     )
 
 

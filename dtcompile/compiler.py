@@ -29,9 +29,12 @@ import torch
 from torch import fx
 
 import dynamo_vars
+from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph, format_aot_graph
 from dtcompile.collectives import CollectiveInfo, graph_collectives, mesh_axes
+from dtcompile.cost_model import get_profile
 from dtcompile.config import DTCompileConfig
 from dtcompile.passes import PassRecord, run_passes
+from dtcompile.report import emit_artifacts, format_compiled_graph
 
 __all__ = ["backend", "CompiledGraph", "DTCompileBackend", "dtcompile"]
 
@@ -53,6 +56,12 @@ class CompiledGraph:
     """The graph after the passes, as handed to lowering."""
     collectives: tuple[CollectiveInfo, ...]
     passes: tuple[PassRecord, ...]
+    info: DynamoGraphInfo
+    """The Dynamo graph it came from: placements, and collectives charged to its nodes."""
+
+    def annotated(self) -> str:
+        """The graph one line per call node with its annotation (see :mod:`dtcompile.annotations`)."""
+        return format_aot_graph(self.graph)
 
 
 @contextlib.contextmanager
@@ -93,7 +102,13 @@ class DTCompileBackend:
         # this backend's options and passes: a hit could return a graph compiled
         # without them.  Inductor's per-graph FX cache (keyed on the graph after
         # our passes) stays on.
-        axes = mesh_axes(gm, example_inputs)
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        info = describe_dynamo_graph(
+            gm,
+            str(compile_id) if compile_id is not None else "?",
+            mesh_axes(gm, example_inputs),
+            get_profile(self.config.cost_profile),
+        )
         with functorch_config.patch(enable_autograd_cache=False), _fresh_sharding_caches():
             if self.config.inductor:
                 from torch._inductor.compile_fx import compile_fx
@@ -101,14 +116,14 @@ class DTCompileBackend:
                 return compile_fx(
                     gm,
                     example_inputs,
-                    inner_compile=functools.partial(self._inductor_inner_compile, axes),
+                    inner_compile=functools.partial(self._inductor_inner_compile, info),
                     config_patches=dict(self.config.inductor_config) or None,
                 )
-            return self._aot_without_inductor(gm, example_inputs, axes)
+            return self._aot_without_inductor(gm, example_inputs, info)
 
     def _inductor_inner_compile(
         self,
-        axes: dict[str, str],
+        info: DynamoGraphInfo,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         **kwargs: Any,
@@ -121,11 +136,11 @@ class DTCompileBackend:
             kind = "inference"
         else:
             kind = "forward"
-        gm = self._run_passes(gm, example_inputs, kind, axes)
+        gm = self._run_passes(gm, example_inputs, kind, info)
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _aot_without_inductor(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], axes: dict[str, str]
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], info: DynamoGraphInfo
     ) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -135,7 +150,7 @@ class DTCompileBackend:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
-                return make_boxed_func(self._run_passes(graph, inputs, kind, axes).forward)
+                return make_boxed_func(self._run_passes(graph, inputs, kind, info).forward)
 
             return compile_graph
 
@@ -151,19 +166,20 @@ class DTCompileBackend:
         )(gm, example_inputs)
 
     def _run_passes(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str, axes: dict[str, str]
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str, info: DynamoGraphInfo
     ) -> fx.GraphModule:
         gm.meta["dtcompile_graph_kind"] = kind
-        gm.meta["dtcompile_mesh_axes"] = axes
-        compile_id = torch._guards.CompileContext.current_compile_id()
+        gm.meta["dtcompile_mesh_axes"] = info.axes
+        gm.meta["dtcompile_graph_info"] = info
         gm, passes = run_passes(gm, example_inputs, self.config)
         gm.recompile()
         record = CompiledGraph(
-            compile_id=str(compile_id) if compile_id is not None else "?",
+            compile_id=info.compile_id,
             kind=kind,
             graph=gm,
-            collectives=tuple(graph_collectives(gm.graph, axes)),
+            collectives=tuple(graph_collectives(gm.graph, info.axes)),
             passes=tuple(passes),
+            info=info,
         )
         self.records.append(record)
         log.info(
@@ -173,6 +189,9 @@ class DTCompileBackend:
             len(gm.graph.nodes),
             len(record.collectives),
         )
+        emit_artifacts(record)
+        if self.config.report:
+            print(format_compiled_graph(record), flush=True)
         return gm
 
 

@@ -26,6 +26,14 @@ class DTCompileConfig:
     """``torch._inductor.config`` settings for this backend's compiles only,
     applied with ``config.patch`` inside the call (never globally)."""
 
+    cost_profile: str = "h100"
+    """Hardware profile for the estimated collective times in annotations and
+    reports: a name in ``dtcompile.cost_model.PROFILES``."""
+
+    report: bool = False
+    """Print the text report (see :func:`dtcompile.explain`) of every graph this
+    backend compiles, as it compiles it."""
+
     def __post_init__(self) -> None:
         # Normalise the collections so the frozen config cannot be changed behind
         # its back and compares by value.
@@ -40,6 +48,9 @@ class DTCompileConfig:
                 f"dtcompile: disable_passes names unknown passes {unknown}; "
                 f"the passes are {sorted(known)}"
             )
+        from dtcompile.cost_model import get_profile
+
+        get_profile(self.cost_profile)
         if self.inductor_config:
             from torch._inductor import config as inductor_config
 

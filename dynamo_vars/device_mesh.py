@@ -61,10 +61,10 @@ def _mesh_guard(original: Any) -> Any:
     @functools.wraps(original)
     def OPAQUE_OBJ_GUARD_FN_MATCH(self: Any, guard: Any) -> None:
         value = self.get(guard)
-        if not isinstance(guards._real(value), DeviceMesh):
+        if not isinstance(guards.real_object(value), DeviceMesh):
             return original(self, guard)
         expected_values = extract_opaque_obj(guard, value)
-        expected_mesh = guards._real(value)
+        expected_mesh = guards.real_object(value)
 
         def check(x: Any) -> bool:
             return check_opaque_obj(x, expected_values)

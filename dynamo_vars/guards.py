@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["describe_mesh", "describe_placements", "explain", "source_label"]
+__all__ = ["describe_mesh", "describe_placements", "explain", "real_object", "source_label"]
 
 # key -> (part -> function(old value, new value) -> str | None).  Entries live as
 # long as the process: one small record per guard built.
@@ -32,7 +32,7 @@ _EXPECTED: dict[int, tuple[Any, dict[str, Callable[[Any, Any], str | None]]]] = 
 _KEYS = itertools.count()
 
 
-def _real(obj: Any) -> Any:
+def real_object(obj: Any) -> Any:
     """The real object behind a ``FakeScriptObject`` (what a trace sees), else ``obj``."""
     from torch._library.fake_class_registry import FakeScriptObject
 
@@ -41,14 +41,14 @@ def _real(obj: Any) -> Any:
 
 def describe_mesh(mesh: Any) -> str:
     """``DeviceMesh((dp=2, tp=4))``: shape and axis names, the short form of ``repr``."""
-    mesh = _real(mesh)
+    mesh = real_object(mesh)
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     axes = ", ".join(f"{name}={size}" for name, size in zip(names, mesh.shape))
     return f"DeviceMesh(({axes}))"
 
 
 def _mesh_identity(mesh: Any) -> tuple[Any, ...]:
-    mesh = _real(mesh)
+    mesh = real_object(mesh)
     return (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, mesh.mesh.flatten().tolist())
 
 
@@ -57,7 +57,7 @@ def describe_mesh_change(old: Any, new: Any) -> str:
     before, after = describe_mesh(old), describe_mesh(new)
     if before != after:
         return f"{before} -> {after}"
-    old_real, new_real = _real(old), _real(new)
+    old_real, new_real = real_object(old), real_object(new)
     if old_real.device_type != new_real.device_type:
         return f"{before} on {old_real.device_type} -> on {new_real.device_type}"
     return f"{before} over ranks {old_real.mesh.flatten().tolist()} -> ranks {new_real.mesh.flatten().tolist()}"

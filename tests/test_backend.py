@@ -40,20 +40,20 @@ def test_unknown_option_names_valid_ones():
         dtcompile.backend(inductr=False)
     assert str(err.value) == (
         "dtcompile.backend: unknown option(s) ['inductr']; valid options are "
-        "['disable_passes', 'inductor', 'inductor_config']"
+        "['cost_profile', 'disable_passes', 'inductor', 'inductor_config', 'report']"
     )
 
 
 def test_unknown_pass_and_inductor_setting_are_rejected():
-    with pytest.raises(ValueError, match=r"unknown passes \['bucketing'\]; the passes are \['annotate_collectives'\]"):
+    with pytest.raises(ValueError, match=r"unknown passes \['bucketing'\]; the passes are \['annotate'\]"):
         dtcompile.backend(disable_passes={"bucketing"})
     with pytest.raises(ValueError, match=r"inductor_config has unknown settings \['no_such_knob'\]"):
         dtcompile.backend(inductor_config={"no_such_knob": 1})
 
 
 def test_config_is_frozen_and_compares_by_value():
-    config = DTCompileConfig(disable_passes=["annotate_collectives"])
-    assert config == DTCompileConfig(disable_passes={"annotate_collectives"})
+    config = DTCompileConfig(disable_passes=["annotate"])
+    assert config == DTCompileConfig(disable_passes={"annotate"})
     with pytest.raises(AttributeError):
         config.inductor = False  # type: ignore[misc]
 
@@ -92,7 +92,7 @@ def test_plain_model_compiles_and_matches_eager(inductor):
 
 def test_switched_off_pass_does_not_run_and_passes_log(caplog):
     backend_on = dtcompile.backend(inductor=False)
-    backend_off = dtcompile.backend(inductor=False, disable_passes={"annotate_collectives"})
+    backend_off = dtcompile.backend(inductor=False, disable_passes={"annotate"})
     x = torch.randn(4)
     with caplog.at_level(logging.INFO, logger="dtcompile.passes"):
         torch.compile(torch.sin, backend=backend_on)(x)
@@ -100,9 +100,9 @@ def test_switched_off_pass_does_not_run_and_passes_log(caplog):
     torch.compile(torch.sin, backend=backend_off)(x)
     (on,) = backend_on.records[0].passes
     (off,) = backend_off.records[0].passes
-    assert [p.name for p in PASSES] == ["annotate_collectives"]
-    assert (on.name, on.ran, off.ran) == ("annotate_collectives", True, False)
-    assert "inference: pass annotate_collectives: nodes 3 -> 3, collectives 0 -> 0" in caplog.text
+    assert [p.name for p in PASSES] == ["annotate"]
+    assert (on.name, on.ran, off.ran) == ("annotate", True, False)
+    assert "inference: pass annotate: nodes 3 -> 3, collectives 0 -> 0" in caplog.text
 
 
 def test_compiler_settings_change_only_inside_the_call():

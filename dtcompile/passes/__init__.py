@@ -5,13 +5,16 @@ name by which ``DTCompileConfig.disable_passes`` switches it off, and logs what
 it changed.  They run on the forward and backward graphs after AOTAutograd's
 partitioner and before lowering; ``gm.meta["dtcompile_graph_kind"]`` says which
 graph it is (``forward``, ``backward`` or ``inference``) and
-``gm.meta["dtcompile_mesh_axes"]`` maps process-group names to mesh axis names.
+``gm.meta["dtcompile_mesh_axes"]`` maps process-group names to mesh axis names,
+``gm.meta["dtcompile_graph_info"]`` is the Dynamo graph's
+:class:`~dtcompile.annotations.DynamoGraphInfo`.
 
 Where each pass lives:
 
-- ``annotate_collectives`` (:mod:`dtcompile.passes.annotate`): records every
-  functional collective (op, mesh axis, group size, bytes per rank) in
-  ``node.meta["dtcompile_collective"]``.
+- ``annotate`` (:mod:`dtcompile.passes.annotate`): every call node gets
+  ``node.meta["dtcompile_annotation"]``; every functional collective also its
+  :class:`~dtcompile.CollectiveInfo` in ``node.meta["dtcompile_collective"]``
+  and its estimated time in ``node.meta["dtcompile_cost_us"]``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from dtcompile.collectives import is_collective
-from dtcompile.passes.annotate import annotate_collectives
+from dtcompile.passes.annotate import annotate
 
 if TYPE_CHECKING:
     from dtcompile.config import DTCompileConfig
@@ -53,7 +56,7 @@ class PassRecord:
     collectives_after: int
 
 
-PASSES: tuple[GraphPass, ...] = (GraphPass("annotate_collectives", annotate_collectives),)
+PASSES: tuple[GraphPass, ...] = (GraphPass("annotate", annotate),)
 
 
 def _num_collectives(gm: fx.GraphModule) -> int:

@@ -8,21 +8,16 @@ from typing import Any
 
 from torch import fx
 
-from dtcompile.collectives import collective_info
+from dtcompile.annotations import annotate_aot_graph
 
 log = logging.getLogger(__name__)
 
 
-def annotate_collectives(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any
-) -> fx.GraphModule:
-    """Stores each collective's :class:`CollectiveInfo` in ``node.meta["dtcompile_collective"]``."""
-    count = 0
-    axes = gm.meta.get("dtcompile_mesh_axes")
-    for node in gm.graph.nodes:
-        info = collective_info(node, axes)
-        if info is not None:
-            node.meta["dtcompile_collective"] = info
-            count += 1
-    log.debug("annotate_collectives: %d collectives annotated", count)
+def annotate(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule:
+    """Annotates every call node (see :mod:`dtcompile.annotations`): collectives with
+    their mesh axis, bytes and estimated time, other nodes with the DTensor op and
+    placement they come from."""
+    info = gm.meta["dtcompile_graph_info"]
+    count = annotate_aot_graph(gm, gm.meta.get("dtcompile_graph_kind", "forward"), info)
+    log.debug("annotate: %d nodes annotated", count)
     return gm

@@ -1,0 +1,221 @@
+"""Placements and communication, node by node, at both levels dtcompile sees.
+
+Dynamo level (DTensor ops, before AOTAutograd): every node whose value is a
+DTensor, or whose arguments are, gets a :class:`NodePlacement` in the op-schema
+notation of DTensor's own ``OpSchema``::
+
+    linear = torch._C._nn.linear(Spec(f32[8, 16](R)), Spec(f32[32, 16](S(0)))) -> Spec(f32[8, 32](S(1)))
+
+AOT level (local ops and functional collectives): every call node gets
+``node.meta["dtcompile_annotation"]``: a collective's kind, mesh axis, group
+size, bytes per rank and estimated time under the cost profile; any other node
+the Dynamo node it was traced from (``meta["from_node"]``; for a backward node,
+the forward node with the same autograd sequence number) and that node's
+output placement.  The collectives are also charged to their Dynamo node, so the
+Dynamo-level text shows which DTensor op communicates, in forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from dtcompile.collectives import CollectiveInfo, collective_info
+from dtcompile.cost_model import HardwareProfile, collective_time_us
+
+__all__ = [
+    "Communication",
+    "DynamoGraphInfo",
+    "NodePlacement",
+    "annotate_aot_graph",
+    "describe_dynamo_graph",
+    "format_aot_graph",
+]
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """One Dynamo node's DTensor view: inputs and output in ``Spec(...)`` notation."""
+
+    name: str
+    target: str
+    args: tuple[str, ...]
+    output: str
+    mesh: str
+
+    def __str__(self) -> str:
+        arrow = f" -> {self.output}" if self.output else ""
+        return f"{self.name} = {self.target}({', '.join(self.args)}){arrow}"
+
+
+@dataclass(frozen=True)
+class Communication:
+    """A collective issued on behalf of a Dynamo node."""
+
+    kind: str
+    """``forward``, ``backward`` or ``inference``: the AOT graph that issues it."""
+    collective: CollectiveInfo
+    time_us: float
+
+    def __str__(self) -> str:
+        c = self.collective
+        return f"{self.kind} {c.op}[{c.axis}] x{c.group_size} {c.bytes} B ~{self.time_us:.1f} us"
+
+
+@dataclass
+class DynamoGraphInfo:
+    """What dtcompile learned about one Dynamo graph (one compile id)."""
+
+    compile_id: str
+    axes: dict[str, str]
+    profile: HardwareProfile
+    nodes: dict[str, NodePlacement] = field(default_factory=dict)
+    meshes: tuple[str, ...] = ()
+    seq_nr_to_node: dict[int, str] = field(default_factory=dict)
+    communication: dict[str, list[Communication]] = field(default_factory=lambda: defaultdict(list))
+
+    def format(self) -> str:
+        """The annotated Dynamo graph, one line per DTensor node, with what it communicates."""
+        lines = [f"on {mesh}" for mesh in self.meshes]
+        for name, note in self.nodes.items():
+            line = str(note)
+            comm = self.communication.get(name)
+            if comm:
+                line += "  # " + "; ".join(str(c) for c in comm)
+            lines.append(line)
+        unattributed = [c for name, cs in self.communication.items() if name not in self.nodes for c in cs]
+        lines += [f"(no DTensor op) # {c}" for c in unattributed]
+        return "\n".join(lines)
+
+
+def _spec(value: Any) -> str | None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return str(value._spec)
+    return None
+
+
+def _mesh_text(value: Any) -> str | None:
+    """``DeviceMesh((tp=4))`` for a mesh, or the trace-time fake of one; else None."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dynamo_vars.guards import describe_mesh, real_object
+
+    real = real_object(value)
+    return describe_mesh(real) if isinstance(real, DeviceMesh) else None
+
+
+def _arg_text(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        value = arg.meta.get("example_value")
+        text = _spec(value) or _mesh_text(value)
+        return text if text is not None else arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_arg_text(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    return repr(arg)
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_module":
+        return str(node.target)
+    target = node.target
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    if module in (None, "builtins", "_operator"):
+        return name if module != "_operator" else f"operator.{name}"
+    return f"{module}.{name}"
+
+
+def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, str], profile: HardwareProfile) -> DynamoGraphInfo:
+    """The placements of every DTensor node of a Dynamo graph (read from its example values)."""
+    from torch.distributed.tensor import DTensor
+
+    from dynamo_vars.guards import real_object
+
+    info = DynamoGraphInfo(compile_id, axes, profile)
+    meshes: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        value = node.meta.get("example_value")
+        inputs = [a.meta.get("example_value") for a in node.all_input_nodes]
+        dtensors = [v for v in pytree.tree_leaves([value, inputs]) if isinstance(v, DTensor)]
+        if not dtensors:
+            continue
+        for d in dtensors:
+            mesh = real_object(d.device_mesh)
+            meshes.setdefault(id(mesh), repr(mesh))
+        out = [s for s in (_spec(v) for v in pytree.tree_leaves(value)) if s is not None]
+        output = out[0] if len(out) == 1 else (f"({', '.join(out)})" if out else "")
+        args = tuple(_arg_text(a) for a in node.args) + tuple(f"{k}={_arg_text(v)}" for k, v in node.kwargs.items())
+        info.nodes[node.name] = NodePlacement(node.name, _target_name(node), args, output, repr(real_object(dtensors[0].device_mesh)))
+    info.meshes = tuple(meshes.values())
+    return info
+
+
+def _source_node(node: fx.Node, info: DynamoGraphInfo) -> str | None:
+    """The Dynamo node an AOT node was traced from (for backward: through its sequence number)."""
+    sources = node.meta.get("from_node") or []
+    if sources:
+        # The first entry is the outermost graph that produced it: the Dynamo graph.
+        return sources[0].name
+    seq_nr = node.meta.get("seq_nr")
+    return info.seq_nr_to_node.get(seq_nr) if seq_nr is not None else None
+
+
+def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> int:
+    """Annotates every call node of an AOT graph (see the module docstring); returns how many."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        source = _source_node(node, info)
+        if kind != "backward" and source is not None and node.meta.get("seq_nr") is not None:
+            info.seq_nr_to_node.setdefault(node.meta["seq_nr"], source)
+        collective = collective_info(node, info.axes)
+        if collective is not None:
+            link = info.profile.link(collective.group_span)
+            time_us = collective_time_us(collective.op, collective.bytes, collective.group_size, link)
+            node.meta["dtcompile_collective"] = collective
+            node.meta["dtcompile_cost_us"] = time_us
+            communication = Communication(kind, collective, time_us)
+            info.communication[source or "?"].append(communication)
+            note = f"{collective.op}[{collective.axis}] x{collective.group_size} {collective.bytes} B ~{time_us:.1f} us ({info.profile.name})"
+        elif source is not None:
+            placement = info.nodes.get(source)
+            role = "grad of" if kind == "backward" and not node.meta.get("from_node") else "from"
+            note = f"{role} {source}" + (f": {placement.output}" if placement is not None and placement.output else "")
+        else:
+            note = "local: no DTensor op (AOTAutograd bookkeeping)"
+        node.meta["dtcompile_annotation"] = note
+        count += 1
+    return count
+
+
+def format_aot_graph(gm: fx.GraphModule) -> str:
+    """The AOT graph, one line per call node, with its annotation."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = ", ".join(_short(a) for a in node.args)
+        note = node.meta.get("dtcompile_annotation", "")
+        lines.append(f"{node.name} = {_target_name(node) if not isinstance(node.target, torch._ops.OpOverload) else node.target}({args})  # {note}")
+    return "\n".join(lines)
+
+
+def _short(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        return "[" + ", ".join(_short(a) for a in arg) + "]"
+    return repr(arg)
