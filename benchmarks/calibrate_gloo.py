@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dtcompile.cost_model import Link, collective_time_us  # noqa: E402
-from dtcompile.testing import run_gloo  # noqa: E402
+from dtcompile.cost_model import Link, collective_time_us
+from dtcompile.testing import run_gloo
 
 SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24]  # bytes of the collective's buffer
 

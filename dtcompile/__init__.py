@@ -4,8 +4,8 @@
 installed; ``dtcompile.backend(**options)`` makes a configured one.
 """
 
-from dtcompile.compiler import CompiledGraph, DTCompileBackend, backend
 from dtcompile.collectives import CollectiveInfo
+from dtcompile.compiler import CompiledGraph, DTCompileBackend, backend
 from dtcompile.config import DTCompileConfig
 from dtcompile.report import Report, explain
 

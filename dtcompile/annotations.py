@@ -75,6 +75,9 @@ class DynamoGraphInfo:
     axes: dict[str, str]
     profile: HardwareProfile
     nodes: dict[str, NodePlacement] = field(default_factory=dict)
+    """The DTensor nodes (a DTensor in or out), by name, in graph order."""
+    node_names: frozenset[str] = frozenset()
+    """Every node of the Dynamo graph (the provenance of AOT nodes names one)."""
     meshes: tuple[str, ...] = ()
     seq_nr_to_node: dict[int, str] = field(default_factory=dict)
     communication: dict[str, list[Communication]] = field(default_factory=lambda: defaultdict(list))
@@ -142,7 +145,7 @@ def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, s
     from dynamo_vars.guards import real_object
 
     info = DynamoGraphInfo(compile_id, axes, profile)
-    meshes: dict[int, str] = {}
+    meshes: dict[str, None] = {}  # reprs, in order of appearance
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
@@ -152,33 +155,40 @@ def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, s
         if not dtensors:
             continue
         for d in dtensors:
-            mesh = real_object(d.device_mesh)
-            meshes.setdefault(id(mesh), repr(mesh))
+            meshes.setdefault(repr(real_object(d.device_mesh)))
         out = [s for s in (_spec(v) for v in pytree.tree_leaves(value)) if s is not None]
         output = out[0] if len(out) == 1 else (f"({', '.join(out)})" if out else "")
         args = tuple(_arg_text(a) for a in node.args) + tuple(f"{k}={_arg_text(v)}" for k, v in node.kwargs.items())
         info.nodes[node.name] = NodePlacement(node.name, _target_name(node), args, output, repr(real_object(dtensors[0].device_mesh)))
-    info.meshes = tuple(meshes.values())
+    info.meshes = tuple(meshes)
+    info.node_names = frozenset(node.name for node in gm.graph.nodes)
     return info
 
 
-def _source_node(node: fx.Node, info: DynamoGraphInfo) -> str | None:
-    """The Dynamo node an AOT node was traced from (for backward: through its sequence number)."""
+def _source_node(node: fx.Node, info: DynamoGraphInfo, known: dict[fx.Node, str]) -> str | None:
+    """The Dynamo node an AOT node was traced from: its ``from_node``; for a backward
+    node, the forward node with the same autograd sequence number; else (a wait, a
+    gradient accumulation) the source of its first input that has one."""
     sources = node.meta.get("from_node") or []
     if sources:
         # The first entry is the outermost graph that produced it: the Dynamo graph.
         return sources[0].name
     seq_nr = node.meta.get("seq_nr")
-    return info.seq_nr_to_node.get(seq_nr) if seq_nr is not None else None
+    if seq_nr is not None and seq_nr in info.seq_nr_to_node:
+        return info.seq_nr_to_node[seq_nr]
+    return next((known[a] for a in node.all_input_nodes if a in known), None)
 
 
 def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> int:
     """Annotates every call node of an AOT graph (see the module docstring); returns how many."""
     count = 0
+    known: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        source = _source_node(node, info)
+        source = _source_node(node, info, known)
+        if source is not None:
+            known[node] = source
         if kind != "backward" and source is not None and node.meta.get("seq_nr") is not None:
             info.seq_nr_to_node.setdefault(node.meta["seq_nr"], source)
         collective = collective_info(node, info.axes)

@@ -29,14 +29,18 @@ import torch
 from torch import fx
 
 import dynamo_vars
-from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph, format_aot_graph
+from dtcompile.annotations import (
+    DynamoGraphInfo,
+    describe_dynamo_graph,
+    format_aot_graph,
+)
 from dtcompile.collectives import CollectiveInfo, graph_collectives, mesh_axes
-from dtcompile.cost_model import get_profile
 from dtcompile.config import DTCompileConfig
+from dtcompile.cost_model import get_profile
 from dtcompile.passes import PassRecord, run_passes
 from dtcompile.report import emit_artifacts, format_compiled_graph
 
-__all__ = ["backend", "CompiledGraph", "DTCompileBackend", "dtcompile"]
+__all__ = ["CompiledGraph", "DTCompileBackend", "backend", "dtcompile"]
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "PROFILES",
     "HardwareProfile",
     "Link",
-    "PROFILES",
     "collective_time_us",
     "get_profile",
     "register_profile",

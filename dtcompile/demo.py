@@ -3,8 +3,9 @@
 Run ``python -m dtcompile.demo``.  Each rank is a thread of this process with a
 real-semantics process group; every rank compiles the block with
 ``backend="dtcompile"``, runs forward and backward, and is checked against eager
-and against the single-process block.  Then rank 0's compiled graphs'
-collectives are printed.
+and against the single-process block.  Then rank 0's inspection report
+(``dtcompile.explain``: DTensor placements node by node, the collectives each
+causes with estimated times, totals, graph breaks, recompiles) is printed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dtcompile._testing.cases import (
     rank_eager_and_compiled,
     reference_step,
 )
-from dtcompile.testing import collective_schedule, fake_world, run_threaded
+from dtcompile.testing import fake_world, run_threaded
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +33,15 @@ def _max_diff(a: StepResult, b: StepResult) -> float:
     return float(torch.stack(diffs).max())
 
 
-def _collective_table(case_name: str, world_size: int, inductor: bool) -> str:
-    """Rank 0's compiled graphs and their collectives, traced on the fake process group."""
+def _report(case_name: str, world_size: int, inductor: bool) -> str:
+    """Rank 0's inspection report (placements, communication, costs), traced on the fake PG."""
     import dtcompile
 
     case = CASES[case_name]
     with fake_world(world_size, case.mesh_shape(world_size), case.mesh_dim_names) as mesh:
         _, parallel, x = case.build(mesh)
-        backend = dtcompile.backend(inductor=inductor)
-        return str(collective_schedule(parallel, case.local_input(x, mesh), backend=backend))
+        report = dtcompile.explain(parallel, inductor=inductor)(case.local_input(x, mesh))
+    return report.text(aot_graphs=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= vs_reference <= tol
         print(f"rank 0: max |eager - single-process reference| = {vs_reference:.2e}")
     print()
-    print("collectives of rank 0's compiled graphs (forward and backward):")
-    print(_collective_table(args.model, args.world_size, options["inductor"]))
+    print("rank 0's inspection report (dtcompile.explain; the annotated AOT graphs left out):")
+    print(_report(args.model, args.world_size, options["inductor"]))
     print()
     print("OK: compiled matches eager and the reference" if ok else "MISMATCH")
     return 0 if ok else 1

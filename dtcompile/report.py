@@ -118,6 +118,10 @@ class Report:
     recompiles: tuple[str, ...]
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, aot_graphs: bool = True) -> str:
+        """The report; ``aot_graphs=False`` leaves out the annotated forward/backward graphs."""
         lines = []
         profile = self.graphs[0].info.profile if self.graphs else None
         if profile is not None:
@@ -127,7 +131,7 @@ class Report:
             by_id.setdefault(record.compile_id, []).append(record)
         for compile_id, records in by_id.items():
             lines += [f"== compile {compile_id} ==", "-- DTensor placements (Dynamo graph) --", records[0].info.format()]
-            for record in records:
+            for record in records if aot_graphs else ():
                 lines += [f"-- {record.kind} graph --", record.annotated()]
         lines += ["== collectives ==", *_collective_table(list(self.graphs))]
         lines.append("== graph breaks ==")

@@ -134,5 +134,6 @@ def test_demo_checks_numerics_and_prints_the_schedule(capsys):
     assert demo.main(["--no-inductor"]) == 0
     out = capsys.readouterr().out
     assert "OK: compiled matches eager and the reference" in out
-    assert "  all_gather      tp     x4    float32[8, 2, 64]  4096 B" in out
-    assert "backward total: 4 collectives, 16384 B per rank" in out
+    assert "dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))" in out
+    assert "total backward: 4 collectives, 16384 B per rank" in out
+    assert "== graph breaks ==\nnone\n== recompiles ==\nnone" in out

@@ -1,3 +1,3 @@
-"""Inspection tools (issue #5: the ``dtcompile-report`` command); none yet."""
+"""Inspection tools: ``dtcompile-report`` (:mod:`tools.report`), the HTML report of a TORCH_TRACE directory."""
 
 __all__: list[str] = []

@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -51,14 +57,14 @@ __all__ = [
     "Block",
     "BlockArgs",
     "RMSNorm",
-    "parallelize_mlp",
-    "parallelize_block",
-    "parallelize_fsdp_mlp",
-    "parallelize_block_2d",
-    "build_mlp",
     "build_block",
-    "build_fsdp_mlp",
     "build_block_2d",
+    "build_fsdp_mlp",
+    "build_mlp",
+    "parallelize_block",
+    "parallelize_block_2d",
+    "parallelize_fsdp_mlp",
+    "parallelize_mlp",
 ]
 
 

@@ -32,7 +32,7 @@ from dtcompile.passes.annotate import annotate
 if TYPE_CHECKING:
     from dtcompile.config import DTCompileConfig
 
-__all__ = ["GraphPass", "PASSES", "PassRecord", "run_passes"]
+__all__ = ["PASSES", "GraphPass", "PassRecord", "run_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GraphPass:
     name: str
-    fn: Callable[[fx.GraphModule, Sequence[Any], "DTCompileConfig"], fx.GraphModule]
+    fn: Callable[[fx.GraphModule, Sequence[Any], DTCompileConfig], fx.GraphModule]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def _num_collectives(gm: fx.GraphModule) -> int:
 
 
 def run_passes(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], config: "DTCompileConfig"
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: DTCompileConfig
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
     """Runs :data:`PASSES` in order, skipping those in ``config.disable_passes``."""
     records = []

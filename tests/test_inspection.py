@@ -1,0 +1,365 @@
+"""Inspection: cost model, annotations of every node, explain(), TORCH_TRACE artifacts, tlparse, the HTML report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import dtcompile
+from dtcompile._testing.cases import CASES
+from dtcompile.cost_model import (
+    PROFILES,
+    HardwareProfile,
+    Link,
+    collective_time_us,
+    get_profile,
+    register_profile,
+)
+from tools import report as report_tool
+
+# ---------------------------------------------------------------- cost model
+
+
+def test_cost_formulas_by_hand():
+    nvlink = PROFILES["h100"].intra_node  # 360 GB/s, 0.6 us per hop, 6.6 us base
+    mib = 1 << 20
+    assert collective_time_us("all_gather", mib, 4, nvlink) == pytest.approx(6.6 + 3 * 0.6 + mib * 3 / 4 / 360e9 * 1e6)
+    assert collective_time_us("reduce_scatter", mib, 4, nvlink) == collective_time_us("all_gather", mib, 4, nvlink)
+    assert collective_time_us("all_reduce", mib, 4, nvlink) == pytest.approx(6.6 + 6 * 0.6 + mib * 6 / 4 / 360e9 * 1e6)
+    assert collective_time_us("all_to_all", mib, 8, nvlink) == pytest.approx(6.6 + 7 * 0.6 + mib * 7 / 8 / 360e9 * 1e6)
+    assert collective_time_us("broadcast", mib, 2, nvlink) == pytest.approx(6.6 + 0.6 + mib / 360e9 * 1e6)
+    assert collective_time_us("all_reduce", mib, 1, nvlink) == 0.0
+
+
+def test_axis_within_a_node_uses_nvlink_and_across_nodes_infiniband():
+    h100 = get_profile("h100")
+    assert h100.link(8) is h100.intra_node and h100.link(9) is h100.inter_node
+    gib = 1 << 30
+    # 1 GiB all-reduce over 16 ranks across two nodes: 15 x 2 hops of 2.7 us, 30/16 of the bytes at 45 GB/s.
+    expected = 6.6 + 30 * 2.7 + gib * 30 / 16 / 45e9 * 1e6
+    assert collective_time_us("all_reduce", gib, 16, h100.link(16)) == pytest.approx(expected)
+
+
+def test_profiles_can_be_added_and_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"unknown cost profile 'tpu'; the profiles are \['a100', 'cpu_gloo', 'h100', 'inter_node_ib'\]"):
+        dtcompile.backend(cost_profile="tpu")
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        Link(bandwidth_gbps=0, hop_latency_us=1)
+    with pytest.raises(ValueError, match="unknown collective 'gather'"):
+        collective_time_us("gather", 8, 2, PROFILES["h100"].intra_node)
+    link = Link(bandwidth_gbps=100.0, hop_latency_us=1.0, base_latency_us=0.0)
+    profile = register_profile(HardwareProfile(name="test_box", description="test", intra_node=link, inter_node=link, devices_per_node=4))
+    try:
+        assert dtcompile.backend(cost_profile="test_box").config.cost_profile == "test_box"
+        assert collective_time_us("all_gather", 400, 4, profile.link(4)) == pytest.approx(3 + 300 / 100e9 * 1e6)
+    finally:
+        del PROFILES["test_box"]
+
+
+# ---------------------------------------------------------------- annotations
+
+
+def _explain(case_name: str, world_size: int, mesh) -> dtcompile.Report:
+    case = CASES[case_name]
+    _, parallel, x = case.build(mesh)
+    return dtcompile.explain(parallel)(case.local_input(x, mesh))
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_every_aot_call_node_is_annotated_and_bytes_follow_from_shapes(fake_world, case_name):
+    case = CASES[case_name]
+    world_size = 8 if case_name == "block_2d" else 4
+    report = _explain(case_name, world_size, fake_world(world_size, case.mesh_shape(world_size), case.mesh_dim_names))
+    assert {"forward", "backward"} <= {g.kind for g in report.graphs}
+    num_nodes = 0
+    for graph in report.graphs:
+        for node in graph.graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            num_nodes += 1
+            note = node.meta["dtcompile_annotation"]
+            info = node.meta.get("dtcompile_collective")
+            if info is None:
+                # every other node names the Dynamo node it comes from
+                assert note.startswith(("from ", "grad of ")), (node.name, note)
+                assert note.split(":")[0].split()[-1] in graph.info.node_names, (node.name, note)
+                continue
+            value = (node if info.op == "all_gather" else node.args[0]).meta["val"]
+            assert info.bytes == math.prod(value.shape) * value.element_size()
+            assert node.meta["dtcompile_cost_us"] > 0
+    assert num_nodes > 40
+    # every collective is charged to a DTensor op of the Dynamo graph
+    for graph in report.graphs:
+        assert "?" not in graph.info.communication
+
+
+def test_annotated_placements_tp_mlp(fake_world):
+    report = _explain("tp_mlp", 4, fake_world(4, (4,), ("tp",)))
+    assert_expected_inline(
+        report.graphs[0].info.format(),
+        """\
+on DeviceMesh((tp=4), 'cpu', stride=(1,))
+input_tensor = torch.distributed.tensor._api.DTensor.from_local(l_x_, DeviceMesh((tp=4)), (Replicate()), run_check=False) -> Spec(f32[4, 16](R))
+linear = torch._C._nn.linear(Spec(f32[4, 16](R)), Spec(f32[32, 16](S(0))), Spec(f32[32](S(0)))) -> Spec(f32[4, 32](S(1)))
+outputs = .redistribute(Spec(f32[4, 32](S(1))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[4, 32](S(1)))
+hook_result = .to_local(Spec(f32[4, 32](S(1))))
+input_tensor_2 = torch.distributed.tensor._api.DTensor.from_local(input_tensor_1, DeviceMesh((tp=4)), (Shard(dim=-1)), run_check=False) -> Spec(f32[4, 32](S(1)))
+linear_1 = torch._C._nn.linear(Spec(f32[4, 32](S(1))), Spec(f32[16, 32](S(1))), Spec(f32[16](R))) -> Spec(f32[4, 16](P(sum)))
+outputs_1 = .redistribute(Spec(f32[4, 16](P(sum))), placements=(Replicate()), async_op=True) -> Spec(f32[4, 16](R))  # forward all_reduce[tp] x4 256 B ~10.2 us
+hook_result_1 = .to_local(Spec(f32[4, 16](R)))""",
+    )
+
+
+def test_annotated_placements_fsdp_mlp(fake_world):
+    report = _explain("fsdp_mlp", 4, fake_world(4, (4,), ("dp",)))
+    assert_expected_inline(
+        report.graphs[0].info.format(),
+        """\
+on DeviceMesh((dp=4), 'cpu', stride=(1,))
+redistribute = .redistribute(Spec(f32[32, 16](S(0))), placements=[Replicate()]) -> Spec(f32[32, 16](R))  # forward all_gather[dp] x4 2048 B ~8.4 us; backward reduce_scatter[dp] x4 2048 B ~8.4 us
+local = .to_local(Spec(f32[32, 16](R)), grad_placements=[Partial(avg)])
+redistribute_1 = .redistribute(Spec(f32[32](S(0))), placements=[Replicate()]) -> Spec(f32[32](R))  # forward all_gather[dp] x4 128 B ~8.4 us; backward reduce_scatter[dp] x4 128 B ~8.4 us
+local_1 = .to_local(Spec(f32[32](R)), grad_placements=[Partial(avg)])
+redistribute_2 = .redistribute(Spec(f32[16, 32](S(0))), placements=[Replicate()]) -> Spec(f32[16, 32](R))  # forward all_gather[dp] x4 2048 B ~8.4 us; backward reduce_scatter[dp] x4 2048 B ~8.4 us
+local_2 = .to_local(Spec(f32[16, 32](R)), grad_placements=[Partial(avg)])
+redistribute_3 = .redistribute(Spec(f32[16](S(0))), placements=[Replicate()]) -> Spec(f32[16](R))  # forward all_gather[dp] x4 64 B ~8.4 us; backward reduce_scatter[dp] x4 64 B ~8.4 us
+local_3 = .to_local(Spec(f32[16](R)), grad_placements=[Partial(avg)])""",
+    )
+
+
+def test_annotated_placements_tp_sp_block(fake_world):
+    report = _explain("tp_sp_block", 4, fake_world(4, (4,), ("tp",)))
+    (main,) = {g.info.compile_id: g.info for g in report.graphs if g.info.compile_id == "1/0"}.values()
+    assert_expected_inline(main.format(), """\
+on DeviceMesh((tp=4), 'cpu', stride=(1,))
+args_result = torch.distributed.tensor._api.DTensor.from_local(l_x_, DeviceMesh((tp=4)), (Shard(dim=1)), run_check=False) -> Spec(f32[2, 8, 64](S(1)))
+pow_1 = .pow(Spec(f32[2, 8, 64](S(1))), 2) -> Spec(f32[2, 8, 64](S(1)))
+mean = .mean(Spec(f32[2, 8, 64](S(1))), -1, keepdim=True) -> Spec(f32[2, 8, 1](S(1)))
+add = operator.add(Spec(f32[2, 8, 1](S(1))), 1e-06) -> Spec(f32[2, 8, 1](S(1)))
+rsqrt = torch._VariableFunctionsClass.rsqrt(Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 1](S(1)))
+mul = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 64](S(1)))
+hook_result = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[64](R))) -> Spec(f32[2, 8, 64](S(1)))
+dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+linear = torch._C._nn.linear(Spec(f32[2, 8, 64](R)), Spec(f32[64, 64](S(0))), None) -> Spec(f32[2, 8, 64](S(2)))
+outputs = .redistribute(Spec(f32[2, 8, 64](S(2))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[2, 8, 64](S(2)))
+hook_result_1 = .to_local(Spec(f32[2, 8, 64](S(2))))
+linear_1 = torch._C._nn.linear(Spec(f32[2, 8, 64](R)), Spec(f32[64, 64](S(0))), None) -> Spec(f32[2, 8, 64](S(2)))
+outputs_1 = .redistribute(Spec(f32[2, 8, 64](S(2))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[2, 8, 64](S(2)))
+hook_result_2 = .to_local(Spec(f32[2, 8, 64](S(2))))
+linear_2 = torch._C._nn.linear(Spec(f32[2, 8, 64](R)), Spec(f32[64, 64](S(0))), None) -> Spec(f32[2, 8, 64](S(2)))
+outputs_2 = .redistribute(Spec(f32[2, 8, 64](S(2))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[2, 8, 64](S(2)))
+hook_result_3 = .to_local(Spec(f32[2, 8, 64](S(2))))
+input_tensor_1 = torch.distributed.tensor._api.DTensor.from_local(input_tensor, DeviceMesh((tp=4)), (Shard(dim=-1)), run_check=False) -> Spec(f32[2, 8, 64](S(2)))
+linear_3 = torch._C._nn.linear(Spec(f32[2, 8, 64](S(2))), Spec(f32[64, 64](S(1))), None) -> Spec(f32[2, 8, 64](P(sum)))
+outputs_3 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us
+hook_result_4 = .to_local(Spec(f32[2, 8, 64](S(1))))
+args_result_1 = torch.distributed.tensor._api.DTensor.from_local(h, DeviceMesh((tp=4)), (Shard(dim=1)), run_check=False) -> Spec(f32[2, 8, 64](S(1)))
+pow_2 = .pow(Spec(f32[2, 8, 64](S(1))), 2) -> Spec(f32[2, 8, 64](S(1)))
+mean_1 = .mean(Spec(f32[2, 8, 64](S(1))), -1, keepdim=True) -> Spec(f32[2, 8, 1](S(1)))
+add_2 = operator.add(Spec(f32[2, 8, 1](S(1))), 1e-06) -> Spec(f32[2, 8, 1](S(1)))
+rsqrt_1 = torch._VariableFunctionsClass.rsqrt(Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 1](S(1)))
+mul_2 = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 64](S(1)))
+hook_result_5 = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[64](R))) -> Spec(f32[2, 8, 64](S(1)))
+dt_inp_1 = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+linear_4 = torch._C._nn.linear(Spec(f32[2, 8, 64](R)), Spec(f32[128, 64](S(0))), None) -> Spec(f32[2, 8, 128](S(2)))
+outputs_4 = .redistribute(Spec(f32[2, 8, 128](S(2))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[2, 8, 128](S(2)))
+hook_result_6 = .to_local(Spec(f32[2, 8, 128](S(2))))
+linear_5 = torch._C._nn.linear(Spec(f32[2, 8, 64](R)), Spec(f32[128, 64](S(0))), None) -> Spec(f32[2, 8, 128](S(2)))
+outputs_5 = .redistribute(Spec(f32[2, 8, 128](S(2))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[2, 8, 128](S(2)))
+hook_result_7 = .to_local(Spec(f32[2, 8, 128](S(2))))
+input_tensor_3 = torch.distributed.tensor._api.DTensor.from_local(input_tensor_2, DeviceMesh((tp=4)), (Shard(dim=-1)), run_check=False) -> Spec(f32[2, 8, 128](S(2)))
+linear_6 = torch._C._nn.linear(Spec(f32[2, 8, 128](S(2))), Spec(f32[64, 128](S(1))), None) -> Spec(f32[2, 8, 64](P(sum)))
+outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us
+hook_result_8 = .to_local(Spec(f32[2, 8, 64](S(1))))""")
+
+
+def test_annotated_placements_block_2d_collectives(fake_world):
+    report = _explain("block_2d", 8, fake_world(8, (2, 4), ("dp", "tp")))
+    (main,) = {g.info.compile_id: g.info for g in report.graphs if g.info.compile_id == "1/0"}.values()
+    commented = [line for line in main.format().splitlines() if "  # " in line]
+    assert_expected_inline("\n".join(commented), """\
+local = .to_local(Spec(f32[64](RR)), grad_placements=[Partial(avg), Replicate()])  # backward all_reduce[dp] x2 256 B ~7.8 us
+x = torch.distributed.tensor._api.DTensor.from_local(local, DeviceMesh((tp=4)), [Replicate()], run_check=False) -> Spec(f32[64](R))  # backward all_reduce[tp] x4 256 B ~10.2 us
+dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+local_1 = .to_local(Spec(f32[64, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 4096 B ~7.8 us
+local_2 = .to_local(Spec(f32[64, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 4096 B ~7.8 us
+local_3 = .to_local(Spec(f32[64, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 4096 B ~7.8 us
+local_4 = .to_local(Spec(f32[64, 64](RS(1))), grad_placements=[Partial(avg), Shard(dim=1)])  # backward all_reduce[dp] x2 4096 B ~7.8 us
+outputs_3 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us
+local_5 = .to_local(Spec(f32[64](RR)), grad_placements=[Partial(avg), Replicate()])  # backward all_reduce[dp] x2 256 B ~7.8 us
+x_5 = torch.distributed.tensor._api.DTensor.from_local(local_5, DeviceMesh((tp=4)), [Replicate()], run_check=False) -> Spec(f32[64](R))  # backward all_reduce[tp] x4 256 B ~10.2 us
+dt_inp_1 = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+local_6 = .to_local(Spec(f32[128, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 8192 B ~7.8 us
+local_7 = .to_local(Spec(f32[128, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 8192 B ~7.8 us
+local_8 = .to_local(Spec(f32[64, 128](RS(1))), grad_placements=[Partial(avg), Shard(dim=1)])  # backward all_reduce[dp] x2 8192 B ~7.8 us
+outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us""")
+
+
+def test_explain_reports_graph_breaks_and_recompiles_in_placement_words(fake_world):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = fake_world(4, (4,), ("tp",))
+
+    def step(d):
+        d = d * 2
+        torch._dynamo.graph_break()
+        return d.redistribute(mesh, [Replicate()])
+
+    explain = dtcompile.explain(step, backward=False)
+    first = explain(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)], src_data_rank=None))
+    assert len(first.graph_breaks) == 1 and "torch._dynamo.graph_break()" in first.graph_breaks[0]
+    assert first.recompiles == ()
+    second = explain(distribute_tensor(torch.randn(8, 4), mesh, [Replicate()], src_data_rank=None))
+    assert second.recompiles[0] == "step: 0/0: placements of arg d changed: (Shard(dim=0),) -> (Replicate(),)"
+    text = str(second)
+    assert "== collectives ==" in text and "all_gather      tp" in text
+    assert "== recompiles ==\n- step: 0/0: placements of arg d changed" in text
+
+
+def test_report_option_prints_each_graph(fake_world, capsys):
+    mesh = fake_world(4, (4,), ("tp",))
+    _, parallel, x = CASES["tp_mlp"].build(mesh)
+    torch.compile(parallel, backend=dtcompile.backend(inductor=False, report=True))(x)
+    out = capsys.readouterr().out
+    assert out.startswith("== dtcompile 0/0 forward (cost profile h100) ==\n-- DTensor placements (Dynamo graph) --\n")
+    assert "all_reduce = _c10d_functional.all_reduce.default(addmm_1, 'sum', '0')  # all_reduce[tp] x4 256 B ~10.2 us (h100)" in out
+
+
+# ---------------------------------------------------------------- TORCH_TRACE, tlparse, dtcompile-report
+
+
+_TRACED_PROGRAM = textwrap.dedent(
+    """
+    import torch, dtcompile
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from dtcompile._testing.cases import CASES
+    from dtcompile.testing import fake_world
+    with fake_world(4, (4,), ("tp",)) as mesh:
+        _, parallel, x = CASES["tp_mlp"].build(mesh)
+        torch.compile(parallel, backend="dtcompile")(x).sum().backward()
+        def step(d):
+            d = d * 2
+            torch._dynamo.graph_break()
+            return d.redistribute(mesh, [Replicate()])
+        compiled = torch.compile(step, backend=dtcompile.backend(inductor=False))
+        compiled(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)], src_data_rank=None))
+        compiled(distribute_tensor(torch.randn(8, 4), mesh, [Replicate()], src_data_rank=None))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory) -> Path:
+    """A TORCH_TRACE of the TP MLP (Inductor, forward and backward) and of a program that
+    graph-breaks and recompiles, from a fresh process."""
+    directory = tmp_path_factory.mktemp("trace")
+    env = {**os.environ, "TORCH_TRACE": str(directory)}
+    out = subprocess.run([sys.executable, "-c", _TRACED_PROGRAM], env=env, check=False, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return directory
+
+
+def test_artifacts_are_in_the_trace(trace_dir):
+    (log,) = trace_dir.glob("dedicated_log_torch_trace_rank_0_*.log")
+    names = [json.loads(line.split("] ", 1)[1])["artifact"]["name"] for line in log.read_text().splitlines() if '"artifact"' in line and not line.startswith("\t")]
+    for name in ["dtcompile_placements", "dtcompile_forward_graph", "dtcompile_forward_collectives", "dtcompile_backward_graph", "dtcompile_backward_collectives"]:
+        assert name in names
+
+
+def test_tlparse_shows_the_dtcompile_artifacts(trace_dir, tmp_path):
+    tlparse = shutil.which("tlparse")
+    assert tlparse is not None, "tlparse is a test dependency (pip install -e '.[test]')"
+    (log,) = trace_dir.glob("dedicated_log_torch_trace_rank_0_*.log")
+    out = subprocess.run([tlparse, str(log), "-o", str(tmp_path / "tl"), "--overwrite", "--no-browser"], check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    compile_dir = tmp_path / "tl" / "-_0_0_0"
+    files = {p.name.rsplit("_", 1)[0] for p in compile_dir.iterdir()}
+    assert {"dtcompile_placements", "dtcompile_forward_graph", "dtcompile_backward_graph"} <= files
+    (collectives,) = compile_dir.glob("dtcompile_forward_collectives_*.json")
+    data = json.loads(collectives.read_text())
+    assert [(c["op"], c["axis"], c["bytes"]) for c in data["collectives"]] == [("all_reduce", "tp", 256)]
+    index = (compile_dir / "..").resolve() / "index.html"
+    assert "dtcompile_placements" in index.read_text()
+
+
+def test_report_tool_writes_every_section(trace_dir, tmp_path):
+    assert report_tool.main([str(trace_dir), "-o", str(tmp_path)]) == 0
+    page = (tmp_path / "index.html").read_text()
+    for section in ['id="summary"', 'id="divergence"', 'id="compile-0_0"', 'id="graph-breaks"', 'id="recompiles"']:
+        assert section in page
+    assert "all_reduce[tp] x4 256 B" in page
+    assert "placements of arg d changed: (Shard(dim=0),) -&gt; (Replicate(),)" in page
+    assert "Graph break in user code" in page
+
+
+def test_report_tool_checks_that_ranks_agree(trace_dir, tmp_path):
+    (log,) = trace_dir.glob("dedicated_log_torch_trace_rank_0_*.log")
+    agree = tmp_path / "agree"
+    agree.mkdir()
+    shutil.copy(log, agree / log.name)
+    shutil.copy(log, agree / log.name.replace("rank_0", "rank_1"))
+    assert "all 2 ranks issue the same collectives in the same order" in report_tool.render_html(report_tool.read_trace(agree))
+    diverged = tmp_path / "diverged"
+    diverged.mkdir()
+    shutil.copy(log, diverged / log.name)
+    text = log.read_text().replace('"bytes": 256,', '"bytes": 512,', 1)
+    (diverged / log.name.replace("rank_0", "rank_1")).write_text(text)
+    page = report_tool.render_html(report_tool.read_trace(diverged))
+    assert "compile 0/0: rank 1&#x27;s collectives differ from rank 0&#x27;s" in page
+
+
+def test_report_tool_refuses_a_missing_or_malformed_trace(tmp_path, capsys):
+    assert report_tool.main([str(tmp_path / "nope"), "-o", str(tmp_path / "out")]) == 2
+    assert "no such directory; pass the directory TORCH_TRACE pointed at" in capsys.readouterr().err
+    assert report_tool.main([str(tmp_path), "-o", str(tmp_path / "out")]) == 2
+    assert "no TORCH_TRACE logs (dedicated_log_torch_trace_rank_*.log)" in capsys.readouterr().err
+    (tmp_path / "dedicated_log_torch_trace_rank_0_x.log").write_text("hello\n")
+    assert report_tool.main([str(tmp_path), "-o", str(tmp_path / "out")]) == 2
+    assert "dedicated_log_torch_trace_rank_0_x.log:1: not a TORCH_TRACE log line: 'hello'" in capsys.readouterr().err
+
+
+def test_report_command_is_installed(trace_dir, tmp_path):
+    command = shutil.which("dtcompile-report")
+    assert command is not None
+    out = subprocess.run([command, str(trace_dir / "missing")], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no such directory" in out.stderr
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+_CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--enable-logging=stderr", "--v=0",
+]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (Debian package 'chromium'; .ci/run installs it)")
+def test_report_renders_in_headless_chromium(trace_dir, tmp_path):
+    assert report_tool.main([str(trace_dir), "-o", str(tmp_path)]) == 0
+    url = (tmp_path / "index.html").as_uri()
+    profile = ["--user-data-dir=" + str(tmp_path / "profile")]
+    dom = subprocess.run([CHROMIUM, *_CHROMIUM_FLAGS, *profile, "--dump-dom", url], check=False, capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for section in ['id="summary"', 'id="divergence"', 'id="compile-0_0"', 'id="graph-breaks"', 'id="recompiles"']:
+        assert section in dom.stdout
+    assert "CONSOLE" not in dom.stderr and "Uncaught" not in dom.stderr
+    shot = tmp_path / "report.png"
+    run = subprocess.run(
+        [CHROMIUM, *_CHROMIUM_FLAGS, *profile, f"--screenshot={shot}", "--window-size=1200,1600", url],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    # A rendered page, not a blank one: a blank 1200x1600 PNG compresses to a few KB.
+    assert len(data) > 20_000

@@ -1,0 +1,243 @@
+"""``dtcompile-report TRACE_DIR -o OUT``: a self-contained HTML report from a ``TORCH_TRACE`` directory.
+
+Reads the structured logs that ``TORCH_TRACE=TRACE_DIR`` writes (one file per
+rank), keeps what dtcompile logged (``dtcompile_*`` artifacts, see
+:mod:`dtcompile.report`) and what Dynamo logged about graph breaks and
+recompiles, and writes ``OUT/index.html``: per compile id the DTensor
+placements, the annotated forward and backward graphs and the collective
+schedule; communication bytes and estimated time per step; a check that every
+rank issues the same collectives in the same order (a rank that differs would
+hang a real job); graph breaks and recompile reasons.  No scripts, no network:
+the file opens anywhere.
+
+The log format: a line ``<glog prefix>] {json metadata}`` starts an entry; the
+payload follows on lines that begin with a tab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import re
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Trace", "TraceError", "main", "read_trace", "render_html"]
+
+_RANK_FILE = re.compile(r"dedicated_log_torch_trace_rank_(\d+)_.*\.log$")
+_ENTRY = re.compile(r"^[A-Z]\d{4} [\d:.]+ +\d+ [^\]]*\] (\{.*\})$")
+
+
+class TraceError(ValueError):
+    """The trace directory is missing, empty or not a TORCH_TRACE log."""
+
+
+@dataclass
+class CompileRecord:
+    """What one rank logged for one compile id."""
+
+    placements: str = ""
+    graphs: dict[str, str] = field(default_factory=dict)
+    collectives: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class RankTrace:
+    rank: int
+    compiles: dict[str, CompileRecord] = field(default_factory=lambda: defaultdict(CompileRecord))
+    graph_breaks: list[str] = field(default_factory=list)
+    recompiles: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    ranks: dict[int, RankTrace]
+
+
+def _compile_id(meta: dict[str, Any]) -> str:
+    if meta.get("frame_id") is None:
+        return "-"
+    cid = f"{meta['frame_id']}/{meta.get('frame_compile_id', 0)}"
+    return cid + (f"_{meta['attempt']}" if meta.get("attempt") else "")
+
+
+def _entries(path: Path) -> list[tuple[dict[str, Any], str]]:
+    entries: list[tuple[dict[str, Any], list[str]]] = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if line.startswith("\t"):
+            if not entries:
+                raise TraceError(f"{path}:{number}: a payload line before any log entry; is this a TORCH_TRACE log?")
+            entries[-1][1].append(line[1:])
+            continue
+        match = _ENTRY.match(line)
+        if match is None:
+            raise TraceError(f"{path}:{number}: not a TORCH_TRACE log line: {line[:80]!r}")
+        try:
+            meta = json.loads(match.group(1))
+        except json.JSONDecodeError as err:
+            raise TraceError(f"{path}:{number}: malformed JSON metadata ({err.msg})") from None
+        entries.append((meta, []))
+    return [(meta, "\n".join(payload)) for meta, payload in entries]
+
+
+def read_trace(trace_dir: str | Path) -> Trace:
+    """Parse every rank's log in ``trace_dir``; raises :class:`TraceError` with the reason."""
+    path = Path(trace_dir)
+    if not path.is_dir():
+        raise TraceError(f"{path}: no such directory; pass the directory TORCH_TRACE pointed at")
+    files = sorted(p for p in path.iterdir() if _RANK_FILE.search(p.name))
+    if not files:
+        raise TraceError(
+            f"{path}: no TORCH_TRACE logs (dedicated_log_torch_trace_rank_*.log); "
+            "run the program with TORCH_TRACE set to this directory"
+        )
+    ranks: dict[int, RankTrace] = {}
+    for file in files:
+        rank = int(_RANK_FILE.search(file.name).group(1))
+        trace = ranks.setdefault(rank, RankTrace(rank))
+        for meta, payload in _entries(file):
+            artifact = meta.get("artifact")
+            if not artifact:
+                continue
+            name, cid = artifact.get("name", ""), _compile_id(meta)
+            if name == "dtcompile_placements":
+                trace.compiles[cid].placements = payload
+            elif name.startswith("dtcompile_") and name.endswith("_graph"):
+                trace.compiles[cid].graphs[name.removeprefix("dtcompile_").removesuffix("_graph")] = payload
+            elif name.startswith("dtcompile_") and name.endswith("_collectives"):
+                data = json.loads(payload)
+                trace.compiles[cid].collectives[data["kind"]] = data
+            elif name == "dynamo_graph_break_reason":
+                # "Graph break in user code at file:line", the reason, Dynamo's explanation.
+                trace.graph_breaks.append(f"{cid}: " + "\n".join(payload.splitlines()[:6]).strip())
+            elif name == "recompile_reasons":
+                # Labelled json, written as text: one "<compile id>: reason" per line.
+                reasons = json.loads(payload) if payload.startswith("[") else payload.splitlines()
+                trace.recompiles += [f"{cid}: recompiled because {r}" for r in reasons if r.strip()]
+    return Trace(ranks)
+
+
+def _schedule_key(record: CompileRecord) -> list[tuple[Any, ...]]:
+    return [
+        (kind, c["op"], c["axis"], c["group_size"], c["bytes"])
+        for kind, data in sorted(record.collectives.items())
+        for c in data["collectives"]
+    ]
+
+
+def divergence(trace: Trace) -> list[str]:
+    """Compile ids where some rank's collective schedule differs from the lowest rank's."""
+    problems = []
+    ranks = sorted(trace.ranks)
+    first = trace.ranks[ranks[0]]
+    for rank in ranks[1:]:
+        other = trace.ranks[rank]
+        for cid in sorted(set(first.compiles) | set(other.compiles)):
+            if _schedule_key(first.compiles.get(cid, CompileRecord())) != _schedule_key(other.compiles.get(cid, CompileRecord())):
+                problems.append(f"compile {cid}: rank {rank}'s collectives differ from rank {ranks[0]}'s")
+    return problems
+
+
+def _totals(record: CompileRecord) -> tuple[int, int, float]:
+    count = sum(d["totals"]["count"] for d in record.collectives.values())
+    num_bytes = sum(d["totals"]["bytes"] for d in record.collectives.values())
+    us = sum(d["totals"]["estimated_us"] for d in record.collectives.values())
+    return count, num_bytes, us
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: right; }
+th { background: #eee; } td.l, th.l { text-align: left; }
+.ok { color: #1a7f37; } .bad { color: #cf222e; font-weight: bold; }
+"""
+
+
+def _table(header: list[str], rows: list[list[Any]], left: int = 1) -> str:
+    def cell(tag: str, i: int, value: Any) -> str:
+        cls = ' class="l"' if i < left else ""
+        return f"<{tag}{cls}>{html.escape(str(value))}</{tag}>"
+
+    head = "".join(cell("th", i, h) for i, h in enumerate(header))
+    body = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def render_html(trace: Trace, title: str = "dtcompile report") -> str:
+    """The report as one HTML document (rank 0's graphs; every rank in the checks and totals)."""
+    ranks = sorted(trace.ranks)
+    lead = trace.ranks[ranks[0]]
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"]
+    parts.append(f"<h1>{html.escape(title)}</h1><p>ranks: {', '.join(map(str, ranks))}; compile ids: {len(lead.compiles)}</p>")
+
+    parts.append('<section id="summary"><h2>Communication per step</h2>')
+    rows = []
+    for rank in ranks:
+        records = trace.ranks[rank].compiles.values()
+        count = sum(_totals(r)[0] for r in records)
+        num_bytes = sum(_totals(r)[1] for r in records)
+        us = sum(_totals(r)[2] for r in records)
+        rows.append([f"rank {rank}", count, num_bytes, f"{us:.1f}"])
+    parts.append(_table(["rank", "collectives", "bytes per rank", "estimated us"], rows))
+    parts.append("</section>")
+
+    problems = divergence(trace)
+    parts.append('<section id="divergence"><h2>Collective schedule across ranks</h2>')
+    if len(ranks) == 1:
+        parts.append("<p>one rank in the trace: nothing to compare</p>")
+    elif problems:
+        parts.append("<ul>" + "".join(f'<li class="bad">{html.escape(p)}</li>' for p in problems) + "</ul>")
+    else:
+        parts.append(f'<p class="ok">all {len(ranks)} ranks issue the same collectives in the same order</p>')
+    parts.append("</section>")
+
+    for cid, record in sorted(lead.compiles.items()):
+        anchor = re.sub(r"[^0-9A-Za-z]", "_", cid)
+        parts.append(f'<section class="compile" id="compile-{anchor}"><h2>Compile {html.escape(cid)}</h2>')
+        parts.append(f"<h3>DTensor placements</h3><pre>{html.escape(record.placements)}</pre>")
+        for kind, text in record.graphs.items():
+            parts.append(f"<h3>{html.escape(kind)} graph</h3><pre>{html.escape(text)}</pre>")
+        rows = [
+            [kind, c["op"], c["axis"], c["group_size"], "x".join(map(str, c["shape"])), c["bytes"], f"{c['estimated_us']:.1f}"]
+            for kind, data in record.collectives.items()
+            for c in data["collectives"]
+        ]
+        parts.append("<h3>Collectives</h3>" + (_table(["graph", "op", "axis", "group", "shape", "bytes", "est. us"], rows, left=3) if rows else "<p>none</p>"))
+        parts.append("</section>")
+
+    for section, title_text, items in (
+        ("graph-breaks", "Graph breaks", [b for r in ranks for b in trace.ranks[r].graph_breaks]),
+        ("recompiles", "Recompiles", [b for r in ranks for b in trace.ranks[r].recompiles]),
+    ):
+        parts.append(f'<section id="{section}"><h2>{title_text}</h2>')
+        parts.append("<ul>" + "".join(f"<li><pre>{html.escape(i)}</pre></li>" for i in items) + "</ul>" if items else "<p>none</p>")
+        parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dtcompile-report", description=__doc__.splitlines()[0])
+    parser.add_argument("trace_dir", help="the directory TORCH_TRACE pointed at (one log per rank)")
+    parser.add_argument("-o", "--out", default="dtcompile_report", help="output directory (index.html is written there)")
+    args = parser.parse_args(argv)
+    try:
+        trace = read_trace(args.trace_dir)
+    except TraceError as err:
+        print(f"dtcompile-report: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "index.html").write_text(render_html(trace))
+    print(f"dtcompile-report: wrote {out / 'index.html'} ({len(trace.ranks)} rank(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
