@@ -19,6 +19,7 @@ compile id, and which ``dtcompile-report`` (``tools/report.py``) turns into HTML
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
         "compile_id": record.compile_id,
         "kind": record.kind,
         "cost_profile": record.info.profile.name,
+        "passes": [
+            {"name": p.name, "ran": p.ran, "nodes": [p.nodes_before, p.nodes_after], "collectives": [p.collectives_before, p.collectives_after]}
+            for p in record.passes
+        ],
         "collectives": items,
         "totals": {
             "count": len(items),
@@ -103,10 +108,19 @@ def format_compiled_graph(record: CompiledGraph) -> str:
             record.info.format(),
             f"-- {record.kind} graph --",
             record.annotated(),
+            "-- passes --",
+            *_pass_lines(record),
             "-- collectives --",
             *_collective_table([record]),
         ]
     )
+
+
+def _pass_lines(record: CompiledGraph) -> list[str]:
+    return [
+        f"{p.name}: " + (f"nodes {p.nodes_before} -> {p.nodes_after}, collectives {p.collectives_before} -> {p.collectives_after}" if p.ran else "switched off")
+        for p in record.passes
+    ]
 
 
 @dataclass(frozen=True)
@@ -131,8 +145,10 @@ class Report:
             by_id.setdefault(record.compile_id, []).append(record)
         for compile_id, records in by_id.items():
             lines += [f"== compile {compile_id} ==", "-- DTensor placements (Dynamo graph) --", records[0].info.format()]
-            for record in records if aot_graphs else ():
-                lines += [f"-- {record.kind} graph --", record.annotated()]
+            for record in records:
+                if aot_graphs:
+                    lines += [f"-- {record.kind} graph --", record.annotated()]
+                lines += [f"-- passes on the {record.kind} graph --", *_pass_lines(record)]
         lines += ["== collectives ==", *_collective_table(list(self.graphs))]
         lines.append("== graph breaks ==")
         lines += [f"- {reason}" for reason in self.graph_breaks] or ["none"]
@@ -141,11 +157,24 @@ class Report:
         return "\n".join(lines)
 
 
-def explain(fn: Callable[..., Any], *, backward: bool = True, **options: Any) -> Callable[..., Report]:
+def _depyf(dump_dir: str | None) -> Any:
+    if dump_dir is None:
+        return contextlib.nullcontext()
+    import depyf
+
+    return depyf.prepare_debug(dump_dir)
+
+
+def explain(
+    fn: Callable[..., Any], *, backward: bool = True, depyf_dir: str | None = None, **options: Any
+) -> Callable[..., Report]:
     """``explain(fn, **backend_options)(*args)``: compile ``fn`` with dtcompile (by default
     without Inductor lowering), call it on ``args`` (and run a backward from the sum of its
     outputs), and report what was compiled.  Calling the result again with other args
-    reports the recompiles they cause.  Resets Dynamo's caches first."""
+    reports the recompiles they cause.  Resets Dynamo's caches first.
+
+    ``depyf_dir``: also dump Dynamo's transformed bytecode, decompiled by depyf, and
+    the graphs' code there (``dtcompile-report --depyf DIR`` puts it beside the HTML)."""
     import dtcompile
     from dtcompile.testing.schedule import _backward_from_sum
 
@@ -159,9 +188,10 @@ def explain(fn: Callable[..., Any], *, backward: bool = True, **options: Any) ->
 
         breaks_before = dict(counters["graph_break"])
         failures_before = {code: len(r) for code, r in guard_failures.items()}
-        out = compiled(*args, **kwargs)
-        if backward:
-            _backward_from_sum(out)
+        with _depyf(depyf_dir):
+            out = compiled(*args, **kwargs)
+            if backward:
+                _backward_from_sum(out)
         breaks = tuple(
             f"{reason} (x{n - breaks_before.get(reason, 0)})"
             for reason, n in counters["graph_break"].items()

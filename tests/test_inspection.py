@@ -137,6 +137,126 @@ local_3 = .to_local(Spec(f32[16](R)), grad_placements=[Partial(avg)])""",
     )
 
 
+def _aot_text(case_name: str, mesh) -> str:
+    report = _explain(case_name, 4, mesh)
+    forward, backward = (next(g for g in report.graphs if g.kind == kind) for kind in ("forward", "backward"))
+    return f"-- forward --\n{forward.annotated()}\n-- backward --\n{backward.annotated()}"
+
+
+def test_annotated_aot_graphs_tp_mlp(fake_world):
+    assert_expected_inline(_aot_text("tp_mlp", fake_world(4, (4,), ("tp",))), """\
+-- forward --
+view = aten.view.default(primals_1, [4, 16])  # from input_tensor: Spec(f32[4, 16](R))
+permute = aten.permute.default(primals_3, [1, 0])  # from linear: Spec(f32[4, 32](S(1)))
+addmm = aten.addmm.default(primals_5, view, permute)  # from linear: Spec(f32[4, 32](S(1)))
+view_1 = aten.view.default(addmm, [4, 8])  # from hook_result
+mul = aten.mul.Tensor(view_1, 0.5)  # from input_tensor_1
+mul_1 = aten.mul.Tensor(view_1, 0.7071067811865476)  # from input_tensor_1
+erf = aten.erf.default(mul_1)  # from input_tensor_1
+add = aten.add.Tensor(erf, 1)  # from input_tensor_1
+mul_2 = aten.mul.Tensor(mul, add)  # from input_tensor_1
+view_2 = aten.view.default(mul_2, [4, 8])  # from input_tensor_2: Spec(f32[4, 32](S(1)))
+permute_1 = aten.permute.default(primals_7, [1, 0])  # from linear_1: Spec(f32[4, 16](P(sum)))
+div = aten.div.Tensor(primals_9, 4)  # from linear_1: Spec(f32[4, 16](P(sum)))
+addmm_1 = aten.addmm.default(div, view_2, permute_1)  # from linear_1: Spec(f32[4, 16](P(sum)))
+all_reduce = _c10d_functional.all_reduce.default(addmm_1, 'sum', '0')  # all_reduce[tp] x4 256 B ~10.2 us (h100)
+wait_tensor = _c10d_functional.wait_tensor.default(all_reduce)  # from outputs_1: Spec(f32[4, 16](R))
+view_3 = aten.view.default(wait_tensor, [4, 16])  # from hook_result_1
+permute_2 = aten.permute.default(permute_1, [1, 0])  # from linear_1: Spec(f32[4, 16](P(sum)))
+-- backward --
+view_4 = aten.view.default(tangents_1, [4, 16])  # grad of hook_result_1
+mm = aten.mm.default(view_4, permute_2)  # grad of linear_1: Spec(f32[4, 16](P(sum)))
+permute_3 = aten.permute.default(view_4, [1, 0])  # grad of linear_1: Spec(f32[4, 16](P(sum)))
+mm_1 = aten.mm.default(permute_3, view_2)  # grad of linear_1: Spec(f32[4, 16](P(sum)))
+permute_4 = aten.permute.default(mm_1, [1, 0])  # grad of linear_1: Spec(f32[4, 16](P(sum)))
+sum_1 = aten.sum.dim_IntList(view_4, [0], True)  # grad of linear_1: Spec(f32[4, 16](P(sum)))
+view_5 = aten.view.default(sum_1, [16])  # grad of linear_1: Spec(f32[4, 16](P(sum)))
+permute_5 = aten.permute.default(permute_4, [1, 0])  # grad of linear_1: Spec(f32[4, 16](P(sum)))
+view_1 = aten.view.default(addmm, [4, 8])  # from hook_result
+mul_1 = aten.mul.Tensor(view_1, 0.7071067811865476)  # from input_tensor_1
+erf = aten.erf.default(mul_1)  # from input_tensor_1
+add = aten.add.Tensor(erf, 1)  # from input_tensor_1
+mul_4 = aten.mul.Tensor(add, 0.5)  # grad of input_tensor_1
+mul_5 = aten.mul.Tensor(view_1, view_1)  # grad of input_tensor_1
+mul_6 = aten.mul.Tensor(mul_5, -0.5)  # grad of input_tensor_1
+exp = aten.exp.default(mul_6)  # grad of input_tensor_1
+mul_7 = aten.mul.Tensor(exp, 0.3989422804014327)  # grad of input_tensor_1
+mul_8 = aten.mul.Tensor(view_1, mul_7)  # grad of input_tensor_1
+add_2 = aten.add.Tensor(mul_4, mul_8)  # grad of input_tensor_1
+mul_9 = aten.mul.Tensor(mm, add_2)  # grad of input_tensor_1
+view_6 = aten.view.default(mul_9, [4, 8])  # grad of hook_result
+permute_6 = aten.permute.default(view_6, [1, 0])  # grad of linear: Spec(f32[4, 32](S(1)))
+mm_2 = aten.mm.default(permute_6, view)  # grad of linear: Spec(f32[4, 32](S(1)))
+permute_7 = aten.permute.default(mm_2, [1, 0])  # grad of linear: Spec(f32[4, 32](S(1)))
+sum_2 = aten.sum.dim_IntList(view_6, [0], True)  # grad of linear: Spec(f32[4, 32](S(1)))
+view_7 = aten.view.default(sum_2, [8])  # grad of linear: Spec(f32[4, 32](S(1)))
+permute_8 = aten.permute.default(permute_7, [1, 0])  # grad of linear: Spec(f32[4, 32](S(1)))""")
+
+
+def test_annotated_aot_graphs_fsdp_mlp(fake_world):
+    assert_expected_inline(_aot_text("fsdp_mlp", fake_world(4, (4,), ("dp",))), """\
+-- forward --
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor.default(primals_1, 4, '0')  # all_gather[dp] x4 2048 B ~8.4 us (h100)
+wait_tensor = _c10d_functional.wait_tensor.default(all_gather_into_tensor)  # from redistribute: Spec(f32[32, 16](R))
+view = aten.view.default(wait_tensor, [32, 16])  # from local
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0')  # all_gather[dp] x4 128 B ~8.4 us (h100)
+wait_tensor_1 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_1)  # from redistribute_1: Spec(f32[32](R))
+view_1 = aten.view.default(wait_tensor_1, [32])  # from local_1
+permute = aten.permute.default(view, [1, 0])  # from linear
+addmm = aten.addmm.default(view_1, primals_5, permute)  # from linear
+mul = aten.mul.Tensor(addmm, 0.5)  # from gelu
+mul_1 = aten.mul.Tensor(addmm, 0.7071067811865476)  # from gelu
+erf = aten.erf.default(mul_1)  # from gelu
+add = aten.add.Tensor(erf, 1)  # from gelu
+mul_2 = aten.mul.Tensor(mul, add)  # from gelu
+all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor.default(primals_6, 4, '0')  # all_gather[dp] x4 2048 B ~8.4 us (h100)
+wait_tensor_2 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_2)  # from redistribute_2: Spec(f32[16, 32](R))
+view_2 = aten.view.default(wait_tensor_2, [16, 32])  # from local_2
+all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor.default(primals_8, 4, '0')  # all_gather[dp] x4 64 B ~8.4 us (h100)
+wait_tensor_3 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_3)  # from redistribute_3: Spec(f32[16](R))
+view_3 = aten.view.default(wait_tensor_3, [16])  # from local_3
+permute_1 = aten.permute.default(view_2, [1, 0])  # from linear_1
+addmm_1 = aten.addmm.default(view_3, mul_2, permute_1)  # from linear_1
+permute_2 = aten.permute.default(permute_1, [1, 0])  # from linear_1
+-- backward --
+mm = aten.mm.default(tangents_1, permute_2)  # grad of linear_1
+permute_3 = aten.permute.default(tangents_1, [1, 0])  # grad of linear_1
+mm_1 = aten.mm.default(permute_3, mul_2)  # grad of linear_1
+permute_4 = aten.permute.default(mm_1, [1, 0])  # grad of linear_1
+sum_1 = aten.sum.dim_IntList(tangents_1, [0], True)  # grad of linear_1
+view_4 = aten.view.default(sum_1, [16])  # grad of linear_1
+permute_5 = aten.permute.default(permute_4, [1, 0])  # grad of linear_1
+view_5 = aten.view.default(view_4, [16])  # grad of local_3
+reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor.default(view_5, 'avg', 4, '0')  # reduce_scatter[dp] x4 64 B ~8.4 us (h100)
+wait_tensor_4 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor)  # grad of redistribute_3: Spec(f32[16](R))
+view_6 = aten.view.default(permute_5, [16, 32])  # grad of local_2
+reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor.default(view_6, 'avg', 4, '0')  # reduce_scatter[dp] x4 2048 B ~8.4 us (h100)
+wait_tensor_5 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_1)  # grad of redistribute_2: Spec(f32[16, 32](R))
+mul_1 = aten.mul.Tensor(addmm, 0.7071067811865476)  # from gelu
+erf = aten.erf.default(mul_1)  # from gelu
+add = aten.add.Tensor(erf, 1)  # from gelu
+mul_4 = aten.mul.Tensor(add, 0.5)  # grad of gelu
+mul_5 = aten.mul.Tensor(addmm, addmm)  # grad of gelu
+mul_6 = aten.mul.Tensor(mul_5, -0.5)  # grad of gelu
+exp = aten.exp.default(mul_6)  # grad of gelu
+mul_7 = aten.mul.Tensor(exp, 0.3989422804014327)  # grad of gelu
+mul_8 = aten.mul.Tensor(addmm, mul_7)  # grad of gelu
+add_2 = aten.add.Tensor(mul_4, mul_8)  # grad of gelu
+mul_9 = aten.mul.Tensor(mm, add_2)  # grad of gelu
+permute_6 = aten.permute.default(mul_9, [1, 0])  # grad of linear
+mm_2 = aten.mm.default(permute_6, primals_5)  # grad of linear
+permute_7 = aten.permute.default(mm_2, [1, 0])  # grad of linear
+sum_2 = aten.sum.dim_IntList(mul_9, [0], True)  # grad of linear
+view_7 = aten.view.default(sum_2, [32])  # grad of linear
+permute_8 = aten.permute.default(permute_7, [1, 0])  # grad of linear
+view_8 = aten.view.default(view_7, [32])  # grad of local_1
+reduce_scatter_tensor_2 = _c10d_functional.reduce_scatter_tensor.default(view_8, 'avg', 4, '0')  # reduce_scatter[dp] x4 128 B ~8.4 us (h100)
+wait_tensor_6 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_2)  # grad of redistribute_1: Spec(f32[32](R))
+view_9 = aten.view.default(permute_8, [32, 16])  # grad of local
+reduce_scatter_tensor_3 = _c10d_functional.reduce_scatter_tensor.default(view_9, 'avg', 4, '0')  # reduce_scatter[dp] x4 2048 B ~8.4 us (h100)
+wait_tensor_7 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_3)  # grad of redistribute: Spec(f32[32, 16](R))""")
+
+
 def test_annotated_placements_tp_sp_block(fake_world):
     report = _explain("tp_sp_block", 4, fake_world(4, (4,), ("tp",)))
     (main,) = {g.info.compile_id: g.info for g in report.graphs if g.info.compile_id == "1/0"}.values()
@@ -298,6 +418,7 @@ def test_report_tool_writes_every_section(trace_dir, tmp_path):
     for section in ['id="summary"', 'id="divergence"', 'id="compile-0_0"', 'id="graph-breaks"', 'id="recompiles"']:
         assert section in page
     assert "all_reduce[tp] x4 256 B" in page
+    assert "<td class=\"l\">annotate</td>" in page  # the passes table
     assert "placements of arg d changed: (Shard(dim=0),) -&gt; (Replicate(),)" in page
     assert "Graph break in user code" in page
 
@@ -316,6 +437,25 @@ def test_report_tool_checks_that_ranks_agree(trace_dir, tmp_path):
     (diverged / log.name.replace("rank_0", "rank_1")).write_text(text)
     page = report_tool.render_html(report_tool.read_trace(diverged))
     assert "compile 0/0: rank 1&#x27;s collectives differ from rank 0&#x27;s" in page
+
+
+def test_report_tool_puts_a_depyf_dump_beside_the_report(fake_world, trace_dir, tmp_path):
+    mesh = fake_world(4, (4,), ("tp",))
+    _, parallel, x = CASES["tp_mlp"].build(mesh)
+    dump = tmp_path / "depyf"
+    report = dtcompile.explain(parallel, depyf_dir=str(dump))(x)
+    assert "== collectives ==" in str(report)
+    assert any(p.name.startswith("full_code_for_") for p in dump.iterdir())
+    out = tmp_path / "out"
+    assert report_tool.main([str(trace_dir), "-o", str(out), "--depyf", str(dump)]) == 0
+    page = (out / "index.html").read_text()
+    assert 'id="depyf"' in page
+    copied = sorted(p.name for p in (out / "depyf").iterdir())
+    assert copied == sorted(p.name for p in dump.glob("*.py"))
+    assert all(f'href="depyf/{name}"' in page for name in copied)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report_tool.main([str(trace_dir), "-o", str(out), "--depyf", str(empty)]) == 2
 
 
 def test_report_tool_refuses_a_missing_or_malformed_trace(tmp_path, capsys):

@@ -20,6 +20,7 @@ import argparse
 import html
 import json
 import re
+import shutil
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -169,7 +170,7 @@ def _table(header: list[str], rows: list[list[Any]], left: int = 1) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render_html(trace: Trace, title: str = "dtcompile report") -> str:
+def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list[str] | None = None) -> str:
     """The report as one HTML document (rank 0's graphs; every rank in the checks and totals)."""
     ranks = sorted(trace.ranks)
     lead = trace.ranks[ranks[0]]
@@ -209,6 +210,13 @@ def render_html(trace: Trace, title: str = "dtcompile report") -> str:
             for c in data["collectives"]
         ]
         parts.append("<h3>Collectives</h3>" + (_table(["graph", "op", "axis", "group", "shape", "bytes", "est. us"], rows, left=3) if rows else "<p>none</p>"))
+        passes = [
+            [kind, p["name"], "yes" if p["ran"] else "switched off", "{} -> {}".format(*p["nodes"]), "{} -> {}".format(*p["collectives"])]
+            for kind, data in record.collectives.items()
+            for p in data.get("passes", [])
+        ]
+        if passes:
+            parts.append("<h3>Passes</h3>" + _table(["graph", "pass", "ran", "nodes", "collectives"], passes, left=2))
         parts.append("</section>")
 
     for section, title_text, items in (
@@ -218,23 +226,46 @@ def render_html(trace: Trace, title: str = "dtcompile report") -> str:
         parts.append(f'<section id="{section}"><h2>{title_text}</h2>')
         parts.append("<ul>" + "".join(f"<li><pre>{html.escape(i)}</pre></li>" for i in items) + "</ul>" if items else "<p>none</p>")
         parts.append("</section>")
+    if depyf_files is not None:
+        parts.append('<section id="depyf"><h2>Decompiled Dynamo bytecode (depyf)</h2><ul>')
+        parts += [f'<li><a href="depyf/{html.escape(name)}">{html.escape(name)}</a></li>' for name in depyf_files]
+        parts.append("</ul></section>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _depyf_files(dump_dir: str) -> list[str]:
+    path = Path(dump_dir)
+    files = sorted(p.name for p in path.glob("*.py")) if path.is_dir() else []
+    if not files:
+        raise TraceError(f"{path}: no depyf dump (*.py files); make one with dtcompile.explain(..., depyf_dir={str(path)!r})")
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dtcompile-report", description=__doc__.splitlines()[0])
     parser.add_argument("trace_dir", help="the directory TORCH_TRACE pointed at (one log per rank)")
     parser.add_argument("-o", "--out", default="dtcompile_report", help="output directory (index.html is written there)")
+    parser.add_argument(
+        "--depyf",
+        metavar="DUMP_DIR",
+        help="a depyf dump of the same run (dtcompile.explain(..., depyf_dir=DUMP_DIR)); "
+        "its decompiled code is copied to OUT/depyf and listed in the report",
+    )
     args = parser.parse_args(argv)
     try:
         trace = read_trace(args.trace_dir)
+        depyf_files = _depyf_files(args.depyf) if args.depyf else None
     except TraceError as err:
         print(f"dtcompile-report: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "index.html").write_text(render_html(trace))
+    if depyf_files is not None:
+        (out / "depyf").mkdir(exist_ok=True)
+        for name in depyf_files:
+            shutil.copy(Path(args.depyf) / name, out / "depyf" / name)
+    (out / "index.html").write_text(render_html(trace, depyf_files=depyf_files))
     print(f"dtcompile-report: wrote {out / 'index.html'} ({len(trace.ranks)} rank(s))")
     return 0
 
