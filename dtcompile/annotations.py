@@ -206,6 +206,9 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> 
             note = f"{role} {source}" + (f": {placement.output}" if placement is not None and placement.output else "")
         else:
             note = "local: no DTensor op (AOTAutograd bookkeeping)"
+        bucket = node.meta.get("dtcompile_bucket")
+        if bucket:
+            note += f"; bucket of {len(bucket)}: {', '.join(bucket)}"
         node.meta["dtcompile_annotation"] = note
         count += 1
     return count

@@ -26,6 +26,10 @@ class DTCompileConfig:
     """``torch._inductor.config`` settings for this backend's compiles only,
     applied with ``config.patch`` inside the call (never globally)."""
 
+    bucket_cap_bytes: int = 256 * 1024 * 1024
+    """Largest buffer (bytes per rank) the ``bucketing`` pass makes of several
+    collectives; a bucket's buffer is the memory bucketing adds."""
+
     cost_profile: str = "h100"
     """Hardware profile for the estimated collective times in annotations and
     reports: a name in ``dtcompile.cost_model.PROFILES``."""

@@ -76,17 +76,11 @@ def test_fsdp_mlp_schedule(world4):
     _compile_steps("fsdp_mlp", mesh, dtcompile.backend())
     assert_expected_inline(_schedule("fsdp_mlp", mesh), """\
 forward 0/0:
-  all_gather      dp     x4    float32[32, 16]  2048 B
-  all_gather      dp     x4    float32[32]  128 B
-  all_gather      dp     x4    float32[16, 32]  2048 B
-  all_gather      dp     x4    float32[16]  64 B
+  all_gather      dp     x4    float32[1072]  4288 B
 backward 0/0:
-  reduce_scatter  dp     x4    float32[16]  64 B
-  reduce_scatter  dp     x4    float32[16, 32]  2048 B
-  reduce_scatter  dp     x4    float32[32]  128 B
-  reduce_scatter  dp     x4    float32[32, 16]  2048 B
-forward total: 4 collectives, 4288 B per rank
-backward total: 4 collectives, 4288 B per rank""")
+  reduce_scatter  dp     x4    float32[1072]  4288 B
+forward total: 1 collectives, 4288 B per rank
+backward total: 1 collectives, 4288 B per rank""")
 
 
 def test_2d_block_schedule(world8):
@@ -106,22 +100,14 @@ forward 2/0:
 backward 2/0: (no collectives)
 backward 1/0:
   all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  all_reduce      dp     x2    float32[64, 32]  8192 B
-  all_reduce      dp     x2    float32[32, 64]  8192 B
-  all_reduce      dp     x2    float32[32, 64]  8192 B
   reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
   all_reduce      tp     x4    float32[64]  256 B
-  all_reduce      dp     x2    float32[64]  256 B
   all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  all_reduce      dp     x2    float32[64, 16]  4096 B
-  all_reduce      dp     x2    float32[16, 64]  4096 B
-  all_reduce      dp     x2    float32[16, 64]  4096 B
-  all_reduce      dp     x2    float32[16, 64]  4096 B
   reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
   all_reduce      tp     x4    float32[64]  256 B
-  all_reduce      dp     x2    float32[64]  256 B
+  all_reduce      dp     x2    float32[10368]  41472 B
 forward total: 5 collectives, 20480 B per rank
-backward total: 15 collectives, 58368 B per rank""")
+backward total: 7 collectives, 58368 B per rank""")
 
 
 def test_collective_bytes_follow_from_shapes(world4):

@@ -11,6 +11,9 @@ graph it is (``forward``, ``backward`` or ``inference``) and
 
 Where each pass lives:
 
+- ``bucketing`` (:mod:`dtcompile.passes.bucketing`): independent all-gathers,
+  reduce-scatters and all-reduces on one group become one collective, under
+  ``config.bucket_cap_bytes``.
 - ``annotate`` (:mod:`dtcompile.passes.annotate`): every call node gets
   ``node.meta["dtcompile_annotation"]``; every functional collective also its
   :class:`~dtcompile.CollectiveInfo` in ``node.meta["dtcompile_collective"]``
@@ -28,6 +31,7 @@ from torch import fx
 
 from dtcompile.collectives import is_collective
 from dtcompile.passes.annotate import annotate
+from dtcompile.passes.bucketing import bucket_collectives
 
 if TYPE_CHECKING:
     from dtcompile.config import DTCompileConfig
@@ -54,9 +58,15 @@ class PassRecord:
     nodes_after: int
     collectives_before: int
     collectives_after: int
+    decisions: tuple[str, ...] = ()
+    """What the pass did, and what it left alone and why, one line each."""
 
 
-PASSES: tuple[GraphPass, ...] = (GraphPass("annotate", annotate),)
+# Rewrites first, then ``annotate``: it describes the graph that is lowered.
+PASSES: tuple[GraphPass, ...] = (
+    GraphPass("bucketing", bucket_collectives),
+    GraphPass("annotate", annotate),
+)
 
 
 def _num_collectives(gm: fx.GraphModule) -> int:
@@ -79,6 +89,7 @@ def run_passes(
             )
             continue
         gm = graph_pass.fn(gm, example_inputs, config)
+        decisions = gm.meta.get("dtcompile_decisions", {}).get(graph_pass.name, [])
         record = PassRecord(
             graph_pass.name,
             True,
@@ -86,7 +97,10 @@ def run_passes(
             len(gm.graph.nodes),
             collectives,
             _num_collectives(gm),
+            tuple(decisions),
         )
+        for decision in decisions:
+            log.info("%s: %s: %s", kind, graph_pass.name, decision)
         log.info(
             "%s: pass %s: nodes %d -> %d, collectives %d -> %d",
             kind,

@@ -1,0 +1,200 @@
+"""Bucketing: independent collectives of one kind on one group become one collective.
+
+Candidates are ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
+``all_reduce`` issued through a single ``wait_tensor``.  Walking the graph in
+order, a collective joins the open bucket of its key (op, group, group size,
+dtype, reduce op) when
+
+- the bucket can be issued after every member's input exists and waited on
+  before any member's result is used (``max(ready) < min(first use)``): then no
+  member depends on another and no node has to move;
+- the bucket stays under ``config.bucket_cap_bytes``, counted as
+  :class:`~dtcompile.CollectiveInfo` counts bytes (an all-gather's output, the
+  input of the others): the bucket's buffer is the memory bucketing adds.
+
+A bucket is issued right after its last input is computed: inputs are
+flattened and concatenated (for a reduce-scatter, rank by rank, so that each
+rank's chunk holds its piece of every input), one collective and one wait run,
+and each member's result is a slice of the output, reshaped.  Every decision,
+taken or not, is recorded with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from dtcompile.passes._graph import (
+    first_use_index,
+    record_decision,
+    refresh_metadata,
+    single_wait,
+)
+
+__all__ = ["bucket_collectives"]
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+_BUCKETABLE = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+}
+
+
+@dataclass
+class _Member:
+    node: fx.Node
+    wait: fx.Node
+    ready: int
+    first_use: int
+    num_bytes: int
+
+
+@dataclass
+class _Bucket:
+    key: tuple[Any, ...]
+    members: list[_Member] = field(default_factory=list)
+
+    @property
+    def ready(self) -> int:
+        return max(m.ready for m in self.members)
+
+    @property
+    def first_use(self) -> int:
+        return min(m.first_use for m in self.members)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.num_bytes for m in self.members)
+
+
+def _key(node: fx.Node) -> tuple[Any, ...]:
+    kind = _BUCKETABLE[node.target]
+    value = node.args[0].meta["val"]
+    if kind == "all_gather":
+        _, group_size, group = node.args
+        return (kind, group, group_size, value.dtype, None)
+    if kind == "reduce_scatter":
+        _, reduce_op, group_size, group = node.args
+        return (kind, group, group_size, value.dtype, reduce_op)
+    _, reduce_op, group = node.args
+    return (kind, group, None, value.dtype, reduce_op)
+
+
+def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule:
+    """See the module docstring."""
+    graph = gm.graph
+    index = {node: i for i, node in enumerate(graph.nodes)}
+    open_buckets: dict[tuple[Any, ...], _Bucket] = {}
+    closed: list[_Bucket] = []
+    for node in list(graph.nodes):
+        if node.target not in _BUCKETABLE:
+            continue
+        wait = single_wait(node)
+        source = node.args[0]
+        if wait is None or not isinstance(source, fx.Node) or "val" not in source.meta:
+            record_decision(gm, "bucketing", f"{node.name}: not bucketed: not a single collective + wait")
+            continue
+        value = source.meta["val"]
+        num_bytes = value.numel() * value.element_size()
+        if _BUCKETABLE[node.target] == "all_gather":
+            num_bytes *= node.args[1]  # the gathered buffer, as CollectiveInfo counts it
+        member = _Member(node, wait, index[source], first_use_index(wait, index), num_bytes)
+        key = _key(node)
+        bucket = open_buckets.get(key)
+        if bucket is not None:
+            fits = member.num_bytes + bucket.num_bytes <= config.bucket_cap_bytes
+            independent = max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use)
+            if fits and independent:
+                bucket.members.append(member)
+                continue
+            why = "the bucket would pass bucket_cap_bytes" if not fits else (
+                "its input is computed after a bucketed result is used (they depend on each other)"
+            )
+            record_decision(gm, "bucketing", f"{node.name}: starts a new bucket: {why}")
+            closed.append(bucket)
+        open_buckets[key] = _Bucket(key, [member])
+    closed += open_buckets.values()
+    order = list(graph.nodes)
+    for bucket in closed:
+        if len(bucket.members) < 2:
+            continue
+        _rewrite(gm, bucket, order[bucket.ready])
+        names = ", ".join(m.node.name for m in bucket.members)
+        kind = bucket.key[0]
+        record_decision(gm, "bucketing", f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)")
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    refresh_metadata(gm, example_inputs)
+    return gm
+
+
+def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
+    graph = gm.graph
+    kind, group, group_size, _, reduce_op = bucket.key
+    values = [m.node.args[0].meta["val"] for m in bucket.members]
+    numels = [v.numel() for v in values]
+    # New nodes go in order, right after the last input; for the annotations each
+    # stands for the bucket's first member (its DTensor op) and names the bucket.
+    first = bucket.members[0].node
+    provenance = {key: first.meta[key] for key in ("from_node", "seq_nr") if first.meta.get(key)}
+    provenance["dtcompile_bucket"] = tuple(m.node.name for m in bucket.members)
+    cursor = _Cursor(graph, after, provenance)
+    if kind == "reduce_scatter":
+        # [n, numel / n] per input, concatenated on dim 1: rank r's chunk holds its piece of each.
+        rows = [cursor(aten.reshape.default, (m.node.args[0], [group_size, -1])) for m in bucket.members]
+        buffer = cursor(aten.reshape.default, (cursor(aten.cat.default, (rows, 1)), [-1]))
+        out = cursor(c10d.reduce_scatter_tensor.default, (buffer, reduce_op, group_size, group))
+        pieces = [n // group_size for n in numels]
+    else:
+        flat = [cursor(aten.reshape.default, (m.node.args[0], [-1])) for m in bucket.members]
+        buffer = cursor(aten.cat.default, (flat,))
+        if kind == "all_gather":
+            out = cursor(c10d.all_gather_into_tensor.default, (buffer, group_size, group))
+        else:
+            out = cursor(c10d.all_reduce.default, (buffer, reduce_op, group))
+        pieces = numels
+    waited = cursor(c10d.wait_tensor.default, (out,))
+    if kind == "all_gather":
+        waited = cursor(aten.reshape.default, (waited, [group_size, -1]))
+    offset = 0
+    for member, value, piece in zip(bucket.members, values, pieces):
+        dim = 1 if kind == "all_gather" else 0
+        part = cursor(aten.slice.Tensor, (waited, dim, offset, offset + piece))
+        offset += piece
+        shape = list(value.shape)
+        if kind == "all_gather":
+            shape[0] *= group_size
+        elif kind == "reduce_scatter":
+            shape[0] //= group_size
+        result = cursor(aten.reshape.default, (part, shape))
+        member.wait.replace_all_uses_with(result)
+    for member in bucket.members:
+        graph.erase_node(member.wait)
+        graph.erase_node(member.node)
+
+
+class _Cursor:
+    """Appends call_function nodes one after the other, starting after ``node``, with ``meta``."""
+
+    def __init__(self, graph: fx.Graph, node: fx.Node, meta: dict[str, Any]) -> None:
+        self.graph = graph
+        self.last = node
+        self.meta = meta
+
+    def __call__(self, target: Any, args: tuple[Any, ...]) -> fx.Node:
+        with self.graph.inserting_after(self.last):
+            self.last = self.graph.call_function(target, args)
+        self.last.meta.update(self.meta)
+        return self.last
+
