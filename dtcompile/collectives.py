@@ -42,35 +42,53 @@ class CollectiveInfo:
     group_span: int = 1
     """How many consecutive ranks the group covers (``max - min + 1``): whether it
     fits in one node is what picks the link in the cost model."""
+    fused: str = ""
+    """``matmul`` when the collective is part of a fused collective-matmul op."""
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        op = f"{self.op}+{self.fused}" if self.fused else self.op
         return (
-            f"{self.op}[{self.axis}, group_size={self.group_size}] "
+            f"{op}[{self.axis}, group_size={self.group_size}] "
             f"{dtype}{list(self.shape)} {self.bytes} B"
         )
 
 
-# op name -> (kind, index of the group-name argument, whether bytes are the output's)
-_COLLECTIVES: dict[str, tuple[str, int, bool]] = {
-    "all_gather_into_tensor": ("all_gather", 2, True),
-    "all_gather_into_tensor_coalesced": ("all_gather", 2, True),
-    "reduce_scatter_tensor": ("reduce_scatter", 3, False),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 3, False),
-    "all_reduce": ("all_reduce", 2, False),
-    "all_reduce_coalesced": ("all_reduce", 2, False),
-    "all_to_all_single": ("all_to_all", 3, False),
-    "broadcast": ("broadcast", 2, False),
+# (namespace, op name) -> (kind, index of the group-name argument, whether bytes
+# are the output's); the dtcompile:: fused ops (see dtcompile/ops.py) count as
+# the collective they contain.
+_COLLECTIVES: dict[tuple[str, str], tuple[str, int, bool]] = {
+    ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 2, True),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", 2, True),
+    ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 3, False),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 3, False),
+    ("_c10d_functional", "all_reduce"): ("all_reduce", 2, False),
+    ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", 2, False),
+    ("_c10d_functional", "all_to_all_single"): ("all_to_all", 3, False),
+    ("_c10d_functional", "broadcast"): ("broadcast", 2, False),
+    ("dtcompile", "fused_all_gather_matmul"): ("all_gather", 3, True),
+    ("dtcompile", "fused_matmul_reduce_scatter"): ("reduce_scatter", 5, False),
 }
 
 
-def _functional_op_name(node: fx.Node) -> str | None:
+def _functional_op_name(node: fx.Node) -> tuple[str, str] | None:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None
-    if target.namespace != "_c10d_functional":
-        return None
-    return target._opname
+    return target.namespace, target._opname
+
+
+def _moved_values(node: fx.Node, count_output: bool) -> list[Any]:
+    """The tensors whose bytes a collective moves (see the module docstring)."""
+    name = _functional_op_name(node)
+    if name == ("dtcompile", "fused_all_gather_matmul"):
+        return [node.meta["val"][0]]  # the gathered operand
+    if name == ("dtcompile", "fused_matmul_reduce_scatter"):
+        a = node.args[0].meta["val"]
+        return [torch.empty(node.args[2], dtype=a.dtype, device="meta")]  # the product reduce-scattered
+    source = node if count_output else node.args[0]
+    vals = source.meta.get("val")
+    return list(vals) if isinstance(vals, (list, tuple)) else [vals]
 
 
 def mesh_axes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:
@@ -137,9 +155,7 @@ def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> Col
         return None
     kind, group_arg, count_output = _COLLECTIVES[opname]
     group_name = node.args[group_arg]
-    source = node if count_output else node.args[0]
-    vals = source.meta.get("val")
-    vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+    vals = _moved_values(node, count_output)
     if not vals or any(not isinstance(v, torch.Tensor) for v in vals):
         raise AssertionError(f"collective {node.name} has no tensor metadata")
     shape = tuple(int(s) for s in vals[0].shape) if len(vals) == 1 else (len(vals),)
@@ -154,6 +170,7 @@ def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> Col
         dtype=vals[0].dtype,
         bytes=num_bytes,
         group_span=group_span,
+        fused="matmul" if opname[0] == "dtcompile" else "",
     )
 
 

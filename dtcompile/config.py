@@ -30,6 +30,10 @@ class DTCompileConfig:
     """Largest buffer (bytes per rank) the ``bucketing`` pass makes of several
     collectives; a bucket's buffer is the memory bucketing adds."""
 
+    overlap_memory_budget_bytes: int = 1024 * 1024 * 1024
+    """Most bytes (per rank) of collectives the ``overlap`` pass lets be in
+    flight at once when it issues them earlier."""
+
     cost_profile: str = "h100"
     """Hardware profile for the estimated collective times in annotations and
     reports: a name in ``dtcompile.cost_model.PROFILES``."""

@@ -62,7 +62,7 @@ def test_communication_is_one_all_reduce_forward(fake_world):
         str(collective_schedule(model, *args)),
         """\
 forward 0/0:
-  all_reduce      tp     x4    float32[8, 32]  1024 B
+  all_reduce            tp     x4    float32[8, 32]  1024 B
 backward 0/0: (no collectives)
 forward total: 1 collectives, 1024 B per rank
 backward total: 0 collectives, 0 B per rank""",

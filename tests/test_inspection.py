@@ -94,7 +94,12 @@ def test_every_aot_call_node_is_annotated_and_bytes_follow_from_shapes(fake_worl
                 assert note.startswith(("from ", "grad of ")), (node.name, note)
                 assert note.split(";")[0].split(":")[0].split()[-1] in graph.info.node_names, (node.name, note)
                 continue
-            value = (node if info.op == "all_gather" else node.args[0]).meta["val"]
+            if info.fused and info.op == "all_gather":
+                value = node.meta["val"][0]  # the gathered operand
+            elif info.fused:
+                value = torch.empty(node.args[2], dtype=node.args[0].meta["val"].dtype, device="meta")  # the product
+            else:
+                value = (node if info.op == "all_gather" else node.args[0]).meta["val"]
             assert info.bytes == math.prod(value.shape) * value.element_size()
             assert node.meta["dtcompile_cost_us"] > 0
     assert num_nodes > 40

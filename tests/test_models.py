@@ -43,7 +43,7 @@ def test_tp_mlp_schedule(world4):
     _compile_steps("tp_mlp", mesh, dtcompile.backend())
     assert_expected_inline(_schedule("tp_mlp", mesh), """\
 forward 0/0:
-  all_reduce      tp     x4    float32[4, 16]  256 B
+  all_reduce            tp     x4    float32[4, 16]  256 B
 backward 0/0: (no collectives)
 forward total: 1 collectives, 256 B per rank
 backward total: 0 collectives, 0 B per rank""")
@@ -55,18 +55,18 @@ def test_tp_sp_block_schedule(world4):
     assert_expected_inline(_schedule("tp_sp_block", mesh), """\
 forward 0/0: (no collectives)
 forward 1/0:
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
 forward 2/0:
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  all_gather            tp     x4    float32[8, 2, 64]  4096 B
 backward 2/0: (no collectives)
 backward 1/0:
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
 forward total: 5 collectives, 20480 B per rank
 backward total: 4 collectives, 16384 B per rank""")
 
@@ -76,11 +76,13 @@ def test_fsdp_mlp_schedule(world4):
     _compile_steps("fsdp_mlp", mesh, dtcompile.backend())
     assert_expected_inline(_schedule("fsdp_mlp", mesh), """\
 forward 0/0:
-  all_gather      dp     x4    float32[1072]  4288 B
+  all_gather            dp     x4    float32[1072]  4288 B
 backward 0/0:
-  reduce_scatter  dp     x4    float32[1072]  4288 B
+  reduce_scatter+matmul dp     x4    float32[16, 32]  2048 B
+  reduce_scatter        dp     x4    float32[48]  192 B
+  reduce_scatter+matmul dp     x4    float32[32, 16]  2048 B
 forward total: 1 collectives, 4288 B per rank
-backward total: 1 collectives, 4288 B per rank""")
+backward total: 3 collectives, 4288 B per rank""")
 
 
 def test_2d_block_schedule(world8):
@@ -91,21 +93,21 @@ def test_2d_block_schedule(world8):
     assert_expected_inline(_schedule("block_2d", mesh), """\
 forward 0/0: (no collectives)
 forward 1/0:
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
 forward 2/0:
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
+  all_gather            tp     x4    float32[8, 2, 64]  4096 B
 backward 2/0: (no collectives)
 backward 1/0:
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
-  all_reduce      tp     x4    float32[64]  256 B
-  all_gather      tp     x4    float32[8, 2, 64]  4096 B
-  reduce_scatter  tp     x4    float32[8, 2, 64]  4096 B
-  all_reduce      tp     x4    float32[64]  256 B
-  all_reduce      dp     x2    float32[10368]  41472 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
+  all_reduce            tp     x4    float32[64]  256 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
+  all_reduce            tp     x4    float32[64]  256 B
+  all_reduce            dp     x2    float32[10368]  41472 B
 forward total: 5 collectives, 20480 B per rank
 backward total: 7 collectives, 58368 B per rank""")
 
@@ -114,7 +116,7 @@ def test_collective_bytes_follow_from_shapes(world4):
     case = CASES["tp_sp_block"]
     mesh = case.mesh(4)
     _, parallel, x = case.build(mesh)
-    schedule = collective_schedule(parallel, x)
+    schedule = collective_schedule(parallel, x, backend=dtcompile.backend(inductor=False, disable_passes={"async_tp"}))
     gather = schedule.forward[0]
     # batch 2, seq 8, dim 64, float32: the gathered activation is 2 * 8 * 64 * 4 bytes.
     assert (gather.op, gather.group_size, gather.bytes) == ("all_gather", 4, 2 * 8 * 64 * 4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from expecttest import assert_expected_inline
 
 import dtcompile
@@ -26,9 +27,9 @@ def test_bucketing_fsdp_all_gathers_and_reduce_scatters(fake_world):
         schedule,
         """\
 forward 0/0:
-  all_gather      dp     x4    float32[1072]  4288 B
+  all_gather            dp     x4    float32[1072]  4288 B
 backward 0/0:
-  reduce_scatter  dp     x4    float32[1072]  4288 B
+  reduce_scatter        dp     x4    float32[1072]  4288 B
 forward total: 1 collectives, 4288 B per rank
 backward total: 1 collectives, 4288 B per rank""",
     )
@@ -56,15 +57,15 @@ def test_bucketing_leaves_dependent_collectives_alone_and_says_why(fake_world):
     case = CASES["tp_sp_block"]
     mesh = fake_world(4, (4,), ("tp",))
     _, parallel, x = case.build(mesh)
-    backend = dtcompile.backend(inductor=False)
+    backend = dtcompile.backend(inductor=False, disable_passes={"async_tp"})
     schedule = collective_schedule(parallel, x, backend=backend)
     assert "forward total: 5 collectives, 20480 B per rank" in str(schedule)
     decisions = {d for r in backend.records for p in r.passes if p.name == "bucketing" for d in p.decisions}
     assert "all_gather_into_tensor_1: starts a new bucket: its input is computed after a bucketed result is used (they depend on each other)" in decisions
 
 
-@pytest.mark.parametrize("case_name", ["fsdp_mlp", "block_2d"])
-@pytest.mark.parametrize("disabled", [frozenset(), frozenset({"bucketing"})], ids=["all_passes", "no_bucketing"])
+@pytest.mark.parametrize("case_name", ["tp_sp_block", "fsdp_mlp", "block_2d"])
+@pytest.mark.parametrize("disabled", ["", "async_tp", "bucketing", "overlap"], ids=["all_passes", "no_async_tp", "no_bucketing", "no_overlap"])
 def test_passes_keep_numerics(case_name, disabled):
     case = CASES[case_name]
 
@@ -75,5 +76,120 @@ def test_passes_keep_numerics(case_name, disabled):
     assert_matches_eager(
         build,
         world=threaded_world(4, case.mesh_shape(4), case.mesh_dim_names),
-        backend=dtcompile.backend(inductor=False, disable_passes=disabled),
+        backend=dtcompile.backend(inductor=False, disable_passes={disabled} - {""}),
     )
+
+
+def _block_backend_records(mesh, **options):
+    case = CASES["tp_sp_block"]
+    _, parallel, x = case.build(mesh)
+    backend = dtcompile.backend(inductor=False, **options)
+    schedule = collective_schedule(parallel, x, backend=backend)
+    return schedule, backend.records
+
+
+def test_async_tp_fuses_every_gather_matmul_and_matmul_scatter_pair(fake_world):
+    schedule, records = _block_backend_records(fake_world(4, (4,), ("tp",)))
+    main = [line for line in str(schedule).splitlines()]
+    assert_expected_inline(
+        "\n".join(main),
+        """\
+forward 0/0: (no collectives)
+forward 1/0:
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
+forward 2/0:
+  all_gather            tp     x4    float32[8, 2, 64]  4096 B
+backward 2/0: (no collectives)
+backward 1/0:
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
+  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
+forward total: 5 collectives, 20480 B per rank
+backward total: 4 collectives, 16384 B per rank""",
+    )
+    decisions = [f"{r.kind}: {d}" for r in records if r.compile_id == "1/0" for p in r.passes if p.name == "async_tp" for d in p.decisions]
+    assert_expected_inline("\n".join(decisions), """\
+forward: fused all_gather(dim 1) + 3 matmul(s): all_gather_into_tensor -> mm, mm_1, mm_2
+forward: fused matmul + reduce_scatter(dim 1): mm_3 -> reduce_scatter_tensor
+forward: fused all_gather(dim 1) + 2 matmul(s): all_gather_into_tensor_1 -> mm_4, mm_5
+forward: fused matmul + reduce_scatter(dim 1): mm_6 -> reduce_scatter_tensor_1
+backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_2 -> mm_8
+backward: reduce_scatter_tensor_2: not fused: its input comes from aten.add.Tensor (add_6), not from one matmul
+backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_3 -> mm_14
+backward: reduce_scatter_tensor_3: not fused: its input comes from aten.add.Tensor (add_10), not from one matmul""")
+
+
+def test_overlap_sinks_waits_in_the_block_backward(fake_world):
+    _, records = _block_backend_records(fake_world(4, (4,), ("tp",)), disable_passes={"async_tp"})
+    moves = [f"{r.kind}: {d}" for r in records for p in r.passes if p.name == "overlap" for d in p.decisions]
+    assert any(m.startswith("backward: wait_tensor") and "node(s) later, before" in m for m in moves), moves
+
+
+def _hand_built_graph() -> torch.fx.GraphModule:
+    """x*2 -> all_reduce -> wait -> add, with independent compute (y*3, *4) written between
+    the input and the collective."""
+    from torch import fx
+
+    mode = torch._subclasses.FakeTensorMode()
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    x2 = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    y2 = graph.call_function(torch.ops.aten.mul.Tensor, (y, 3))
+    y3 = graph.call_function(torch.ops.aten.mul.Tensor, (y2, 4))
+    reduce = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x2, "sum", "0"))
+    wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduce,))
+    y4 = graph.call_function(torch.ops.aten.mul.Tensor, (y3, 5))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (wait, y4)))
+    with mode:
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                node.meta["val"] = torch.empty(8)
+            elif node.op == "call_function":
+                node.meta["val"] = node.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_overlap_on_a_hand_built_graph(fake_world):
+    from dtcompile.passes.overlap import reorder_for_overlap
+
+    fake_world(4)
+    gm = reorder_for_overlap(_hand_built_graph(), [], dtcompile.DTCompileConfig(inductor=False))
+    order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
+    assert order == ["mul", "all_reduce", "mul", "mul", "mul", "wait_tensor", "add"]
+    assert_expected_inline("\n".join(gm.meta["dtcompile_decisions"]["overlap"]), """\
+wait_tensor_default: waits 1 node(s) later, before add_tensor
+all_reduce_default: issued 2 node(s) earlier, after mul_tensor""")
+    gm = reorder_for_overlap(_hand_built_graph(), [], dtcompile.DTCompileConfig(inductor=False, overlap_memory_budget_bytes=16))
+    order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
+    assert order == ["mul", "mul", "mul", "all_reduce", "mul", "wait_tensor", "add"]
+    assert "not issued earlier: 32 B in flight would pass overlap_memory_budget_bytes" in gm.meta["dtcompile_decisions"]["overlap"][-1]
+
+
+def _fused_rank(rank: int) -> tuple[float, float]:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import dtcompile.ops  # noqa: F401
+
+    group = dist.distributed_c10d._get_default_group().group_name
+    gen = torch.Generator().manual_seed(rank)
+    shard = torch.randn(2, 3, 8, generator=gen)
+    weights = [torch.randn(8, 5, generator=torch.Generator().manual_seed(10)), torch.randn(8, 7)]
+    gathered, outs = torch.ops.dtcompile.fused_all_gather_matmul(shard, weights, 1, group)
+    expected = funcol.wait_tensor(funcol.all_gather_tensor(shard, 1, group))
+    error = max((gathered - expected).abs().max().item(), *((o - expected @ w).abs().max().item() for o, w in zip(outs, weights)))
+    a, b = torch.randn(24, 8, generator=gen), weights[0]
+    scattered = torch.ops.dtcompile.fused_matmul_reduce_scatter(a, b, [2, 12, 5], "sum", 1, group)
+    reference = funcol.wait_tensor(funcol.reduce_scatter_tensor((a @ b).view(2, 12, 5), "sum", 1, group))
+    return error, (scattered - reference).abs().max().item()
+
+
+def test_fused_ops_match_collective_then_matmul_on_real_collectives():
+    from dtcompile.testing import run_threaded
+
+    for gather_error, scatter_error in run_threaded(4, _fused_rank):
+        assert gather_error < 1e-5 and scatter_error < 1e-5

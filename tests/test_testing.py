@@ -54,7 +54,7 @@ def _tp_mlp(mesh, gather_output: bool = False) -> nn.Module:
 
 TP_MLP_SCHEDULE = """\
 forward 0/0:
-  all_reduce      tp     x4    float32[4, 16]  256 B
+  all_reduce            tp     x4    float32[4, 16]  256 B
 backward 0/0: (no collectives)
 forward total: 1 collectives, 256 B per rank
 backward total: 0 collectives, 0 B per rank"""
@@ -83,7 +83,7 @@ def test_collective_schedule_snapshot_diff_shows_a_new_all_gather(fake_world):
     with pytest.raises(AssertionError) as err:
         assert_expected_inline(str(changed), TP_MLP_SCHEDULE)
     diff = str(err.value)
-    assert "+  all_gather      tp     x4    float32[16, 8]  512 B" in diff
+    assert "+  all_gather            tp     x4    float32[16, 8]  512 B" in diff
     assert "-forward total: 1 collectives, 256 B per rank" in diff
 
 

@@ -11,9 +11,15 @@ graph it is (``forward``, ``backward`` or ``inference``) and
 
 Where each pass lives:
 
+- ``async_tp`` (:mod:`dtcompile.passes.async_tp`): all-gather -> matmul(s) and
+  matmul -> reduce-scatter become ``dtcompile::fused_all_gather_matmul`` /
+  ``fused_matmul_reduce_scatter`` (:mod:`dtcompile.ops`).
 - ``bucketing`` (:mod:`dtcompile.passes.bucketing`): independent all-gathers,
   reduce-scatters and all-reduces on one group become one collective, under
   ``config.bucket_cap_bytes``.
+- ``overlap`` (:mod:`dtcompile.passes.overlap`): collectives issued as early
+  as their inputs allow and waited on as late as their users allow, within
+  ``config.overlap_memory_budget_bytes``.
 - ``annotate`` (:mod:`dtcompile.passes.annotate`): every call node gets
   ``node.meta["dtcompile_annotation"]``; every functional collective also its
   :class:`~dtcompile.CollectiveInfo` in ``node.meta["dtcompile_collective"]``
@@ -31,7 +37,9 @@ from torch import fx
 
 from dtcompile.collectives import is_collective
 from dtcompile.passes.annotate import annotate
+from dtcompile.passes.async_tp import fuse_async_tp
 from dtcompile.passes.bucketing import bucket_collectives
+from dtcompile.passes.overlap import reorder_for_overlap
 
 if TYPE_CHECKING:
     from dtcompile.config import DTCompileConfig
@@ -64,7 +72,9 @@ class PassRecord:
 
 # Rewrites first, then ``annotate``: it describes the graph that is lowered.
 PASSES: tuple[GraphPass, ...] = (
+    GraphPass("async_tp", fuse_async_tp),
     GraphPass("bucketing", bucket_collectives),
+    GraphPass("overlap", reorder_for_overlap),
     GraphPass("annotate", annotate),
 )
 

@@ -32,7 +32,8 @@ class ScheduledCollective(CollectiveInfo):
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         shape = ", ".join(map(str, self.shape))
-        return f"{self.op:<15} {self.axis:<6} x{self.group_size:<4} {dtype}[{shape}]  {self.bytes} B"
+        op = f"{self.op}+{self.fused}" if self.fused else self.op
+        return f"{op:<21} {self.axis:<6} x{self.group_size:<4} {dtype}[{shape}]  {self.bytes} B"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,225 @@
+"""Async tensor parallel: fuse an all-gather into the matmuls that consume it, and a matmul into its reduce-scatter.
+
+The patterns are those DTensor's tensor + sequence parallelism leaves after
+AOTAutograd (as in torch's ``micro_pipeline_tp.py``):
+
+- all-gather: ``all_gather_into_tensor(x) -> wait`` gathers on dim 0; gathering
+  on another dim ``d`` adds ``split(dim 0) -> cat(dim d)``.  Every consumer of
+  the gathered tensor ``G`` of the form ``mm(view(G, [-1, K]), B)`` (or
+  ``mm(G, B)`` for 2-D ``G``) is fused: one ``dtcompile::fused_all_gather_matmul``
+  returns ``G`` and every product; each ``mm`` becomes a view of its product.
+- reduce-scatter: ``mm(A, B) -> view -> split(dim d) -> cat(dim 0) ->
+  reduce_scatter_tensor -> wait`` (or ``mm -> reduce_scatter`` for ``d = 0``)
+  becomes ``dtcompile::fused_matmul_reduce_scatter``, when every intermediate
+  has that one user.
+
+What the pass leaves, it records with the reason.  The fused ops are in
+:mod:`dtcompile.ops` (symmetric-memory kernels on CUDA, a decomposed
+implementation elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+import dtcompile.ops  # noqa: F401 - registers the dtcompile:: ops
+from dtcompile.passes._graph import record_decision, refresh_metadata, single_wait
+
+__all__ = ["fuse_async_tp"]
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _gathered(wait: fx.Node) -> tuple[fx.Node, int] | None:
+    """The gathered tensor and its gather dim: the wait itself (dim 0), or ``cat`` of its split."""
+    users = list(wait.users)
+    if len(users) == 1 and users[0].target is aten.split.Tensor and users[0].args[0] is wait:
+        split = users[0]
+        if (split.args[2] if len(split.args) > 2 else 0) != 0:
+            return None
+        getitems = list(split.users)
+        cats = {u for g in getitems for u in g.users}
+        if len(cats) != 1:
+            return None
+        (cat,) = cats
+        if cat.target is not aten.cat.default or list(cat.args[0]) != sorted(getitems, key=lambda g: g.args[1]):
+            return None
+        dim = cat.args[1] if len(cat.args) > 1 else 0
+        return _skip_full_slice(cat), dim % cat.meta["val"].dim()
+    return _skip_full_slice(wait), 0
+
+
+def _skip_full_slice(node: fx.Node) -> fx.Node:
+    """``slice(x, d, 0, n)`` over all of dim ``d`` (DTensor's unpadding of even shards) is ``x``."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is aten.slice.Tensor:
+        sliced = users[0]
+        if sliced.meta["val"].shape == node.meta["val"].shape:
+            return sliced
+    return node
+
+
+def _matmul_consumers(gathered: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """``(mm, B)`` for each ``mm(view(G, [-1, K]), B)`` / ``mm(G, B)`` consumer of ``G``."""
+    found = []
+    value = gathered.meta["val"]
+    for user in gathered.users:
+        if user.target is aten.mm.default and user.args[0] is gathered and value.dim() == 2:
+            found.append((user, user.args[1]))
+        elif user.target in _VIEWS and user.meta["val"].dim() == 2 and user.meta["val"].shape[-1] == value.shape[-1]:
+            found += [(mm, mm.args[1]) for mm in user.users if mm.target is aten.mm.default and mm.args[0] is user]
+    return found
+
+
+def _hoist_before(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Move ``node`` (and the view-only chain it depends on) before ``anchor`` if it is after it.
+
+    Only nodes computed from placeholders by views/permutes move; returns whether
+    ``node`` is (now) before ``anchor``.
+    """
+    if order[node] < order[anchor]:
+        return True
+    if node.op != "call_function" or node.target not in (*_VIEWS, aten.permute.default, aten.t.default):
+        return False
+    if not all(_hoist_before(arg, anchor, order) for arg in node.all_input_nodes):
+        return False
+    anchor.prepend(node)
+    order[node] = order[anchor] - 0.5
+    return True
+
+
+def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int]) -> str:
+    wait = single_wait(ag)
+    if wait is None:
+        return "not fused: the all-gather has no single wait"
+    found = _gathered(wait)
+    if found is None:
+        return "not fused: the gathered tensor is rearranged in a way the pass does not know"
+    gathered, gather_dim = found
+    consumers = _matmul_consumers(gathered)
+    if not consumers:
+        return "not fused: no matmul consumes the gathered tensor as its left operand"
+    ready = [b for _, b in consumers if _hoist_before(b, wait, order)]
+    if len(ready) != len(consumers):
+        return "not fused: a matmul's right operand is computed after the all-gather"
+    graph = gm.graph
+    shard, _, group = ag.args
+    with graph.inserting_before(wait):
+        fused = graph.call_function(torch.ops.dtcompile.fused_all_gather_matmul.default, (shard, [b for _, b in consumers], gather_dim, group))
+        fused.meta.update({k: ag.meta[k] for k in ("from_node", "seq_nr") if ag.meta.get(k)})
+        a_gathered = graph.call_function(operator.getitem, (fused, 0))
+        outs = graph.call_function(operator.getitem, (fused, 1))
+    gathered.replace_all_uses_with(a_gathered)
+    for i, (mm, _) in enumerate(consumers):
+        with graph.inserting_before(mm):
+            product = graph.call_function(operator.getitem, (outs, i))
+            flat = graph.call_function(aten.reshape.default, (product, list(mm.meta["val"].shape)))
+        mm.replace_all_uses_with(flat)
+        graph.erase_node(mm)
+    _erase_unused([gathered, *_between(wait, gathered), wait, ag])
+    return f"fused all_gather(dim {gather_dim}) + {len(consumers)} matmul(s): {ag.name} -> {', '.join(mm.name for mm, _ in consumers)}"
+
+
+def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> str:
+    wait = single_wait(rs)
+    if wait is None:
+        return "not fused: the reduce-scatter has no single wait"
+    source, reduce_op, _, group = rs.args
+    scatter_dim, produced = 0, source
+    if source.target is aten.cat.default and (source.args[1] if len(source.args) > 1 else 0) == 0:
+        getitems = list(source.args[0])
+        splits = {g.args[0] for g in getitems if g.target is operator.getitem}
+        if len(splits) != 1:
+            return "not fused: the reduce-scatter input is not a split of one tensor"
+        (split,) = splits
+        if split.target is not aten.split.Tensor or len(split.users) != len(getitems):
+            return "not fused: the reduce-scatter input is not a split of one tensor"
+        produced = split.args[0]
+        scatter_dim = (split.args[2] if len(split.args) > 2 else 0) % produced.meta["val"].dim()
+        if len(produced.users) != 1:
+            return f"not fused: {produced.name} has {len(produced.users)} users"
+    view = produced
+    mm = view.args[0] if view.target in _VIEWS else view
+    if mm.target is not aten.mm.default:
+        return f"not fused: its input comes from {mm.target} ({mm.name}), not from one matmul"
+    if len(mm.users) != 1:
+        return f"matmul->reduce-scatter not fused: the matmul output has {len(mm.users)} users"
+    graph = gm.graph
+    out_shape = list(view.meta["val"].shape)
+    with graph.inserting_before(wait):
+        fused = graph.call_function(
+            torch.ops.dtcompile.fused_matmul_reduce_scatter.default,
+            (mm.args[0], mm.args[1], out_shape, reduce_op, scatter_dim, group),
+        )
+        fused.meta.update({k: rs.meta[k] for k in ("from_node", "seq_nr") if rs.meta.get(k)})
+        result = graph.call_function(aten.reshape.default, (fused, list(wait.meta["val"].shape)))
+    wait.replace_all_uses_with(result)
+    _erase_unused([wait, rs, source, *(source.all_input_nodes if source is not produced else ()), produced, view, mm])
+    return f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}"
+
+
+def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
+    """The nodes on paths from ``start`` to ``end`` (exclusive): the gathered tensor's rearrangement."""
+    found: list[fx.Node] = []
+    stack = list(start.users)
+    while stack:
+        node = stack.pop()
+        if node is end or node in found:
+            continue
+        if any(end is u or _reaches(u, end) for u in [node]):
+            found.append(node)
+            stack += list(node.users)
+    return found
+
+
+def _reaches(node: fx.Node, end: fx.Node, depth: int = 4) -> bool:
+    if node is end:
+        return True
+    return depth > 0 and any(_reaches(u, end, depth - 1) for u in node.users)
+
+
+def _erase_unused(nodes: list[fx.Node]) -> None:
+    """Erase the replaced nodes, consumers first (collectives and waits are not dead code to FX)."""
+    seen: set[fx.Node] = set()
+    pending = [n for n in nodes if not (n in seen or seen.add(n))]
+    progress = True
+    while pending and progress:
+        progress = False
+        for node in list(pending):
+            if not node.users and node.op == "call_function":
+                node.graph.erase_node(node)
+                pending.remove(node)
+                progress = True
+
+
+def fuse_async_tp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule:
+    """See the module docstring."""
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    changed = False
+    for node in list(graph.nodes):
+        if node.target is c10d.all_gather_into_tensor.default:
+            decision = _fuse_all_gather(gm, node, order)
+        elif node.target is c10d.reduce_scatter_tensor.default:
+            decision = _fuse_reduce_scatter(gm, node)
+        else:
+            continue
+        fused = decision.startswith("fused")
+        changed |= fused
+        record_decision(gm, "async_tp", decision if fused else f"{node.name}: {decision}")
+    if changed:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+        refresh_metadata(gm, example_inputs)
+    return gm
