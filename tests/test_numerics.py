@@ -152,3 +152,25 @@ def test_gloo_two_ranks_compiled_matches_eager_and_reference():
             _check_ranks(
                 case_name, world_size, results, lambda r: _RankMesh(case_name, world_size, r)
             )
+
+
+PASS_CONFIGS = {f"no_{name}": {"inductor": False, "disable_passes": {name}} for name in ("async_tp", "bucketing", "overlap")}
+
+
+def _gloo_rank_passes_off(rank: int, world_size: int) -> dict:
+    results = {}
+    for case_name in CASES:
+        for config, options in PASS_CONFIGS.items():
+            torch._dynamo.reset()
+            results[case_name, config] = rank_eager_and_compiled(rank, case_name, world_size, options)
+    return results
+
+
+def test_gloo_two_ranks_with_each_pass_switched_off():
+    """Each communication pass off in turn (the others on): still eager's and the reference's numbers."""
+    world_size = 2
+    per_rank = run_gloo(world_size, _gloo_rank_passes_off, world_size, timeout=900)
+    for case_name in CASES:
+        for config in PASS_CONFIGS:
+            results = [ranks[case_name, config] for ranks in per_rank]
+            _check_ranks(case_name, world_size, results, lambda r, c=case_name: _RankMesh(c, world_size, r))

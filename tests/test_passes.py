@@ -123,10 +123,12 @@ backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_3 -> mm_
 backward: reduce_scatter_tensor_3: not fused: its input comes from aten.add.Tensor (add_10), not from one matmul""")
 
 
-def test_overlap_sinks_waits_in_the_block_backward(fake_world):
+def test_overlap_sinks_waits_and_fills_windows_in_the_block_backward(fake_world):
     _, records = _block_backend_records(fake_world(4, (4,), ("tp",)), disable_passes={"async_tp"})
     moves = [f"{r.kind}: {d}" for r in records for p in r.passes if p.name == "overlap" for d in p.decisions]
     assert any(m.startswith("backward: wait_tensor") and "node(s) later, before" in m for m in moves), moves
+    # the input-gradient reduce-scatters get the weight-gradient work moved under them
+    assert any(m.startswith("backward: reduce_scatter") and "independent node(s) moved after it" in m for m in moves), moves
 
 
 def _hand_built_graph() -> torch.fx.GraphModule:
@@ -163,10 +165,14 @@ def test_overlap_on_a_hand_built_graph(fake_world):
     assert_expected_inline("\n".join(gm.meta["dtcompile_decisions"]["overlap"]), """\
 wait_tensor_default: waits 1 node(s) later, before add_tensor
 all_reduce_default: issued 2 node(s) earlier, after mul_tensor""")
+    # Under a 16 B budget the collective stays; the independent compute before it
+    # moves after it instead (issuing it no earlier holds no buffer longer).
     gm = reorder_for_overlap(_hand_built_graph(), [], dtcompile.DTCompileConfig(inductor=False, overlap_memory_budget_bytes=16))
     order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
-    assert order == ["mul", "mul", "mul", "all_reduce", "mul", "wait_tensor", "add"]
-    assert "not issued earlier: 32 B in flight would pass overlap_memory_budget_bytes" in gm.meta["dtcompile_decisions"]["overlap"][-1]
+    assert order == ["mul", "all_reduce", "mul", "mul", "mul", "wait_tensor", "add"]
+    decisions = gm.meta["dtcompile_decisions"]["overlap"]
+    assert "all_reduce_default: not issued earlier: 32 B in flight would pass overlap_memory_budget_bytes" in decisions
+    assert decisions[-1] == "all_reduce_default: 2 independent node(s) moved after it, to run under it"
 
 
 def _fused_rank(rank: int) -> tuple[float, float]:

@@ -8,7 +8,13 @@ After AOTAutograd every functional collective is followed at once by its
 2. moves every collective up to just after the last of its inputs, unless the
    bytes of the collectives then in flight at once (issued, not yet waited on)
    would pass ``config.overlap_memory_budget_bytes``: an early collective holds
-   its output buffer for longer.
+   its output buffer for longer;
+3. where the compute between a collective and its wait is estimated shorter
+   than the collective (``config.cost_profile``), moves compute that the
+   collective does not depend on from before it to just after it (latest first,
+   back to the previous collective's wait) until the window covers it: in a
+   backward pass, the weight-gradient matmuls behind a reduce-scatter of the
+   input gradient.
 
 The graph computes the same values (only the order of independent nodes
 changes).  Fused collective-matmuls (``async_tp``) are left where they are:
@@ -91,9 +97,61 @@ def _bytes_in_flight(graph: fx.Graph, order: dict[fx.Node, int], position: int) 
     return total
 
 
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack += current.all_input_nodes
+    return seen
+
+
+def _fill_windows(gm: fx.GraphModule, profile: Any) -> int:
+    from dtcompile.cost_model import collective_time_us, node_time_us
+
+    moved = 0
+    for node in list(gm.graph.nodes):
+        info = collective_info(node)
+        waits = [u for u in node.users if u.target is _WAIT]
+        if info is None or info.fused or len(waits) != 1:
+            continue
+        order = _order(gm.graph)
+        wait = waits[0]
+        need = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
+        window = [n for n in gm.graph.nodes if order[node] < order[n] < order[wait]]
+        have = sum(node_time_us(n, profile) for n in window)
+        if have >= need:
+            continue
+        ancestors = _ancestors(node)
+        candidates = []
+        for before in reversed([n for n in gm.graph.nodes if order[n] < order[node]]):
+            if before.op != "call_function" or before.target is _WAIT or collective_info(before) is not None:
+                break  # do not move compute across another collective or wait
+            if before in ancestors:
+                continue
+            candidates.append(before)
+            have += node_time_us(before, profile)
+            if have >= need:
+                break
+        # Keep the moved nodes' own order: they go right after the collective, first first.
+        anchor = node
+        for candidate in reversed(candidates):
+            anchor.append(candidate)
+            anchor = candidate
+        if candidates:
+            moved += len(candidates)
+            record_decision(gm, "overlap", f"{node.name}: {len(candidates)} independent node(s) moved after it, to run under it")
+    return moved
+
+
 def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule:
     """See the module docstring."""
+    from dtcompile.cost_model import get_profile
+
     moved = _sink_waits(gm) + _hoist_collectives(gm, config.overlap_memory_budget_bytes)
+    moved += _fill_windows(gm, get_profile(config.cost_profile))
     if moved:
         gm.graph.lint()
         gm.recompile()
