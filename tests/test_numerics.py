@@ -134,43 +134,32 @@ def test_local_tensor_mode_compile_is_broken_in_stock_torch():
         torch.compile(parallel, backend="aot_eager", fullgraph=True)(local_x)
 
 
-def _gloo_rank(rank: int, world_size: int) -> dict:
+def _gloo_rank(rank: int, world_size: int, configs: dict) -> dict:
     results = {}
     for case_name in CASES:
-        for mode, options in MODES.items():
-            torch._dynamo.reset()
-            results[case_name, mode] = rank_eager_and_compiled(rank, case_name, world_size, options)
-    return results
-
-
-def test_gloo_two_ranks_compiled_matches_eager_and_reference():
-    world_size = 2
-    per_rank = run_gloo(world_size, _gloo_rank, world_size, timeout=600)
-    for case_name in CASES:
-        for mode in MODES:
-            results = [ranks[case_name, mode] for ranks in per_rank]
-            _check_ranks(
-                case_name, world_size, results, lambda r: _RankMesh(case_name, world_size, r)
-            )
-
-
-PASS_CONFIGS = {f"no_{name}": {"inductor": False, "disable_passes": {name}} for name in ("async_tp", "bucketing", "overlap")}
-
-
-def _gloo_rank_passes_off(rank: int, world_size: int) -> dict:
-    results = {}
-    for case_name in CASES:
-        for config, options in PASS_CONFIGS.items():
+        for config, options in configs.items():
             torch._dynamo.reset()
             results[case_name, config] = rank_eager_and_compiled(rank, case_name, world_size, options)
     return results
 
 
-def test_gloo_two_ranks_with_each_pass_switched_off():
-    """Each communication pass off in turn (the others on): still eager's and the reference's numbers."""
+def _check_on_gloo(configs: dict, timeout: float) -> None:
+    """Every case under every backend config on 2 gloo ranks: compiled == eager == reference."""
     world_size = 2
-    per_rank = run_gloo(world_size, _gloo_rank_passes_off, world_size, timeout=900)
+    per_rank = run_gloo(world_size, _gloo_rank, world_size, configs, timeout=timeout)
     for case_name in CASES:
-        for config in PASS_CONFIGS:
+        for config in configs:
             results = [ranks[case_name, config] for ranks in per_rank]
             _check_ranks(case_name, world_size, results, lambda r, c=case_name: _RankMesh(c, world_size, r))
+
+
+def test_gloo_two_ranks_compiled_matches_eager_and_reference():
+    _check_on_gloo(MODES, timeout=600)
+
+
+PASS_CONFIGS = {f"no_{name}": {"inductor": False, "disable_passes": {name}} for name in ("async_tp", "bucketing", "overlap")}
+
+
+def test_gloo_two_ranks_with_each_pass_switched_off():
+    """Each communication pass off in turn (the others on): still eager's and the reference's numbers."""
+    _check_on_gloo(PASS_CONFIGS, timeout=900)

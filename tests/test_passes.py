@@ -89,28 +89,10 @@ def _block_backend_records(mesh, **options):
 
 
 def test_async_tp_fuses_every_gather_matmul_and_matmul_scatter_pair(fake_world):
+    # The fused schedule itself is pinned in test_models.py::test_tp_sp_block_schedule.
     schedule, records = _block_backend_records(fake_world(4, (4,), ("tp",)))
-    main = [line for line in str(schedule).splitlines()]
-    assert_expected_inline(
-        "\n".join(main),
-        """\
-forward 0/0: (no collectives)
-forward 1/0:
-  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
-  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
-  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
-  reduce_scatter+matmul tp     x4    float32[2, 8, 64]  4096 B
-forward 2/0:
-  all_gather            tp     x4    float32[8, 2, 64]  4096 B
-backward 2/0: (no collectives)
-backward 1/0:
-  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
-  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
-  all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
-  reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
-forward total: 5 collectives, 20480 B per rank
-backward total: 4 collectives, 16384 B per rank""",
-    )
+    fused = [c.op for c in (*schedule.forward, *schedule.backward) if c.fused]
+    assert fused == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter", "all_gather", "all_gather"]
     decisions = [f"{r.kind}: {d}" for r in records if r.compile_id == "1/0" for p in r.passes if p.name == "async_tp" for d in p.decisions]
     assert_expected_inline("\n".join(decisions), """\
 forward: fused all_gather(dim 1) + 3 matmul(s): all_gather_into_tensor -> mm, mm_1, mm_2
