@@ -57,7 +57,13 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
         "kind": record.kind,
         "cost_profile": record.info.profile.name,
         "passes": [
-            {"name": p.name, "ran": p.ran, "nodes": [p.nodes_before, p.nodes_after], "collectives": [p.collectives_before, p.collectives_after]}
+            {
+                "name": p.name,
+                "ran": p.ran,
+                "nodes": [p.nodes_before, p.nodes_after],
+                "collectives": [p.collectives_before, p.collectives_after],
+                "decisions": list(p.decisions),
+            }
             for p in record.passes
         ],
         "collectives": items,
@@ -117,10 +123,12 @@ def format_compiled_graph(record: CompiledGraph) -> str:
 
 
 def _pass_lines(record: CompiledGraph) -> list[str]:
-    return [
-        f"{p.name}: " + (f"nodes {p.nodes_before} -> {p.nodes_after}, collectives {p.collectives_before} -> {p.collectives_after}" if p.ran else "switched off")
-        for p in record.passes
-    ]
+    lines = []
+    for p in record.passes:
+        summary = f"nodes {p.nodes_before} -> {p.nodes_after}, collectives {p.collectives_before} -> {p.collectives_after}"
+        lines.append(f"{p.name}: " + (summary if p.ran else "switched off"))
+        lines += [f"  {decision}" for decision in p.decisions]
+    return lines
 
 
 @dataclass(frozen=True)

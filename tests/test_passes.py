@@ -181,3 +181,36 @@ def test_fused_ops_match_collective_then_matmul_on_real_collectives():
 
     for gather_error, scatter_error in run_threaded(4, _fused_rank):
         assert gather_error < 1e-5 and scatter_error < 1e-5
+
+
+class _SequenceParallelLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 32, bias=True)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.proj.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _sp_linear(mesh):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    # The input arrives sharded on the sequence: all-gather on dim 1, then addmm with the bias.
+    model = parallelize_module(_SequenceParallelLinear(), mesh, {"proj": ColwiseParallel(input_layouts=Shard(1))})
+    return model, (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)),)
+
+
+def test_async_tp_fuses_a_gather_into_a_matmul_with_bias(fake_world):
+    model, (x,) = _sp_linear(fake_world(4, (4,), ("tp",)))
+    backend = dtcompile.backend(inductor=False)
+    schedule = collective_schedule(model, x[:, :2], backend=backend)
+    assert [(c.op, c.fused) for c in schedule.forward] == [("all_gather", "matmul")]
+
+
+def test_async_tp_with_bias_keeps_numerics():
+    assert_matches_eager(_sp_linear, world=threaded_world(4, (4,), ("tp",)))

@@ -211,12 +211,19 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         ]
         parts.append("<h3>Collectives</h3>" + (_table(["graph", "op", "axis", "group", "shape", "bytes", "est. us"], rows, left=3) if rows else "<p>none</p>"))
         passes = [
-            [kind, p["name"], "yes" if p["ran"] else "switched off", "{} -> {}".format(*p["nodes"]), "{} -> {}".format(*p["collectives"])]
+            [
+                kind,
+                p["name"],
+                "yes" if p["ran"] else "switched off",
+                "{} -> {}".format(*p["nodes"]),
+                "{} -> {}".format(*p["collectives"]),
+                "; ".join(p.get("decisions", [])),
+            ]
             for kind, data in record.collectives.items()
             for p in data.get("passes", [])
         ]
         if passes:
-            parts.append("<h3>Passes</h3>" + _table(["graph", "pass", "ran", "nodes", "collectives"], passes, left=2))
+            parts.append("<h3>Passes</h3>" + _table(["graph", "pass", "ran", "nodes", "collectives", "decisions"], passes, left=2))
         parts.append("</section>")
 
     for section, title_text, items in (

@@ -6,8 +6,9 @@ AOTAutograd (as in torch's ``micro_pipeline_tp.py``):
 - all-gather: ``all_gather_into_tensor(x) -> wait`` gathers on dim 0; gathering
   on another dim ``d`` adds ``split(dim 0) -> cat(dim d)``.  Every consumer of
   the gathered tensor ``G`` of the form ``mm(view(G, [-1, K]), B)`` (or
-  ``mm(G, B)`` for 2-D ``G``) is fused: one ``dtcompile::fused_all_gather_matmul``
-  returns ``G`` and every product; each ``mm`` becomes a view of its product.
+  ``mm(G, B)`` for 2-D ``G``; ``addmm`` with a bias likewise) is fused: one
+  ``dtcompile::fused_all_gather_matmul`` returns ``G`` and every product; each
+  ``mm`` becomes a view of its product (plus the bias for ``addmm``).
 - reduce-scatter: ``mm(A, B) -> view -> split(dim d) -> cat(dim 0) ->
   reduce_scatter_tensor -> wait`` (or ``mm -> reduce_scatter`` for ``d = 0``)
   becomes ``dtcompile::fused_matmul_reduce_scatter``, when every intermediate
@@ -60,24 +61,39 @@ def _gathered(wait: fx.Node) -> tuple[fx.Node, int] | None:
 
 
 def _skip_full_slice(node: fx.Node) -> fx.Node:
-    """``slice(x, d, 0, n)`` over all of dim ``d`` (DTensor's unpadding of even shards) is ``x``."""
-    users = list(node.users)
-    if len(users) == 1 and users[0].target is aten.slice.Tensor:
-        sliced = users[0]
-        if sliced.meta["val"].shape == node.meta["val"].shape:
-            return sliced
+    """Past value-preserving single users: ``slice(x, d, 0, n)`` over all of dim ``d``
+    (DTensor's unpadding of even shards) and ``clone(x)`` (a contiguous copy)."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        same_shape = user.meta["val"].shape == node.meta["val"].shape
+        if same_shape and (user.target is aten.slice.Tensor or (user.target is aten.clone.default and user.args[0] is node)):
+            node = user
+            continue
+        break
     return node
 
 
+def _operands(mm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(A, B)`` of ``mm(A, B)`` or ``addmm(bias, A, B)`` (plain, no alpha/beta)."""
+    if mm.target is aten.mm.default:
+        return mm.args[0], mm.args[1]
+    if mm.target is aten.addmm.default and not mm.kwargs:
+        return mm.args[1], mm.args[2]
+    return None
+
+
 def _matmul_consumers(gathered: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """``(mm, B)`` for each ``mm(view(G, [-1, K]), B)`` / ``mm(G, B)`` consumer of ``G``."""
+    """``(mm, B)`` for each ``mm(view(G, [-1, K]), B)`` / ``mm(G, B)`` consumer of ``G``
+    (``addmm(bias, ..., B)`` too: the bias is added to the fused product)."""
     found = []
     value = gathered.meta["val"]
-    for user in gathered.users:
-        if user.target is aten.mm.default and user.args[0] is gathered and value.dim() == 2:
-            found.append((user, user.args[1]))
-        elif user.target in _VIEWS and user.meta["val"].dim() == 2 and user.meta["val"].shape[-1] == value.shape[-1]:
-            found += [(mm, mm.args[1]) for mm in user.users if mm.target is aten.mm.default and mm.args[0] is user]
+    lhs = [gathered] if value.dim() == 2 else []
+    lhs += [u for u in gathered.users if u.target in _VIEWS and u.meta["val"].dim() == 2 and u.meta["val"].shape[-1] == value.shape[-1]]
+    for operand in lhs:
+        for mm in operand.users:
+            pair = _operands(mm)
+            if pair is not None and pair[0] is operand:
+                found.append((mm, pair[1]))
     return found
 
 
@@ -124,6 +140,8 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int])
         with graph.inserting_before(mm):
             product = graph.call_function(operator.getitem, (outs, i))
             flat = graph.call_function(aten.reshape.default, (product, list(mm.meta["val"].shape)))
+            if mm.target is aten.addmm.default:
+                flat = graph.call_function(aten.add.Tensor, (flat, mm.args[0]))
         mm.replace_all_uses_with(flat)
         graph.erase_node(mm)
     _erase_unused([gathered, *_between(wait, gathered), wait, ag])
