@@ -214,3 +214,26 @@ def test_async_tp_fuses_a_gather_into_a_matmul_with_bias(fake_world):
 
 def test_async_tp_with_bias_keeps_numerics():
     assert_matches_eager(_sp_linear, world=threaded_world(4, (4,), ("tp",)))
+
+
+def test_async_tp_leaves_a_gather_that_is_a_graph_output(fake_world):
+    """Regression: the gathered tensor's only user is the graph's output (no value in meta)."""
+    import torch.fx as fx
+
+    from dtcompile.passes.async_tp import fuse_async_tp
+
+    fake_world(4)
+    mode = torch._subclasses.FakeTensorMode()
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    gather = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 4, "0"))
+    wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (gather,))
+    graph.output((wait,))
+    with mode:
+        x.meta["val"] = torch.empty(2, 8)
+        gather.meta["val"] = torch.ops._c10d_functional.all_gather_into_tensor.default(x.meta["val"], 4, "0")
+        wait.meta["val"] = torch.empty(8, 8)
+    gm = fuse_async_tp(fx.GraphModule(torch.nn.Module(), graph), [x.meta["val"]], dtcompile.DTCompileConfig())
+    assert gm.meta["dtcompile_decisions"]["async_tp"] == [
+        "all_gather_into_tensor_default: not fused: no matmul consumes the gathered tensor as its left operand"
+    ]

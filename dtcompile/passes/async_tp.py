@@ -65,6 +65,8 @@ def _skip_full_slice(node: fx.Node) -> fx.Node:
     (DTensor's unpadding of even shards) and ``clone(x)`` (a contiguous copy)."""
     while len(node.users) == 1:
         (user,) = node.users
+        if user.op != "call_function" or "val" not in user.meta:
+            break
         same_shape = user.meta["val"].shape == node.meta["val"].shape
         if same_shape and (user.target is aten.slice.Tensor or (user.target is aten.clone.default and user.args[0] is node)):
             node = user
@@ -88,7 +90,11 @@ def _matmul_consumers(gathered: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     found = []
     value = gathered.meta["val"]
     lhs = [gathered] if value.dim() == 2 else []
-    lhs += [u for u in gathered.users if u.target in _VIEWS and u.meta["val"].dim() == 2 and u.meta["val"].shape[-1] == value.shape[-1]]
+    lhs += [
+        u
+        for u in gathered.users
+        if u.target in _VIEWS and u.meta["val"].dim() == 2 and u.meta["val"].shape[-1] == value.shape[-1]
+    ]
     for operand in lhs:
         for mm in operand.users:
             pair = _operands(mm)
@@ -233,11 +239,12 @@ def fuse_async_tp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any
         else:
             continue
         fused = decision.startswith("fused")
-        changed |= fused
+        if fused:
+            changed = True
+            refresh_metadata(gm, example_inputs)  # the next match reads the new nodes' values
         record_decision(gm, "async_tp", decision if fused else f"{node.name}: {decision}")
     if changed:
         graph.eliminate_dead_code()
         graph.lint()
         gm.recompile()
-        refresh_metadata(gm, example_inputs)
     return gm
