@@ -10,10 +10,9 @@
 Where symmetric memory is available (CUDA, NCCL) they call torch's fused
 kernels, ``symm_mem::fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``,
 enabling symmetric memory for the group on first use.  Elsewhere (CPU, gloo,
-the fake process group) they run a decomposed collective matmul: the gathered
-operand is consumed chunk by chunk (one chunk per rank) and the matmul output
-is reduce-scattered with the functional collectives, which gives the same
-values and runs everywhere.
+the fake process group) they run decomposed: all-gather then matmul, matmul then
+reduce-scatter, with the functional collectives.  Same values, runs everywhere,
+overlaps nothing.
 """
 
 from __future__ import annotations
@@ -59,12 +58,9 @@ def fused_all_gather_matmul(
     if symmetric_memory_available(a_shard, group_name):
         a, outs = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_A=True)
         return a, list(outs)
-    world_size = _group_size(group_name)
+    # Decomposed: gather, then multiply (the same values; no overlap without symmetric memory).
     gathered = funcol.wait_tensor(funcol.all_gather_tensor(a_shard.contiguous(), gather_dim, group_name))
-    # Collective matmul: one chunk per source rank, each multiplied as it is available.
-    chunks = gathered.chunk(world_size, dim=gather_dim)
-    outs = [torch.cat([torch.matmul(chunk, b) for chunk in chunks], dim=gather_dim) for b in bs]
-    return gathered.clone(), outs
+    return gathered, [torch.matmul(gathered, b) for b in bs]
 
 
 @fused_all_gather_matmul.register_fake
@@ -83,7 +79,7 @@ def fused_matmul_reduce_scatter(
         a_nd = a.view([*out_shape[:-1], a.shape[-1]])
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a_nd, b, reduce_op, scatter_dim, group_name)
     out = torch.matmul(a, b).view(out_shape)
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(out.contiguous(), reduce_op, scatter_dim, group_name)).clone()
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(out, reduce_op, scatter_dim, group_name))
 
 
 @fused_matmul_reduce_scatter.register_fake
