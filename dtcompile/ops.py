@@ -59,7 +59,7 @@ def fused_all_gather_matmul(
         a, outs = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_A=True)
         return a, list(outs)
     # Decomposed: gather, then multiply (the same values; no overlap without symmetric memory).
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(a_shard.contiguous(), gather_dim, group_name))
+    gathered = funcol.wait_tensor(funcol.all_gather_single(a_shard.contiguous(), gather_dim, group_name))
     return gathered, [torch.matmul(gathered, b) for b in bs]
 
 
@@ -79,7 +79,7 @@ def fused_matmul_reduce_scatter(
         a_nd = a.view([*out_shape[:-1], a.shape[-1]])
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a_nd, b, reduce_op, scatter_dim, group_name)
     out = torch.matmul(a, b).view(out_shape)
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(out, reduce_op, scatter_dim, group_name))
+    return funcol.wait_tensor(funcol.reduce_scatter_single(out, reduce_op, scatter_dim, group_name))
 
 
 @fused_matmul_reduce_scatter.register_fake

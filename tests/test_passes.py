@@ -168,11 +168,11 @@ def _fused_rank(rank: int) -> tuple[float, float]:
     shard = torch.randn(2, 3, 8, generator=gen)
     weights = [torch.randn(8, 5, generator=torch.Generator().manual_seed(10)), torch.randn(8, 7)]
     gathered, outs = torch.ops.dtcompile.fused_all_gather_matmul(shard, weights, 1, group)
-    expected = funcol.wait_tensor(funcol.all_gather_tensor(shard, 1, group))
+    expected = funcol.wait_tensor(funcol.all_gather_single(shard, 1, group))
     error = max((gathered - expected).abs().max().item(), *((o - expected @ w).abs().max().item() for o, w in zip(outs, weights)))
     a, b = torch.randn(24, 8, generator=gen), weights[0]
     scattered = torch.ops.dtcompile.fused_matmul_reduce_scatter(a, b, [2, 12, 5], "sum", 1, group)
-    reference = funcol.wait_tensor(funcol.reduce_scatter_tensor((a @ b).view(2, 12, 5), "sum", 1, group))
+    reference = funcol.wait_tensor(funcol.reduce_scatter_single((a @ b).view(2, 12, 5), "sum", 1, group))
     return error, (scattered - reference).abs().max().item()
 
 
