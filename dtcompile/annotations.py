@@ -64,7 +64,8 @@ class Communication:
 
     def __str__(self) -> str:
         c = self.collective
-        return f"{self.kind} {c.op}[{c.axis}] x{c.group_size} {c.bytes} B ~{self.time_us:.1f} us"
+        op = f"{c.op}+{c.fused}" if c.fused else c.op
+        return f"{self.kind} {op}[{c.axis}] x{c.group_size} {c.bytes} B ~{self.time_us:.1f} us"
 
 
 @dataclass
@@ -199,7 +200,8 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> 
             node.meta["dtcompile_cost_us"] = time_us
             communication = Communication(kind, collective, time_us)
             info.communication[source or "?"].append(communication)
-            note = f"{collective.op}[{collective.axis}] x{collective.group_size} {collective.bytes} B ~{time_us:.1f} us ({info.profile.name})"
+            op = f"{collective.op}+{collective.fused}" if collective.fused else collective.op
+            note = f"{op}[{collective.axis}] x{collective.group_size} {collective.bytes} B ~{time_us:.1f} us ({info.profile.name})"
         elif source is not None:
             placement = info.nodes.get(source)
             role = "grad of" if kind == "backward" and not node.meta.get("from_node") else "from"

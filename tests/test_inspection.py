@@ -290,7 +290,7 @@ add = operator.add(Spec(f32[2, 8, 1](S(1))), 1e-06) -> Spec(f32[2, 8, 1](S(1)))
 rsqrt = torch._VariableFunctionsClass.rsqrt(Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 1](S(1)))
 mul = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 64](S(1)))
 hook_result = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[64](R))) -> Spec(f32[2, 8, 64](S(1)))
-dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather+matmul[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
 linear = torch._C._nn.linear(Spec(f32[2, 8, 64](R)), Spec(f32[64, 64](S(0))), None) -> Spec(f32[2, 8, 64](S(2)))
 outputs = .redistribute(Spec(f32[2, 8, 64](S(2))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[2, 8, 64](S(2)))
 hook_result_1 = .to_local(Spec(f32[2, 8, 64](S(2))))
@@ -302,7 +302,7 @@ outputs_2 = .redistribute(Spec(f32[2, 8, 64](S(2))), placements=(Shard(dim=-1)),
 hook_result_3 = .to_local(Spec(f32[2, 8, 64](S(2))))
 input_tensor_1 = torch.distributed.tensor._api.DTensor.from_local(input_tensor, DeviceMesh((tp=4)), (Shard(dim=-1)), run_check=False) -> Spec(f32[2, 8, 64](S(2)))
 linear_3 = torch._C._nn.linear(Spec(f32[2, 8, 64](S(2))), Spec(f32[64, 64](S(1))), None) -> Spec(f32[2, 8, 64](P(sum)))
-outputs_3 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us
+outputs_3 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter+matmul[tp] x4 4096 B ~8.4 us; backward all_gather+matmul[tp] x4 4096 B ~8.4 us
 hook_result_4 = .to_local(Spec(f32[2, 8, 64](S(1))))
 args_result_1 = torch.distributed.tensor._api.DTensor.from_local(h, DeviceMesh((tp=4)), (Shard(dim=1)), run_check=False) -> Spec(f32[2, 8, 64](S(1)))
 pow_2 = .pow(Spec(f32[2, 8, 64](S(1))), 2) -> Spec(f32[2, 8, 64](S(1)))
@@ -311,7 +311,7 @@ add_2 = operator.add(Spec(f32[2, 8, 1](S(1))), 1e-06) -> Spec(f32[2, 8, 1](S(1))
 rsqrt_1 = torch._VariableFunctionsClass.rsqrt(Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 1](S(1)))
 mul_2 = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[2, 8, 1](S(1)))) -> Spec(f32[2, 8, 64](S(1)))
 hook_result_5 = operator.mul(Spec(f32[2, 8, 64](S(1))), Spec(f32[64](R))) -> Spec(f32[2, 8, 64](S(1)))
-dt_inp_1 = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+dt_inp_1 = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather+matmul[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
 linear_4 = torch._C._nn.linear(Spec(f32[2, 8, 64](R)), Spec(f32[128, 64](S(0))), None) -> Spec(f32[2, 8, 128](S(2)))
 outputs_4 = .redistribute(Spec(f32[2, 8, 128](S(2))), placements=(Shard(dim=-1)), async_op=True) -> Spec(f32[2, 8, 128](S(2)))
 hook_result_6 = .to_local(Spec(f32[2, 8, 128](S(2))))
@@ -320,7 +320,7 @@ outputs_5 = .redistribute(Spec(f32[2, 8, 128](S(2))), placements=(Shard(dim=-1))
 hook_result_7 = .to_local(Spec(f32[2, 8, 128](S(2))))
 input_tensor_3 = torch.distributed.tensor._api.DTensor.from_local(input_tensor_2, DeviceMesh((tp=4)), (Shard(dim=-1)), run_check=False) -> Spec(f32[2, 8, 128](S(2)))
 linear_6 = torch._C._nn.linear(Spec(f32[2, 8, 128](S(2))), Spec(f32[64, 128](S(1))), None) -> Spec(f32[2, 8, 64](P(sum)))
-outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us
+outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter+matmul[tp] x4 4096 B ~8.4 us; backward all_gather+matmul[tp] x4 4096 B ~8.4 us
 hook_result_8 = .to_local(Spec(f32[2, 8, 64](S(1))))""")
 
 
@@ -330,12 +330,12 @@ def test_annotated_placements_block_2d_collectives(fake_world):
     commented = [line for line in main.format().splitlines() if "  # " in line]
     assert_expected_inline("\n".join(commented), """\
 x = torch.distributed.tensor._api.DTensor.from_local(local, DeviceMesh((tp=4)), [Replicate()], run_check=False) -> Spec(f32[64](R))  # backward all_reduce[tp] x4 256 B ~10.2 us
-dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
-outputs_3 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us
+dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather+matmul[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+outputs_3 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter+matmul[tp] x4 4096 B ~8.4 us; backward all_gather+matmul[tp] x4 4096 B ~8.4 us
 x_5 = torch.distributed.tensor._api.DTensor.from_local(local_5, DeviceMesh((tp=4)), [Replicate()], run_check=False) -> Spec(f32[64](R))  # backward all_reduce[tp] x4 256 B ~10.2 us
-dt_inp_1 = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+dt_inp_1 = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather+matmul[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
 local_8 = .to_local(Spec(f32[64, 128](RS(1))), grad_placements=[Partial(avg), Shard(dim=1)])  # backward all_reduce[dp] x2 41472 B ~7.9 us
-outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter[tp] x4 4096 B ~8.4 us; backward all_gather[tp] x4 4096 B ~8.4 us""")
+outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter+matmul[tp] x4 4096 B ~8.4 us; backward all_gather+matmul[tp] x4 4096 B ~8.4 us""")
 
 
 def test_explain_reports_graph_breaks_and_recompiles_in_placement_words(fake_world):

@@ -218,7 +218,7 @@ def test_async_tp_with_bias_keeps_numerics():
 
 def test_async_tp_leaves_a_gather_that_is_a_graph_output(fake_world):
     """Regression: the gathered tensor's only user is the graph's output (no value in meta)."""
-    import torch.fx as fx
+    from torch import fx
 
     from dtcompile.passes.async_tp import fuse_async_tp
 
