@@ -237,3 +237,32 @@ def test_async_tp_leaves_a_gather_that_is_a_graph_output(fake_world):
     assert gm.meta["dtcompile_decisions"]["async_tp"] == [
         "all_gather_into_tensor_default: not fused: no matmul consumes the gathered tensor as its left operand"
     ]
+
+
+def test_async_tp_fuses_a_gather_into_addmm(fake_world):
+    """all_gather -> view -> addmm(bias, ., B): fused, and the bias added to the product."""
+    from torch import fx
+
+    from dtcompile.passes.async_tp import fuse_async_tp
+
+    fake_world(4)
+    mode = torch._subclasses.FakeTensorMode()
+    graph = fx.Graph()
+    x, w, bias = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("bias")
+    gather = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 4, "0"))
+    wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (gather,))
+    flat = graph.call_function(torch.ops.aten.view.default, (wait, [8, 16]))
+    out = graph.call_function(torch.ops.aten.addmm.default, (bias, flat, w))
+    graph.output((out,))
+    with mode:
+        inputs = [torch.empty(2, 16), torch.empty(16, 5), torch.empty(5)]
+        for node, value in zip([x, w, bias], inputs):
+            node.meta["val"] = value
+        for node in [gather, wait, flat, out]:
+            node.meta["val"] = node.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args])
+    gm = fuse_async_tp(fx.GraphModule(torch.nn.Module(), graph), inputs, dtcompile.DTCompileConfig())
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == ["dtcompile.fused_all_gather_matmul.default", "<built-in function getitem>", "<built-in function getitem>", "aten.reshape.default", "aten.add.Tensor"]
+    assert gm.meta["dtcompile_decisions"]["async_tp"] == [
+        "fused all_gather(dim 0) + 1 matmul(s): all_gather_into_tensor_default -> addmm_default"
+    ]
