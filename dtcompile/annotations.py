@@ -64,8 +64,7 @@ class Communication:
 
     def __str__(self) -> str:
         c = self.collective
-        op = f"{c.op}+{c.fused}" if c.fused else c.op
-        return f"{self.kind} {op}[{c.axis}] x{c.group_size} {c.bytes} B ~{self.time_us:.1f} us"
+        return f"{self.kind} {c.label}[{c.axis}] x{c.group_size} {c.bytes} B ~{self.time_us:.1f} us"
 
 
 @dataclass
@@ -129,7 +128,7 @@ def _arg_text(arg: Any) -> str:
 def _target_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return f".{node.target}"
-    if node.op == "call_module":
+    if node.op == "call_module" or isinstance(node.target, torch._ops.OpOverload):
         return str(node.target)
     target = node.target
     module = getattr(target, "__module__", None)
@@ -200,8 +199,7 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> 
             node.meta["dtcompile_cost_us"] = time_us
             communication = Communication(kind, collective, time_us)
             info.communication[source or "?"].append(communication)
-            op = f"{collective.op}+{collective.fused}" if collective.fused else collective.op
-            note = f"{op}[{collective.axis}] x{collective.group_size} {collective.bytes} B ~{time_us:.1f} us ({info.profile.name})"
+            note = f"{collective.label}[{collective.axis}] x{collective.group_size} {collective.bytes} B ~{time_us:.1f} us ({info.profile.name})"
         elif source is not None:
             placement = info.nodes.get(source)
             role = "grad of" if kind == "backward" and not node.meta.get("from_node") else "from"
@@ -224,7 +222,7 @@ def format_aot_graph(gm: fx.GraphModule) -> str:
             continue
         args = ", ".join(_short(a) for a in node.args)
         note = node.meta.get("dtcompile_annotation", "")
-        lines.append(f"{node.name} = {_target_name(node) if not isinstance(node.target, torch._ops.OpOverload) else node.target}({args})  # {note}")
+        lines.append(f"{node.name} = {_target_name(node)}({args})  # {note}")
     return "\n".join(lines)
 
 

@@ -45,11 +45,15 @@ class CollectiveInfo:
     fused: str = ""
     """``matmul`` when the collective is part of a fused collective-matmul op."""
 
+    @property
+    def label(self) -> str:
+        """``all_gather``, or ``all_gather+matmul`` for a fused collective-matmul."""
+        return f"{self.op}+{self.fused}" if self.fused else self.op
+
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        op = f"{self.op}+{self.fused}" if self.fused else self.op
         return (
-            f"{op}[{self.axis}, group_size={self.group_size}] "
+            f"{self.label}[{self.axis}, group_size={self.group_size}] "
             f"{dtype}{list(self.shape)} {self.bytes} B"
         )
 
@@ -78,9 +82,8 @@ def _functional_op_name(node: fx.Node) -> tuple[str, str] | None:
     return target.namespace, target._opname
 
 
-def _moved_values(node: fx.Node, count_output: bool) -> list[Any]:
+def _moved_values(node: fx.Node, name: tuple[str, str], count_output: bool) -> list[Any]:
     """The tensors whose bytes a collective moves (see the module docstring)."""
-    name = _functional_op_name(node)
     if name == ("dtcompile", "fused_all_gather_matmul"):
         return [node.meta["val"][0]]  # the gathered operand
     if name == ("dtcompile", "fused_matmul_reduce_scatter"):
@@ -155,7 +158,7 @@ def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> Col
         return None
     kind, group_arg, count_output = _COLLECTIVES[opname]
     group_name = node.args[group_arg]
-    vals = _moved_values(node, count_output)
+    vals = _moved_values(node, opname, count_output)
     if not vals or any(not isinstance(v, torch.Tensor) for v in vals):
         raise AssertionError(f"collective {node.name} has no tensor metadata")
     shape = tuple(int(s) for s in vals[0].shape) if len(vals) == 1 else (len(vals),)

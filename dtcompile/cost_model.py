@@ -35,6 +35,7 @@ it.  The ``cpu_gloo`` constants come from ``benchmarks/calibrate_gloo.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,10 +209,7 @@ def node_time_us(node: Any, profile: HardwareProfile) -> float:
             return sum(_flops_time_us(2 * o.numel() * gathered.shape[-1], profile) for o in outs)
         if name == "fused_matmul_reduce_scatter":
             a, out_shape = node.args[0].meta["val"], node.args[2]
-            numel = 1
-            for size in out_shape:
-                numel *= size
-            return _flops_time_us(2 * numel * a.shape[-1], profile)
+            return _flops_time_us(2 * math.prod(out_shape) * a.shape[-1], profile)
     if name in _FREE or target.namespace == "_c10d_functional":
         return 0.0
     out = _tensors(node.meta.get("val"))

@@ -184,7 +184,7 @@ def explain(
     ``depyf_dir``: also dump Dynamo's transformed bytecode, decompiled by depyf, and
     the graphs' code there (``dtcompile-report --depyf DIR`` puts it beside the HTML)."""
     import dtcompile
-    from dtcompile.testing.schedule import _backward_from_sum
+    from dtcompile.testing.asserts import backward_from_sum
 
     options.setdefault("inductor", False)
     backend = dtcompile.backend(**options)
@@ -199,7 +199,7 @@ def explain(
         with _depyf(depyf_dir):
             out = compiled(*args, **kwargs)
             if backward:
-                _backward_from_sum(out)
+                backward_from_sum(out)
         breaks = tuple(
             f"{reason} (x{n - breaks_before.get(reason, 0)})"
             for reason, n in counters["graph_break"].items()

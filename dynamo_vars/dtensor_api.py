@@ -246,9 +246,8 @@ def _dtensor_spec_guard(original: Any) -> Any:
 
         parts = {"mesh": explain_mesh, "placements": explain_placements, "spec": explain_rest}
         key = guards.record(expected, parts)
-        name = guard.name
-        label = name.removesuffix("._spec")
-        code = [part.replace(f", {name!r})", f", {label!r})") for part in guards.code_parts(key, name)]
+        # The guard is on ``<dtensor>._spec``; the message names the DTensor.
+        code = guards.code_parts(key, guard.name, label=guard.name.removesuffix("._spec"))
         self.get_guard_manager(guard).add_lambda_guard(check, code, guard.user_stack)
 
     return DTENSOR_SPEC_MATCH

@@ -87,11 +87,15 @@ def record(expected: Any, parts: dict[str, Callable[[Any, Any], str | None]]) ->
     return key
 
 
-def code_parts(key: int, source_name: str) -> list[str]:
-    """One verbose code part per explained aspect, in the order they are checked."""
+def code_parts(key: int, source_name: str, label: str | None = None) -> list[str]:
+    """One verbose code part per explained aspect, in the order they are checked.
+
+    Each evaluates ``source_name``; the message names ``label`` (default: the source).
+    """
     _, parts = _EXPECTED[key]
+    label = source_name if label is None else label
     return [
-        f"__load_module('dynamo_vars.guards').explain({key}, {part!r}, {source_name}, {source_name!r})"
+        f"__load_module('dynamo_vars.guards').explain({key}, {part!r}, {source_name}, {label!r})"
         for part in parts
     ]
 

@@ -193,29 +193,22 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> str:
 
 
 def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
-    """The nodes on paths from ``start`` to ``end`` (exclusive): the gathered tensor's rearrangement."""
+    """The rearrangement nodes from ``start`` to ``end`` (both excluded), walked back from
+    ``end``: split, getitem, cat, slice and clone, which take only chain nodes as inputs
+    (:func:`_gathered` accepts no other)."""
     found: list[fx.Node] = []
-    stack = list(start.users)
+    stack = [] if end is start else list(end.all_input_nodes)
     while stack:
         node = stack.pop()
-        if node is end or node in found:
-            continue
-        if any(end is u or _reaches(u, end) for u in [node]):
+        if node is not start and node not in found:
             found.append(node)
-            stack += list(node.users)
+            stack += node.all_input_nodes
     return found
-
-
-def _reaches(node: fx.Node, end: fx.Node, depth: int = 4) -> bool:
-    if node is end:
-        return True
-    return depth > 0 and any(_reaches(u, end, depth - 1) for u in node.users)
 
 
 def _erase_unused(nodes: list[fx.Node]) -> None:
     """Erase the replaced nodes, consumers first (collectives and waits are not dead code to FX)."""
-    seen: set[fx.Node] = set()
-    pending = [n for n in nodes if not (n in seen or seen.add(n))]
+    pending = list(dict.fromkeys(nodes))
     progress = True
     while pending and progress:
         progress = False

@@ -58,10 +58,10 @@ def _sink_waits(gm: fx.GraphModule) -> int:
     return moved
 
 
-def _hoist_collectives(gm: fx.GraphModule, budget: int) -> int:
+def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: int) -> int:
     moved = 0
     for node in list(gm.graph.nodes):
-        info = collective_info(node)
+        info = infos.get(node)
         if info is None or info.fused:
             continue
         order = _order(gm.graph)
@@ -70,7 +70,7 @@ def _hoist_collectives(gm: fx.GraphModule, budget: int) -> int:
         distance = order[node] - order[anchor] - 1
         if distance <= 0:
             continue
-        in_flight = _bytes_in_flight(gm.graph, order, order[anchor]) + info.bytes
+        in_flight = _bytes_in_flight(gm.graph, infos, order, order[anchor]) + info.bytes
         if in_flight > budget:
             record_decision(
                 gm, "overlap", f"{node.name}: not issued earlier: {in_flight} B in flight would pass overlap_memory_budget_bytes"
@@ -82,13 +82,13 @@ def _hoist_collectives(gm: fx.GraphModule, budget: int) -> int:
     return moved
 
 
-def _bytes_in_flight(graph: fx.Graph, order: dict[fx.Node, int], position: int) -> int:
+def _bytes_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any], order: dict[fx.Node, int], position: int) -> int:
     """Bytes of the collectives issued before ``position`` and waited on after it."""
     total = 0
     for node in graph.nodes:
         if order[node] > position:
             break
-        info = collective_info(node)
+        info = infos.get(node)
         if info is None or info.fused:
             continue
         waits = [u for u in node.users if u.target is _WAIT]
@@ -108,12 +108,12 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _fill_windows(gm: fx.GraphModule, profile: Any) -> int:
+def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], profile: Any) -> int:
     from dtcompile.cost_model import collective_time_us, node_time_us
 
     moved = 0
     for node in list(gm.graph.nodes):
-        info = collective_info(node)
+        info = infos.get(node)
         waits = [u for u in node.users if u.target is _WAIT]
         if info is None or info.fused or len(waits) != 1:
             continue
@@ -127,7 +127,7 @@ def _fill_windows(gm: fx.GraphModule, profile: Any) -> int:
         ancestors = _ancestors(node)
         candidates = []
         for before in reversed([n for n in gm.graph.nodes if order[n] < order[node]]):
-            if before.op != "call_function" or before.target is _WAIT or collective_info(before) is not None:
+            if before.op != "call_function" or before.target is _WAIT or before in infos:
                 break  # do not move compute across another collective or wait
             if before in ancestors:
                 continue
@@ -150,8 +150,10 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], confi
     """See the module docstring."""
     from dtcompile.cost_model import get_profile
 
-    moved = _sink_waits(gm) + _hoist_collectives(gm, config.overlap_memory_budget_bytes)
-    moved += _fill_windows(gm, get_profile(config.cost_profile))
+    # Described once: moving nodes changes no collective.
+    infos = {node: info for node in gm.graph.nodes if (info := collective_info(node)) is not None}
+    moved = _sink_waits(gm) + _hoist_collectives(gm, infos, config.overlap_memory_budget_bytes)
+    moved += _fill_windows(gm, infos, get_profile(config.cost_profile))
     if moved:
         gm.graph.lint()
         gm.recompile()

@@ -19,6 +19,7 @@ __all__ = [
     "assert_matches_eager",
     "assert_no_graph_breaks",
     "assert_no_recompiles",
+    "backward_from_sum",
     "per_rank",
     "run_step",
     "threaded_world",
@@ -40,17 +41,13 @@ class Step:
 
 def run_step(fn: Callable[..., Any], args: Sequence[Any], backward: bool = True, params: nn.Module | None = None) -> Step:
     """Run ``fn(*args)``; with ``backward``, backward from the sum of every output that
-    requires grad (a DTensor's local shard), then collect and clear the gradients of
+    requires grad (:func:`backward_from_sum`), then collect and clear the gradients of
     ``params`` (default: ``fn`` itself if it is a module) and of the args that require grad."""
-    from torch.distributed.tensor import DTensor
-
     out = fn(*args)
     outputs = {f"output{pytree.keystr(path)}": leaf for path, leaf in pytree.tree_flatten_with_path(out)[0]}
     grads: dict[str, torch.Tensor | None] = {}
     if backward:
-        leaves = [t for t in outputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-        if leaves:
-            sum((t.to_local() if isinstance(t, DTensor) else t).float().sum() for t in leaves).backward()
+        backward_from_sum(out)
         module = params if params is not None else (fn if isinstance(fn, nn.Module) else None)
         named = list(module.named_parameters()) if module is not None else []
         named += [(f"args[{i}]", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -58,6 +55,15 @@ def run_step(fn: Callable[..., Any], args: Sequence[Any], backward: bool = True,
             grads[f"grad of {_clean_name(name)}"] = tensor.grad
             tensor.grad = None
     return Step(outputs, grads)
+
+
+def backward_from_sum(out: Any) -> None:
+    """Backward from the sum of every output that requires grad (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if leaves:
+        sum((t.to_local() if isinstance(t, DTensor) else t).float().sum() for t in leaves).backward()
 
 
 def _clean_name(name: str) -> str:

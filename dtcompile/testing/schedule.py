@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from dtcompile.collectives import CollectiveInfo
 
@@ -32,8 +31,7 @@ class ScheduledCollective(CollectiveInfo):
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         shape = ", ".join(map(str, self.shape))
-        op = f"{self.op}+{self.fused}" if self.fused else self.op
-        return f"{op:<21} {self.axis:<6} x{self.group_size:<4} {dtype}[{shape}]  {self.bytes} B"
+        return f"{self.label:<21} {self.axis:<6} x{self.group_size:<4} {dtype}[{shape}]  {self.bytes} B"
 
 
 @dataclass(frozen=True)
@@ -73,6 +71,7 @@ def collective_schedule(
     """
     import dtcompile
     from dtcompile.compiler import DTCompileBackend
+    from dtcompile.testing.asserts import backward_from_sum
 
     if backend == "dtcompile":
         backend = dtcompile.backend(inductor=False)
@@ -85,7 +84,7 @@ def collective_schedule(
     start = len(backend.records)
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
     if backward:
-        _backward_from_sum(out)
+        backward_from_sum(out)
     records = list(backend.records)[start:]
     forward, backward_items = [], []
     for record in records:
@@ -97,13 +96,3 @@ def collective_schedule(
 
 def _fields(collective: CollectiveInfo) -> dict[str, Any]:
     return {f.name: getattr(collective, f.name) for f in dataclasses.fields(CollectiveInfo)}
-
-
-def _backward_from_sum(out: Any) -> None:
-    """Backward from the sum of every output that requires grad (local shards for DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if leaves:
-        loss = sum((t.to_local() if isinstance(t, DTensor) else t).float().sum() for t in leaves)
-        loss.backward()
