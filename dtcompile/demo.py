@@ -11,7 +11,6 @@ causes with estimated times, totals, graph breaks, recompiles) is printed.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 import torch
@@ -23,8 +22,6 @@ from dtcompile._testing.cases import (
     reference_step,
 )
 from dtcompile.testing import fake_world, run_threaded
-
-log = logging.getLogger(__name__)
 
 
 def _max_diff(a: StepResult, b: StepResult) -> float:

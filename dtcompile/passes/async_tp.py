@@ -21,7 +21,6 @@ implementation elsewhere).
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +33,6 @@ from dtcompile.passes._graph import record_decision, refresh_metadata, single_wa
 
 __all__ = ["fuse_async_tp"]
 
-log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -21,7 +21,6 @@ taken or not, is recorded with its reason.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,6 @@ from dtcompile.passes._graph import (
 
 __all__ = ["bucket_collectives"]
 
-log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
