@@ -10,9 +10,12 @@ The pipeline for one Dynamo graph:
    decomposition table, DTensor desugars to local ops plus functional
    collectives, and the min-cut partitioner splits it into a forward and a
    backward graph (exactly the graphs Inductor would get).
+   ``local_map`` regions stay one ``local_map_region`` node each, forward and
+   backward (:func:`hops.keep_regions` is on while AOTAutograd traces).
 2. :func:`dtcompile.passes.run_passes` runs the ordered pass list on each.
-3. Lowering: Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph
-   as it is (``inductor=False``).
+3. Lowering: the regions are inlined (:func:`dtcompile.regions.inline_regions`),
+   then Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph as
+   it is (``inductor=False``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import fx
 
 import dynamo_vars
+from hops import keep_regions
 from dtcompile.annotations import (
     DynamoGraphInfo,
     describe_dynamo_graph,
@@ -38,6 +42,7 @@ from dtcompile.collectives import CollectiveInfo, graph_collectives, mesh_axes
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost_model import get_profile
 from dtcompile.passes import PassRecord, run_passes
+from dtcompile.regions import RegionInfo, inline_regions
 from dtcompile.report import emit_artifacts, format_compiled_graph
 
 __all__ = ["CompiledGraph", "DTCompileBackend", "backend", "dtcompile"]
@@ -57,11 +62,13 @@ class CompiledGraph:
     kind: str
     """``forward``, ``backward`` or ``inference``."""
     graph: fx.GraphModule
-    """The graph after the passes, as handed to lowering."""
+    """The graph after the passes and with its regions inlined, as handed to lowering."""
     collectives: tuple[CollectiveInfo, ...]
     passes: tuple[PassRecord, ...]
     info: DynamoGraphInfo
     """The Dynamo graph it came from: placements, and collectives charged to its nodes."""
+    regions: tuple[RegionInfo, ...] = ()
+    """The ``local_map`` regions the passes saw as one op each (inlined at lowering)."""
 
     def annotated(self) -> str:
         """The graph one line per call node with its annotation (see :mod:`dtcompile.annotations`)."""
@@ -113,7 +120,7 @@ class DTCompileBackend:
             mesh_axes(gm, example_inputs),
             get_profile(self.config.cost_profile),
         )
-        with functorch_config.patch(enable_autograd_cache=False), _fresh_sharding_caches():
+        with functorch_config.patch(enable_autograd_cache=False), _fresh_sharding_caches(), keep_regions():
             if self.config.inductor:
                 from torch._inductor.compile_fx import compile_fx
 
@@ -176,6 +183,7 @@ class DTCompileBackend:
         gm.meta["dtcompile_mesh_axes"] = info.axes
         gm.meta["dtcompile_graph_info"] = info
         gm, passes = run_passes(gm, example_inputs, self.config)
+        regions = inline_regions(gm, info.axes)
         gm.recompile()
         record = CompiledGraph(
             compile_id=info.compile_id,
@@ -184,15 +192,19 @@ class DTCompileBackend:
             collectives=tuple(graph_collectives(gm.graph, info.axes)),
             passes=tuple(passes),
             info=info,
+            regions=tuple(regions),
         )
         self.records.append(record)
         log.info(
-            "compile %s %s graph: %d nodes, %d collectives",
+            "compile %s %s graph: %d nodes, %d collectives, %d local_map regions",
             record.compile_id,
             kind,
             len(gm.graph.nodes),
             len(record.collectives),
+            len(regions),
         )
+        for region in regions:
+            log.info("compile %s %s graph: region %s", record.compile_id, kind, region)
         emit_artifacts(record)
         if self.config.report:
             print(format_compiled_graph(record), flush=True)

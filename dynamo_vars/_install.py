@@ -31,9 +31,9 @@ _undo: list[Callable[[], None]] = []
 
 
 def _families() -> list[Any]:
-    from dynamo_vars import device_mesh, dtensor_api, placements, process_groups
+    from dynamo_vars import device_mesh, dtensor_api, local_map, placements, process_groups
 
-    return [device_mesh, placements, process_groups, dtensor_api]
+    return [device_mesh, placements, process_groups, dtensor_api, local_map]
 
 
 def is_installed() -> bool:

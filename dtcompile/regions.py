@@ -1,0 +1,117 @@
+"""``local_map`` regions in the AOT graphs: found, described, and inlined at lowering.
+
+While dtcompile's AOTAutograd traces, :func:`hops.keep_regions` is on, so each
+``local_map`` region stays one ``local_map_region(body, spec, *operands)`` node
+in the forward graph and one (``spec.backward``) in the backward graph.  The
+passes see the region as one op; :func:`inline_regions`, the first step of
+lowering, splices each body into its graph (Inductor has no lowering for the
+op) and tags the spliced nodes with the region's name.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from torch import fx
+
+from dtcompile.collectives import collective_info
+from hops.local_map import RegionSpec, _spec, local_map_region
+
+__all__ = ["RegionInfo", "find_regions", "inline_regions", "is_region"]
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """One region node of an AOT graph."""
+
+    node: str
+    """The region node's name in the AOT graph."""
+    spec: RegionSpec
+    ops: int
+    """Call nodes in its body."""
+    collectives: tuple[str, ...]
+    """The collectives its body issues (``all_reduce[tp] x4 ...``)."""
+
+    def __str__(self) -> str:
+        inner = f"; issues {', '.join(self.collectives)}" if self.collectives else ""
+        return f"{self.node}: {self.spec} ({self.ops} ops{inner})"
+
+
+def is_region(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is local_map_region
+
+
+def _body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule:
+    return getattr(gm, node.args[0].target)
+
+
+def _describe(gm: fx.GraphModule, node: fx.Node, axes: dict[str, str]) -> RegionInfo:
+    body = _body(gm, node)
+    calls = [n for n in body.graph.nodes if n.op == "call_function"]
+    collectives = []
+    for n in calls:
+        info = collective_info(n, axes)
+        if info is not None:
+            collectives.append(f"{info.label}[{info.axis}] x{info.group_size} {info.bytes} B")
+    return RegionInfo(node.name, _spec(node.args[1]), len(calls), tuple(collectives))
+
+
+def find_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> list[RegionInfo]:
+    """The region nodes of ``gm``, in graph order."""
+    return [_describe(gm, n, axes or {}) for n in gm.graph.nodes if is_region(n)]
+
+
+def inline_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> list[RegionInfo]:
+    """Splices every region's body into ``gm`` in place; returns what it inlined.
+
+    Spliced nodes get ``meta["dtcompile_region"]`` (the region node's name) and an
+    annotation that says so; the region's outputs (``getitem`` users) become the
+    body's outputs.
+    """
+    inlined = []
+    for node in list(gm.graph.nodes):
+        if not is_region(node):
+            continue
+        info = _describe(gm, node, axes or {})
+        body = _body(gm, node)
+        env: dict[fx.Node, fx.Node] = {}
+        placeholders = body.graph.find_nodes(op="placeholder")
+        operands = node.args[2:]
+        if len(placeholders) != len(operands):
+            raise AssertionError(f"region {node.name}: {len(operands)} operands for {len(placeholders)} body inputs")
+        env.update(zip(placeholders, operands))
+        outputs: tuple[fx.Node, ...] = ()
+        with gm.graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    outputs = tuple(fx.map_arg(inner.args[0], lambda n: env[n]))
+                    continue
+                if inner.op == "get_attr":
+                    raise AssertionError(f"region {node.name}: body reads attribute {inner.target}")
+                copied = gm.graph.node_copy(inner, lambda n: env[n])
+                copied.meta["dtcompile_region"] = node.name
+                note = f"in region {node.name} ({info.spec.name})"
+                collective = collective_info(copied, axes)
+                if collective is not None:
+                    note += f": {collective.label}[{collective.axis}] x{collective.group_size} {collective.bytes} B"
+                copied.meta["dtcompile_annotation"] = note
+                env[inner] = copied
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+                gm.graph.erase_node(user)
+            else:
+                raise AssertionError(f"region {node.name}: used by {user.format_node()}, not by getitem")
+        body_attr = node.args[0]
+        gm.graph.erase_node(node)
+        if not body_attr.users:
+            gm.graph.erase_node(body_attr)
+            delattr(gm, body_attr.target)
+        inlined.append(info)
+    if inlined:
+        gm.graph.lint()
+        gm.recompile()
+    return inlined
