@@ -338,7 +338,9 @@ def _autograd(body: Callable[..., Any], spec: RegionSpec | str, *operands: Any) 
     spec = _spec(spec)
     if _has_dtensor(operands):
         return _dtensor_boundary(body, spec, operands)
-    if not regions_kept():
+    if not regions_kept() or _has_local_tensor(operands):
+        # LocalTensor (simulated ranks) runs every op on all ranks at once, collectives
+        # included: the region runs op by op, inlined, and only values are simulated.
         return _call_body(body, operands)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in operands
@@ -384,15 +386,35 @@ def _dtensor_key(body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> 
     return _dtensor_boundary(body, spec, operands)
 
 
-def _register_dtensor_key() -> None:
+def _local_tensor_key(body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+    return _call_body(body, operands)
+
+
+def _local_tensor_mode_key(mode: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+    with mode:
+        return _call_body(body, operands)
+
+
+def _has_local_tensor(operands: Sequence[Any]) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed._local_tensor import LocalTensor
+
+    return any(isinstance(x, LocalTensor) for x in operands)
+
+
+def _register_subclass_keys() -> None:
     # Reached below autograd (``inference_mode``, or inside another op's forward).
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
     from torch.distributed.tensor import DTensor
 
     local_map_region.py_impl(DTensor)(_dtensor_key)
+    local_map_region.py_impl(LocalTensor)(_local_tensor_key)
+    local_map_region.py_impl(LocalTensorMode)(_local_tensor_mode_key)
 
 
 if torch.distributed.is_available():
-    _register_dtensor_key()
+    _register_subclass_keys()
 
 
 # ---------------------------------------------------------------- forward and backward of a region
