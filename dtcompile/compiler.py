@@ -42,7 +42,7 @@ from dtcompile.collectives import CollectiveInfo, graph_collectives, mesh_axes
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost_model import get_profile
 from dtcompile.passes import PassRecord, run_passes
-from dtcompile.regions import RegionInfo, inline_regions
+from dtcompile.regions import RegionInfo, format_with_regions, inline_regions, is_region
 from dtcompile.report import emit_artifacts, format_compiled_graph
 
 __all__ = ["CompiledGraph", "DTCompileBackend", "backend", "dtcompile"]
@@ -69,6 +69,9 @@ class CompiledGraph:
     """The Dynamo graph it came from: placements, and collectives charged to its nodes."""
     regions: tuple[RegionInfo, ...] = ()
     """The ``local_map`` regions the passes saw as one op each (inlined at lowering)."""
+    with_regions: str = ""
+    """The graph as the passes left it, regions as one op (:func:`~dtcompile.regions.format_with_regions`);
+    empty when it has none."""
 
     def annotated(self) -> str:
         """The graph one line per call node with its annotation (see :mod:`dtcompile.annotations`)."""
@@ -183,6 +186,7 @@ class DTCompileBackend:
         gm.meta["dtcompile_mesh_axes"] = info.axes
         gm.meta["dtcompile_graph_info"] = info
         gm, passes = run_passes(gm, example_inputs, self.config)
+        with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
         regions = inline_regions(gm, info.axes)
         gm.recompile()
         record = CompiledGraph(
@@ -193,6 +197,7 @@ class DTCompileBackend:
             passes=tuple(passes),
             info=info,
             regions=tuple(regions),
+            with_regions=with_regions,
         )
         self.records.append(record)
         log.info(

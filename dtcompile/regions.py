@@ -13,12 +13,13 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from dtcompile.collectives import collective_info
 from hops.local_map import RegionSpec, _spec, local_map_region
 
-__all__ = ["RegionInfo", "find_regions", "inline_regions", "is_region"]
+__all__ = ["RegionInfo", "find_regions", "format_with_regions", "inline_regions", "is_region"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,50 @@ def _describe(gm: fx.GraphModule, node: fx.Node, axes: dict[str, str]) -> Region
     return RegionInfo(node.name, _spec(node.args[1]), len(calls), tuple(collectives))
 
 
+def _target(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}"
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return getattr(target, "__name__", None) or str(target)
+
+
+def _arg(arg: object) -> str:
+    if isinstance(arg, fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_arg(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    return repr(arg)
+
+
+def format_with_regions(gm: fx.GraphModule) -> str:
+    """``gm``'s call nodes, one line each, a region as one line with its spec and its body indented.
+
+    ``region = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)]](x)``
+    """
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if is_region(node):
+            operands = ", ".join(_arg(a) for a in node.args[2:])
+            lines.append(f"{node.name} = local_map[{node.args[1]}]({operands})")
+            body = _body(gm, node)
+            inputs = ", ".join(n.name for n in body.graph.find_nodes(op="placeholder"))
+            lines.append(f"    def {node.args[0].target}({inputs}):")
+            lines += ["        " + line for line in format_with_regions(body).splitlines()]
+            outputs = body.graph.find_nodes(op="output")[0].args[0]
+            lines.append(f"        return {_arg(tuple(outputs))}")
+            continue
+        args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+        lines.append(f"{node.name} = {_target(node)}({', '.join(args)})")
+    return "\n".join(lines)
+
+
 def find_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> list[RegionInfo]:
     """The region nodes of ``gm``, in graph order."""
     return [_describe(gm, n, axes or {}) for n in gm.graph.nodes if is_region(n)]
@@ -93,7 +138,7 @@ def inline_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> li
                     raise AssertionError(f"region {node.name}: body reads attribute {inner.target}")
                 copied = gm.graph.node_copy(inner, lambda n: env[n])
                 copied.meta["dtcompile_region"] = node.name
-                note = f"in region {node.name} ({info.spec.name})"
+                note = f"in local_map region {info.spec.name} ({node.name})"
                 collective = collective_info(copied, axes)
                 if collective is not None:
                     note += f": {collective.label}[{collective.axis}] x{collective.group_size} {collective.bytes} B"

@@ -114,6 +114,7 @@ def format_compiled_graph(record: CompiledGraph) -> str:
             record.info.format(),
             f"-- {record.kind} graph --",
             record.annotated(),
+            *(["-- local_map regions (one op each until lowering) --", *map(str, record.regions)] if record.regions else []),
             "-- passes --",
             *_pass_lines(record),
             "-- collectives --",
