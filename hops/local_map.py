@@ -466,23 +466,25 @@ def _joint_graphs(body: Callable[..., Any], spec: RegionSpec | str, operands: Se
         num_primals, num_outputs = len(primals), len(outs)
 
         def joint(*primals_and_tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            inputs = list(primals_and_tangents[:num_primals])
-
-            def differentiable(*diff: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[Any, ...]]:
-                for i, d in zip(grad_inputs, diff):
-                    inputs[i] = d
+            inputs = primals_and_tangents[:num_primals]
+            with torch.enable_grad():
                 outs = _call_body(body, inputs)
-                return tuple(outs[i] for i in grad_outputs), outs
-
-            _, vjp, outs = torch.func.vjp(differentiable, *[inputs[i] for i in grad_inputs], has_aux=True)
-            grads = vjp(tuple(primals_and_tangents[num_primals:]))
+                grads = torch.autograd.grad(
+                    [outs[i] for i in grad_outputs],
+                    [inputs[i] for i in grad_inputs],
+                    list(primals_and_tangents[num_primals:]),
+                    allow_unused=True,
+                )
+            grads = tuple(g if g is not None else torch.zeros_like(inputs[i]) for g, i in zip(grads, grad_inputs))
             return (*outs, *grads)
 
+        # Traced with autograd (the region may hold ops, like funcol's collectives,
+        # whose autograd formulas functorch cannot transform), then functionalized.
         with fake_mode:
-            joint_gm = make_fx(
-                torch.func.functionalize(joint, remove="mutations_and_views"),
-                decomposition_table=select_decomp_table(),
-            )(*primals, *tangents)
+            primals = [p.requires_grad_(i in grad_inputs) for i, p in enumerate(primals)]
+            traced = make_fx(joint, decomposition_table=select_decomp_table())(*primals, *tangents)
+            primals = [p.detach() for p in primals]
+            joint_gm = make_fx(torch.func.functionalize(traced, remove="mutations_and_views"))(*primals, *tangents)
         _prepare_for_partition(joint_gm, num_primals, num_outputs)
         forward, backward = default_partition(joint_gm, [], num_fwd_outputs=num_outputs)
 
@@ -512,9 +514,14 @@ def _prepare_for_partition(gm: torch.fx.GraphModule, num_primals: int, num_outpu
             continue
         needed.add(node)
         stack.extend(node.all_input_nodes)
-    for node in needed:
-        if node.op == "call_function":
+    # The partitioner cuts after the last forward node: move the forward ahead of
+    # anything the tangents feed (it depends on primals only, so order is kept).
+    anchor = gm.graph.find_nodes(op="placeholder")[-1]
+    for node in list(gm.graph.nodes):
+        if node in needed and node.op == "call_function":
             node.meta["partitioner_tag"] = "is_forward"
+            anchor.append(node)
+            anchor = node
     gm.recompile()
 
 

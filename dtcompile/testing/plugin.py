@@ -24,8 +24,11 @@ import pytest
 def _world_fixture(enter: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     import torch
 
+    from dynamo_vars.dtensor_api import clear_sharding_caches
+
     stack = contextlib.ExitStack()
     torch._dynamo.reset()
+    clear_sharding_caches()
 
     def make(*args: Any, **kwargs: Any) -> Any:
         return stack.enter_context(enter(*args, **kwargs))
@@ -33,6 +36,8 @@ def _world_fixture(enter: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     with stack:
         yield make
     torch._dynamo.reset()
+    # Sharding decisions cached under one test's mesh must not answer for the next's.
+    clear_sharding_caches()
 
 
 @pytest.fixture(name="fake_world")
