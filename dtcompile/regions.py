@@ -74,7 +74,7 @@ def _arg(arg: object) -> str:
         return arg.name
     if isinstance(arg, (list, tuple)):
         inner = ", ".join(_arg(a) for a in arg)
-        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
     return repr(arg)
 
 

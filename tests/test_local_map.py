@@ -36,3 +36,282 @@ def _graphs(case_name, mesh):
     (backward,) = [r for r in backend.records if r.kind == "backward"]
     assert len(dynamo) == 1
     return dynamo[0], forward, backward
+
+
+# ---------------------------------------------------------------- one op, with its placements
+
+
+@pytest.mark.parametrize("case_name", list(REGION_CASES))
+def test_region_is_one_op_in_every_graph(fake_world, case_name):
+    """Dynamo, forward and backward graphs each hold exactly one region node, whose
+    spec argument carries the declared placements (backward: gradients in/out)."""
+    case = REGION_CASES[case_name]
+    dynamo, forward, backward = _graphs(case_name, _mesh(fake_world, case))
+    for text in (dynamo, forward.with_regions, backward.with_regions):
+        assert sum(line.count(" = local_map[") for line in text.splitlines()) == 1, text
+    assert len(forward.regions) == len(backward.regions) == 1
+    fw_spec, bw_spec = forward.regions[0].spec, backward.regions[0].spec
+    assert not fw_spec.backward and bw_spec.backward
+    assert bw_spec.in_placements == fw_spec.out_placements
+    assert bw_spec.out_placements == fw_spec.in_grad_placements
+    # Lowered: no region left, every body op spliced in and tagged with its region.
+    for record in (forward, backward):
+        assert "local_map" not in record.graph.code
+        tagged = [n for n in record.graph.graph.nodes if n.meta.get("dtcompile_region")]
+        assert len(tagged) == record.regions[0].ops
+
+
+# ---------------------------------------------------------------- the graphs, pinned
+
+
+def test_sharded_pointwise_graphs(fake_world):
+    dynamo, forward, backward = _graphs("sharded_pointwise", _mesh(fake_world, REGION_CASES["sharded_pointwise"]))
+    assert_expected_inline(dynamo, """\
+dtcompile_local_map = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)]](l_x_)
+    def local_map_body_0(x):
+        gelu = gelu(x)
+        mul = mul(gelu, 3.0)
+        return (mul,)
+getitem = getitem(dtcompile_local_map, 0)
+add = add(getitem, 1.0)""")
+    assert_expected_inline(forward.with_regions, """\
+view = aten.view.default(primals_1, [2, 6])
+gelu_scale = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] | saved 1](view)
+    def local_map_body_0(arg0_1):
+        mul = aten.mul.Tensor(arg0_1, 0.5)
+        mul_1 = aten.mul.Tensor(arg0_1, 0.7071067811865476)
+        erf = aten.erf.default(mul_1)
+        add = aten.add.Tensor(erf, 1)
+        mul_2 = aten.mul.Tensor(mul, add)
+        mul_3 = aten.mul.Tensor(mul_2, 3.0)
+        return (mul_3, arg0_1)
+getitem = getitem(gelu_scale, 0)
+getitem_1 = getitem(gelu_scale, 1)
+view_1 = aten.view.default(getitem, [2, 6])
+add = aten.add.Tensor(view_1, 1.0)""")
+    assert_expected_inline(backward.with_regions, """\
+gelu_scale_1 = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] | saved 1 | backward](getitem_1, tangents_1)
+    def local_map_backward_0(arg0_1, arg1_1):
+        mul = aten.mul.Tensor(arg1_1, 3.0)
+        mul_1 = aten.mul.Tensor(arg0_1, 0.7071067811865476)
+        erf = aten.erf.default(mul_1)
+        add = aten.add.Tensor(erf, 1)
+        mul_2 = aten.mul.Tensor(add, 0.5)
+        mul_3 = aten.mul.Tensor(arg0_1, arg0_1)
+        mul_4 = aten.mul.Tensor(mul_3, -0.5)
+        exp = aten.exp.default(mul_4)
+        mul_5 = aten.mul.Tensor(exp, 0.3989422804014327)
+        mul_6 = aten.mul.Tensor(arg0_1, mul_5)
+        add_1 = aten.add.Tensor(mul_2, mul_6)
+        mul_7 = aten.mul.Tensor(mul, add_1)
+        return (mul_7,)
+getitem_2 = getitem(gelu_scale_1, 0)
+view_2 = aten.view.default(getitem_2, [2, 6])""")
+
+
+def test_replicated_linear_graphs(fake_world):
+    dynamo, forward, backward = _graphs("replicated_linear", _mesh(fake_world, REGION_CASES["replicated_linear"]))
+    assert_expected_inline(dynamo, """\
+dtcompile_local_map = local_map[linear on (tp=4): [R, R, R] -> [R] | grads [R, R, R]](l_x_, l_w_, l_b_)
+    def local_map_body_0(x, w, b):
+        linear = linear(x, w, b)
+        return (linear,)
+getitem = getitem(dtcompile_local_map, 0)
+tanh = .tanh(getitem)""")
+    assert_expected_inline(forward.with_regions, """\
+view = aten.view.default(primals_1, [4, 6])
+view_1 = aten.view.default(primals_3, [5, 6])
+view_2 = aten.view.default(primals_5, [5])
+linear = local_map[linear on (tp=4): [R, R, R] -> [R] | grads [R, R, R] | saved 2](view, view_1, view_2)
+    def local_map_body_0(arg0_1, arg1_1, arg2_1):
+        permute = aten.permute.default(arg1_1, [1, 0])
+        clone = aten.clone.default(permute, memory_format=torch.contiguous_format)
+        addmm = aten.addmm.default(arg2_1, arg0_1, clone)
+        return (addmm, arg0_1, clone)
+getitem = getitem(linear, 0)
+getitem_1 = getitem(linear, 1)
+getitem_2 = getitem(linear, 2)
+view_3 = aten.view.default(getitem, [4, 5])
+tanh = aten.tanh.default(view_3)""")
+    assert_expected_inline(backward.with_regions, """\
+alias = aten.alias.default(tanh)
+alias_1 = aten.alias.default(alias)
+mul = aten.mul.Tensor(alias_1, alias_1)
+sub = aten.sub.Tensor(1, mul)
+mul_1 = aten.mul.Tensor(tangents_1, sub)
+linear_1 = local_map[linear on (tp=4): [R] -> [R, R, R] | grads [R, R, R] | saved 2 | backward](getitem_1, getitem_2, mul_1)
+    def local_map_backward_0(arg0_1, arg1_1, arg2_1):
+        permute = aten.permute.default(arg1_1, [1, 0])
+        clone = aten.clone.default(permute, memory_format=torch.contiguous_format)
+        mm = aten.mm.default(arg2_1, clone)
+        permute_1 = aten.permute.default(arg2_1, [1, 0])
+        clone_1 = aten.clone.default(permute_1, memory_format=torch.contiguous_format)
+        mm_1 = aten.mm.default(clone_1, arg0_1)
+        permute_2 = aten.permute.default(mm_1, [1, 0])
+        clone_2 = aten.clone.default(permute_2, memory_format=torch.contiguous_format)
+        sum_1 = aten.sum.dim_IntList(arg2_1, [0], True)
+        view = aten.view.default(sum_1, [5])
+        clone_3 = aten.clone.default(view)
+        permute_3 = aten.permute.default(clone_2, [1, 0])
+        clone_4 = aten.clone.default(permute_3, memory_format=torch.contiguous_format)
+        return (mm, clone_4, clone_3)
+getitem_3 = getitem(linear_1, 0)
+getitem_4 = getitem(linear_1, 1)
+getitem_5 = getitem(linear_1, 2)
+view_4 = aten.view.default(getitem_5, [5])
+view_5 = aten.view.default(getitem_4, [5, 6])
+view_6 = aten.view.default(getitem_3, [4, 6])""")
+
+
+def test_cp_attention_graphs(fake_world):
+    dynamo, forward, backward = _graphs("cp_attention", _mesh(fake_world, REGION_CASES["cp_attention"]))
+    assert_expected_inline(dynamo, """\
+dtcompile_local_map = local_map[attention on (dp=2, cp=2): [S(0)S(1), S(0)R, S(0)R] -> [S(0)S(1)] | grads [S(0)S(1), S(0)P(sum), S(0)P(sum)]](l_q_, l_k_, l_v_)
+    def local_map_body_0(q, k, v):
+        transpose = .transpose(k, -2, -1)
+        matmul = matmul(q, transpose)
+        scores = truediv(matmul, 2.449489742783178)
+        softmax = softmax(scores, dim=-1)
+        matmul_1 = matmul(softmax, v)
+        return (matmul_1,)
+getitem = getitem(dtcompile_local_map, 0)
+mul = mul(getitem, 0.5)""")
+    assert_expected_inline(forward.with_regions, """\
+view = aten.view.default(primals_1, [2, 4, 6])
+view_1 = aten.view.default(primals_3, [2, 8, 6])
+view_2 = aten.view.default(primals_5, [2, 8, 6])
+attention = local_map[attention on (dp=2, cp=2): [S(0)S(1), S(0)R, S(0)R] -> [S(0)S(1)] | grads [S(0)S(1), S(0)P(sum), S(0)P(sum)] | saved 5](view, view_1, view_2)
+    def local_map_body_0(arg0_1, arg1_1, arg2_1):
+        permute = aten.permute.default(arg1_1, [0, 2, 1])
+        clone = aten.clone.default(permute, memory_format=torch.contiguous_format)
+        expand = aten.expand.default(arg0_1, [2, 4, 6])
+        clone_1 = aten.clone.default(expand, memory_format=torch.contiguous_format)
+        view = aten.view.default(clone_1, [2, 4, 6])
+        clone_2 = aten.clone.default(view)
+        expand_1 = aten.expand.default(clone, [2, 6, 8])
+        clone_3 = aten.clone.default(expand_1, memory_format=torch.contiguous_format)
+        view_1 = aten.view.default(clone_3, [2, 6, 8])
+        clone_4 = aten.clone.default(view_1)
+        bmm = aten.bmm.default(clone_2, clone_4)
+        view_2 = aten.view.default(bmm, [2, 4, 8])
+        clone_5 = aten.clone.default(view_2)
+        div = aten.div.Tensor(clone_5, 2.449489742783178)
+        amax = aten.amax.default(div, [-1], True)
+        sub = aten.sub.Tensor(div, amax)
+        exp = aten.exp.default(sub)
+        sum_1 = aten.sum.dim_IntList(exp, [-1], True)
+        div_1 = aten.div.Tensor(exp, sum_1)
+        expand_2 = aten.expand.default(div_1, [2, 4, 8])
+        clone_6 = aten.clone.default(expand_2, memory_format=torch.contiguous_format)
+        view_3 = aten.view.default(clone_6, [2, 4, 8])
+        clone_7 = aten.clone.default(view_3)
+        expand_3 = aten.expand.default(arg2_1, [2, 8, 6])
+        clone_8 = aten.clone.default(expand_3, memory_format=torch.contiguous_format)
+        view_4 = aten.view.default(clone_8, [2, 8, 6])
+        clone_9 = aten.clone.default(view_4)
+        bmm_1 = aten.bmm.default(clone_7, clone_9)
+        view_5 = aten.view.default(bmm_1, [2, 4, 6])
+        clone_10 = aten.clone.default(view_5)
+        return (clone_10, clone_2, clone_4, div_1, clone_7, clone_9)
+getitem = getitem(attention, 0)
+getitem_1 = getitem(attention, 1)
+getitem_2 = getitem(attention, 2)
+getitem_3 = getitem(attention, 3)
+getitem_4 = getitem(attention, 4)
+getitem_5 = getitem(attention, 5)
+view_3 = aten.view.default(getitem, [2, 4, 6])
+mul = aten.mul.Tensor(view_3, 0.5)""")
+    assert_expected_inline(backward.with_regions, """\
+mul_1 = aten.mul.Tensor(tangents_1, 0.5)
+attention_1 = local_map[attention on (dp=2, cp=2): [S(0)S(1)] -> [S(0)S(1), S(0)P(sum), S(0)P(sum)] | grads [S(0)S(1), S(0)P(sum), S(0)P(sum)] | saved 5 | backward](getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, mul_1)
+    def local_map_backward_0(arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
+        alias = aten.alias.default(arg2_1)
+        clone = aten.clone.default(alias, memory_format=torch.contiguous_format)
+        view = aten.view.default(arg5_1, [2, 4, 6])
+        clone_1 = aten.clone.default(view)
+        permute = aten.permute.default(arg3_1, [0, 2, 1])
+        clone_2 = aten.clone.default(permute, memory_format=torch.contiguous_format)
+        bmm = aten.bmm.default(clone_2, clone_1)
+        permute_1 = aten.permute.default(arg4_1, [0, 2, 1])
+        clone_3 = aten.clone.default(permute_1, memory_format=torch.contiguous_format)
+        bmm_1 = aten.bmm.default(clone_1, clone_3)
+        view_1 = aten.view.default(bmm, [2, 8, 6])
+        clone_4 = aten.clone.default(view_1)
+        view_2 = aten.view.default(bmm_1, [2, 4, 8])
+        clone_5 = aten.clone.default(view_2)
+        alias_1 = aten.alias.default(clone)
+        clone_6 = aten.clone.default(alias_1, memory_format=torch.contiguous_format)
+        mul = aten.mul.Tensor(clone_5, clone_6)
+        sum_1 = aten.sum.dim_IntList(mul, [-1], True)
+        neg = aten.neg.default(clone_6)
+        fma = prims.fma.default(neg, sum_1, mul)
+        div = aten.div.Tensor(fma, 2.449489742783178)
+        view_3 = aten.view.default(div, [2, 4, 8])
+        clone_7 = aten.clone.default(view_3)
+        permute_2 = aten.permute.default(arg0_1, [0, 2, 1])
+        clone_8 = aten.clone.default(permute_2, memory_format=torch.contiguous_format)
+        bmm_2 = aten.bmm.default(clone_8, clone_7)
+        permute_3 = aten.permute.default(arg1_1, [0, 2, 1])
+        clone_9 = aten.clone.default(permute_3, memory_format=torch.contiguous_format)
+        bmm_3 = aten.bmm.default(clone_7, clone_9)
+        view_4 = aten.view.default(bmm_2, [2, 6, 8])
+        clone_10 = aten.clone.default(view_4)
+        view_5 = aten.view.default(bmm_3, [2, 4, 6])
+        clone_11 = aten.clone.default(view_5)
+        permute_4 = aten.permute.default(clone_10, [0, 2, 1])
+        clone_12 = aten.clone.default(permute_4, memory_format=torch.contiguous_format)
+        return (clone_11, clone_12, clone_4)
+getitem_6 = getitem(attention_1, 0)
+getitem_7 = getitem(attention_1, 1)
+getitem_8 = getitem(attention_1, 2)
+view_4 = aten.view.default(getitem_8, [2, 8, 6])
+view_5 = aten.view.default(getitem_7, [2, 8, 6])
+view_6 = aten.view.default(getitem_6, [2, 4, 6])""")
+
+
+def test_region_with_collective_graphs(fake_world):
+    dynamo, forward, backward = _graphs("region_with_collective", _mesh(fake_world, REGION_CASES["region_with_collective"]))
+    assert_expected_inline(dynamo, """\
+dtcompile_local_map = local_map[gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)]](l_x_, l_w_)
+    def local_map_body_0(x, w):
+        tensor = _c10d_functional.all_gather_into_tensor(x, 4, '0')
+        res = _c10d_functional.wait_tensor(tensor)
+        matmul = matmul(res, w)
+        return (matmul,)
+getitem = getitem(dtcompile_local_map, 0)
+relu = .relu(getitem)""")
+    assert_expected_inline(forward.with_regions, """\
+view = aten.view.default(primals_1, [2, 6])
+view_1 = aten.view.default(primals_3, [6, 2])
+gather_matmul = local_map[gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)] | saved 2](view, view_1)
+    def local_map_body_0(arg0_1, arg1_1):
+        all_gather_into_tensor = _c10d_functional.all_gather_into_tensor.default(arg0_1, 4, '0')
+        wait_tensor = _c10d_functional.wait_tensor.default(all_gather_into_tensor)
+        mm = aten.mm.default(wait_tensor, arg1_1)
+        return (mm, arg1_1, wait_tensor)
+getitem = getitem(gather_matmul, 0)
+getitem_1 = getitem(gather_matmul, 1)
+getitem_2 = getitem(gather_matmul, 2)
+view_2 = aten.view.default(getitem, [8, 2])
+relu = aten.relu.default(view_2)
+alias = aten.alias.default(relu)
+alias_1 = aten.alias.default(alias)
+le = aten.le.Scalar(alias_1, 0)""")
+    assert_expected_inline(backward.with_regions, """\
+scalar_tensor = aten.scalar_tensor.default(0, dtype=torch.float32, layout=torch.strided, device=device(type='cpu'))
+where = aten.where.self(le, scalar_tensor, tangents_1)
+gather_matmul_1 = local_map[gather_matmul on (tp=4): [S(1)] -> [S(0), S(1)] | grads [S(0), S(1)] | saved 2 | backward](getitem_1, getitem_2, where)
+    def local_map_backward_0(arg0_1, arg1_1, arg2_1):
+        permute = aten.permute.default(arg1_1, [1, 0])
+        clone = aten.clone.default(permute, memory_format=torch.contiguous_format)
+        mm = aten.mm.default(clone, arg2_1)
+        permute_1 = aten.permute.default(arg0_1, [1, 0])
+        clone_1 = aten.clone.default(permute_1, memory_format=torch.contiguous_format)
+        mm_1 = aten.mm.default(arg2_1, clone_1)
+        reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor.default(mm_1, 'sum', 4, '0')
+        wait_tensor = _c10d_functional.wait_tensor.default(reduce_scatter_tensor)
+        return (wait_tensor, mm)
+getitem_3 = getitem(gather_matmul_1, 0)
+getitem_4 = getitem(gather_matmul_1, 1)
+view_3 = aten.view.default(getitem_4, [6, 2])
+view_4 = aten.view.default(getitem_3, [2, 6])""")
