@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from hops import local_map
 
-__all__ = ["REGION_CASES", "RegionCase"]
+__all__ = ["BACKENDS", "REGION_CASES", "RegionCase", "gloo_rank", "reference_step", "run_case"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def _gather_then_column_parallel(mesh: Any) -> Callable[..., Any]:
     # sequence-sharded activation itself (whose backward reduce-scatters).
     @local_map(out_placements=[Shard(1)], in_placements=([Shard(0)], [Shard(1)]), device_mesh=mesh)
     def gather_matmul(x, w):
-        full = funcol.all_gather_tensor(x, 0, (mesh, 0))
+        full = funcol.all_gather_single(x, 0, (mesh, 0))
         return full @ w
 
     def fn(x, w):
@@ -129,3 +129,48 @@ REGION_CASES: dict[str, RegionCase] = {
         ),
     )
 }
+
+
+# What each numerics test compiles with: name -> torch.compile backend (None: eager).
+BACKENDS: dict[str, Callable[[], Any] | None] = {
+    "eager": None,
+    "dtcompile": lambda: __import__("dtcompile").backend(inductor=False),
+    "dtcompile_inductor": lambda: __import__("dtcompile").backend(),
+    "aot_eager": lambda: "aot_eager",
+    "inductor": lambda: "inductor",
+}
+
+
+def run_case(case: RegionCase, mesh: Any, tensors: list[torch.Tensor], backend: str) -> list[torch.Tensor]:
+    """One step of ``case`` under ``backend``: the output and each input's gradient, as full tensors."""
+    fn = case.make(mesh)
+    make = BACKENDS[backend]
+    if make is not None:
+        fn = torch.compile(fn, backend=make(), fullgraph=True)
+    inputs = case.inputs(mesh, tensors)
+    out = fn(*inputs)
+    full = out.full_tensor()
+    full.sum().backward()
+    return [full.detach(), *(x.grad.full_tensor() for x in inputs)]
+
+
+def reference_step(case: RegionCase, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same step in one process on the global tensors."""
+    inputs = [t.detach().clone().requires_grad_() for t in tensors]
+    out = case.reference(*inputs)
+    out.sum().backward()
+    return [out.detach(), *(x.grad for x in inputs)]
+
+
+def gloo_rank(rank: int, world_size: int, backends: list[str]) -> dict[tuple[str, str], list[torch.Tensor]]:
+    """Every case under every backend on a real gloo rank (the 2-D case on a ``(1, world_size)`` mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results = {}
+    for name, case in REGION_CASES.items():
+        shape = (world_size,) if len(case.mesh_shape) == 1 else (1, world_size)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=case.mesh_names)
+        for backend in backends:
+            torch._dynamo.reset()
+            results[name, backend] = run_case(case, mesh, case.global_inputs(), backend)
+    return results

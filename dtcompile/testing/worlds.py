@@ -83,20 +83,26 @@ def fake_world(
 
     The mesh has ``mesh_shape`` (default: one axis over all ranks) and
     ``mesh_dim_names``.  This process plays ``rank``; collectives move no data.
-    The default group is destroyed on exit, also when the block raises.
+    The default group is destroyed on exit, also when the block raises, and
+    DTensor's sharding caches are emptied on entry and exit: a decision cached
+    for one world's mesh must not answer for the next one's.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dynamo_vars.dtensor_api import clear_sharding_caches
 
     if dist.is_initialized():
         raise RuntimeError(
             "fake_world: a default process group is already initialized; "
             "destroy it first (dist.destroy_process_group())"
         )
+    clear_sharding_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield _mesh(world_size, mesh_shape, mesh_dim_names)
     finally:
         _destroy_default_group()
+        clear_sharding_caches()
 
 
 @contextlib.contextmanager
