@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._dynamo.exc import unimplemented
+from torch._dynamo.exc import Unsupported, unimplemented
 from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.higher_order_ops import (
     WrapHigherOrderVariable,
@@ -196,6 +196,17 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 "local_map",
                 subgraph_name="local_map_body",
                 set_subgraph_inputs="automatic_with_forced_inputs",
+            )
+        except Unsupported as e:
+            if not any(word in str(e) for word in ("side effect", "mutation")):
+                raise
+            _refuse(
+                "side effect inside a local_map region",
+                f"local_map {name}: the region mutates one of its inputs or Python state outside it "
+                f"({str(e).splitlines()[0]}); a region must be a pure function of its arguments, so that "
+                "it can be one op with a backward of its own.",
+                "Return new tensors instead of writing into inputs (x = x + 1, not x.add_(1)), and keep "
+                "logging and other Python side effects outside the region.",
             )
         finally:
             for i in dtensors:

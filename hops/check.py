@@ -41,9 +41,10 @@ def _rank_values(t: torch.Tensor) -> dict[int, torch.Tensor] | None:
 def check_region_outputs(spec: RegionSpec, mesh: Any, outputs: Sequence[Any]) -> None:
     """Raises :class:`PlacementCheckError` for the first output that breaks its placements.
 
-    ``outputs`` are the region's flat outputs (DTensors over ``LocalTensor``
-    shards).  Outside ``LocalTensorMode`` there is one rank's value only and
-    the check cannot run: that is an error too, not a silent pass.
+    ``outputs`` are the region's flat outputs: its local results (``LocalTensor``
+    values, one per rank) or DTensors over them.  Outside ``LocalTensorMode``
+    there is one rank's value only and the check cannot run: that is an error
+    too, not a silent pass.
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Replicate, Shard
@@ -51,9 +52,9 @@ def check_region_outputs(spec: RegionSpec, mesh: Any, outputs: Sequence[Any]) ->
     coords = mesh.mesh
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     for i, (out, text) in enumerate(zip(outputs, spec.out_placements)):
-        if text is None or not isinstance(out, DTensor):
+        if text is None or not isinstance(out, torch.Tensor):
             continue
-        values = _rank_values(out._local_tensor)
+        values = _rank_values(out._local_tensor if isinstance(out, DTensor) else out)
         if values is None:
             raise PlacementCheckError(
                 f"local_map {spec.name}: check_placements=True needs every rank's value, but "

@@ -284,7 +284,7 @@ def _wrap_outputs(outs: Sequence[Any], spec: RegionSpec, mesh: Any) -> tuple[Any
 
     if len(outs) != len(spec.out_placements):
         raise LocalMapError(
-            f"local_map {spec.name}: the region returned {len(outs)} outputs (after flattening) but "
+            f"local_map {spec.name}: the region returned {_count(len(outs), 'output')} (after flattening) but "
             f"out_placements declares {len(spec.out_placements)}; give one placement tuple "
             "(None for a non-tensor) per output"
         )
@@ -569,13 +569,18 @@ def _region_name(func: Callable[..., Any]) -> str:
     return re.sub(r"\W", "_", name) or "region"
 
 
-def _placements_arg(value: Any, what: str, count: int, ndim: int) -> tuple[str | None, ...]:
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _placements_arg(name: str, value: Any, what: str, count: int, ndim: int) -> tuple[str | None, ...]:
     """One placement string (or None) per flat input/output, checked against the mesh's ndim."""
+    noun = "output" if what == "out_placements" else "input"
     if len(value) != count:
         raise LocalMapError(
-            f"local_map: {what} has {len(value)} entries but the region has {count} "
-            f"{'inputs' if what != 'out_placements' else 'outputs'} (after flattening); "
-            f"give one placement tuple (or None for a non-tensor) per {'input' if what != 'out_placements' else 'output'}"
+            f"local_map {name}: {what} has {_count(len(value), 'entry').replace('entrys', 'entries')} but the "
+            f"region has {_count(count, noun)} (after flattening the arguments with pytree); give one "
+            f"placement tuple per {noun} (None for a non-tensor)"
         )
     texts = []
     for i, ps in enumerate(value):
@@ -585,8 +590,8 @@ def _placements_arg(value: Any, what: str, count: int, ndim: int) -> tuple[str |
         ps = tuple(ps)
         if len(ps) != ndim:
             raise LocalMapError(
-                f"local_map: {what}[{i}] = {ps} has {len(ps)} placements but the mesh has {ndim} "
-                f"axes; give one placement per mesh axis"
+                f"local_map {name}: {what}[{i}] = {ps} has {_count(len(ps), 'placement')} but the mesh has "
+                f"{_count(ndim, 'axis').replace('axiss', 'axes')}; give one placement per mesh axis"
             )
         texts.append(format_placements(ps))
     return tuple(texts)
@@ -628,9 +633,11 @@ def make_spec(
     if in_placements is None:
         in_texts = tuple(format_placements(a.placements) if isinstance(a, DTensor) else None for a in flat_args)
     else:
-        in_texts = _placements_arg(in_placements, "in_placements", len(flat_args), ndim)
+        in_texts = _placements_arg(name, in_placements, "in_placements", len(flat_args), ndim)
     grad_texts = (
-        in_texts if in_grad_placements is None else _placements_arg(in_grad_placements, "in_grad_placements", len(flat_args), ndim)
+        in_texts
+        if in_grad_placements is None
+        else _placements_arg(name, in_grad_placements, "in_grad_placements", len(flat_args), ndim)
     )
     for i, a in enumerate(flat_args):
         if isinstance(a, DTensor):
@@ -663,10 +670,10 @@ def make_spec(
     outs = _out_placements_tuple(out_placements)
     if num_outputs is not None and len(outs) != num_outputs:
         raise LocalMapError(
-            f"local_map {name}: the region returned {num_outputs} outputs (after flattening) but "
+            f"local_map {name}: the region returned {_count(num_outputs, 'output')} (after flattening) but "
             f"out_placements declares {len(outs)}; give one placement tuple (None for a non-tensor) per output"
         )
-    out_texts = _placements_arg(outs, "out_placements", len(outs), ndim)
+    out_texts = _placements_arg(name, outs, "out_placements", len(outs), ndim)
     tensor = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
     return RegionSpec(
         name=name,
@@ -764,11 +771,13 @@ def _local_map_call(
         out = func(*pytree.tree_unflatten(leaves, args_spec), **kwargs)
         flat_out, out_spec = pytree.tree_flatten(out)
         structure[:] = [out_spec]
+        if check_placements:
+            # On the local results, before from_local: a shard shape that differs
+            # where it must not is what the check is for, and would not wrap.
+            from hops.check import check_region_outputs
+
+            check_region_outputs(spec, mesh, flat_out)
         return tuple(flat_out)
 
     outs = local_map_region(body, spec, *[flat_args[i] for i in tensor_at])
-    if check_placements:
-        from hops.check import check_region_outputs
-
-        check_region_outputs(spec, mesh, outs)
     return pytree.tree_unflatten(list(outs), structure[0])

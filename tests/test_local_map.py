@@ -358,3 +358,167 @@ def test_gloo_two_ranks_match_reference():
         for backend in backends:
             for rank, results in enumerate(per_rank):
                 _assert_close(results[case_name, backend], want, f"{case_name} ({backend}) on gloo rank {rank}")
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad_calls(mesh, mesh2d):
+    x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    y = distribute_tensor(torch.randn(8, 4), mesh2d, [Shard(0), Replicate()])
+
+    def add_one(a, b=None):
+        return a + 1
+
+    def two_outputs(a):
+        return a + 1, a * 2
+
+    return {
+        "wrong number of placements": (
+            local_map(add_one, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh), (x,),
+            ["in_placements has 2 entries but the region has 1 input", "give one placement tuple per input"],
+        ),
+        "placements longer than the mesh": (
+            local_map(add_one, [Shard(0)], ([Shard(0), Replicate()],), device_mesh=mesh), (x,),
+            ["in_placements[0] = (Shard(dim=0), Replicate()) has 2 placements but the mesh has 1 axis",
+             "give one placement per mesh axis"],
+        ),
+        "input on another mesh": (
+            local_map(add_one, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh), (x, y),
+            ["input 1 is a DTensor on DeviceMesh((dp=2, tp=2))", "device_mesh is DeviceMesh((tp=4))",
+             "redistribute it onto the region's mesh"],
+        ),
+        "mismatched input placements": (
+            local_map(add_one, [Shard(0)], ([Replicate()],), device_mesh=mesh), (x,),
+            ["input 0 has placements S(0) but in_placements[0] is R", "pass redistribute_inputs=True"],
+        ),
+        "more outputs than declared": (
+            local_map(two_outputs, [Shard(0)], ([Shard(0)],), device_mesh=mesh), (x,),
+            ["local_map two_outputs: the region returned 2 outputs", "out_placements declares 1",
+             "give one placement tuple (None for a non-tensor) per output"],
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "label",
+    ["wrong number of placements", "placements longer than the mesh", "input on another mesh",
+     "mismatched input placements", "more outputs than declared"],
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bad_input_names_the_argument_and_the_fix(fake_world, label, compiled):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = fake_world(4, (4,), ("tp",))
+    fn, args, phrases = _bad_calls(mesh, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))[label]
+    if compiled:
+        fn = torch.compile(fn, backend=dtcompile.backend(inductor=False), fullgraph=True)
+        error = torch._dynamo.exc.Unsupported
+    else:
+        error = LocalMapError
+    with pytest.raises(error) as info:
+        fn(*args)
+    for phrase in phrases:
+        assert phrase in str(info.value), str(info.value)
+
+
+def test_side_effects_in_a_region_are_refused(tp_mesh):
+    x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+    log = []
+
+    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh)
+    def logs(a):
+        log.append(a.shape)
+        return a + 1
+
+    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh)
+    def writes_input(a):
+        a.add_(1)
+        return a * 2
+
+    for region in (logs, writes_input):
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            torch.compile(region, backend=dtcompile.backend(inductor=False), fullgraph=True)(x)
+        assert "dtcompile: side effect inside a local_map region" in str(info.value)
+        assert "a region must be a pure function of its arguments" in str(info.value)
+        assert "Return new tensors instead of writing into inputs" in str(info.value)
+
+
+def test_closing_over_a_dtensor_is_refused(tp_mesh):
+    x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+    z = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+
+    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh)
+    def uses_z(a):
+        return a + z.to_local()
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="Pass it as an argument of the region"):
+        torch.compile(uses_z, backend=dtcompile.backend(inductor=False), fullgraph=True)(x)
+
+
+# ---------------------------------------------------------------- check_placements
+
+
+def _sum_rows(mesh, reduce):
+    import torch.distributed._functional_collectives as funcol
+
+    @local_map(out_placements=[Replicate()], in_placements=([Shard(0)],), device_mesh=mesh, check_placements=True)
+    def sum_rows(a):
+        partial = a.sum(0)
+        return funcol.all_reduce(partial, "sum", (mesh, 0)) if reduce else partial
+
+    return sum_rows
+
+
+def test_check_placements_catches_a_forgotten_all_reduce():
+    x = torch.randn(8, 4)
+    with simulated_world(4, (4,), ("tp",)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0)])
+        with pytest.raises(PlacementCheckError) as info:
+            _sum_rows(mesh, reduce=False)(dx)
+        assert "local_map sum_rows: output 0 is declared R (Replicate on mesh axis 'tp')" in str(info.value)
+        assert "but differs between ranks 0 and 1" in str(info.value)
+        assert "funcol.all_reduce over 'tp') or declare it Partial()" in str(info.value)
+        out = _sum_rows(mesh, reduce=True)(dx)
+        for value in _values_per_rank(out.to_local()).values():
+            torch.testing.assert_close(value, x.sum(0))
+
+
+def test_check_placements_checks_each_axis_of_a_2d_mesh():
+    """Replicate on dp, Shard on tp: each dp group must agree, the tp shards may differ."""
+    x = torch.randn(4, 8)
+    with simulated_world(4, (2, 2), ("dp", "tp")) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+        region = local_map(
+            lambda a: a.sum(0, keepdim=True), [Replicate(), Shard(1)], ([Shard(0), Shard(1)],), check_placements=True
+        )
+        with pytest.raises(PlacementCheckError, match="Replicate on mesh axis 'dp'"):
+            region(dx)
+        fixed = local_map(
+            lambda a: a.sum(0, keepdim=True) * 0 + 1, [Replicate(), Shard(1)], ([Shard(0), Shard(1)],), check_placements=True
+        )
+        assert fixed(dx).shape == (1, 8)
+
+
+def test_check_placements_catches_inconsistent_shard_shapes():
+    x = torch.randn(7, 4)  # rows 2, 2, 2, 1 on the four ranks
+    with simulated_world(4, (4,), ("tp",)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0)])
+        transposed = local_map(lambda a: a.t().contiguous(), [Shard(0)], ([Shard(0)],), check_placements=True)
+        with pytest.raises(PlacementCheckError) as info:
+            transposed(dx)
+        assert "output 0 is declared S(0) (Shard(0) on mesh axis 'tp')" in str(info.value)
+        assert "shards may differ only along dim 0" in str(info.value)
+
+
+def test_check_placements_needs_simulated_ranks(tp_mesh):
+    dx = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+    with pytest.raises(PlacementCheckError, match="run the region under torch.distributed._local_tensor.LocalTensorMode"):
+        _sum_rows(tp_mesh, reduce=False)(dx)
+
+
+def test_check_placements_in_compiled_code_runs_eagerly(tp_mesh):
+    dx = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="check_placements compares each output across all simulated ranks"):
+        torch.compile(_sum_rows(tp_mesh, reduce=True), backend=dtcompile.backend(inductor=False), fullgraph=True)(dx)
