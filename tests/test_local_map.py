@@ -522,3 +522,152 @@ def test_check_placements_in_compiled_code_runs_eagerly(tp_mesh):
     dx = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
     with pytest.raises(torch._dynamo.exc.Unsupported, match="check_placements compares each output across all simulated ranks"):
         torch.compile(_sum_rows(tp_mesh, reduce=True), backend=dtcompile.backend(inductor=False), fullgraph=True)(dx)
+
+
+# ---------------------------------------------------------------- what a region may take and return
+
+
+def _compiled_matches_eager(fn, *args):
+    """``fn`` compiled (one graph, one region node) equals eager, per output leaf and rank."""
+    from torch.utils._pytree import tree_leaves
+
+    from dtcompile.testing import assert_no_graph_breaks
+
+    backend = dtcompile.backend(inductor=False)
+    with assert_no_graph_breaks():
+        got = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    want = fn(*args)
+    got_leaves, want_leaves = tree_leaves(got), tree_leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for g, w in zip(got_leaves, want_leaves):
+        assert type(g) is type(w)
+        if isinstance(w, DTensor):
+            assert g.placements == w.placements and g.device_mesh is w.device_mesh
+            for rank, value in _values_per_rank(g.to_local()).items():
+                torch.testing.assert_close(value, _values_per_rank(w.to_local())[rank])
+        else:
+            assert g == w
+    (record,) = [r for r in backend.records if r.kind in ("forward", "inference")]
+    assert len(record.regions) == 1
+    return got, record.regions[0].spec
+
+
+def test_non_tensor_arguments_anywhere_nested_outputs_and_inferred_mesh(tp_mesh):
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    dx = distribute_tensor(x, tp_mesh, [Shard(0)])
+    dy = distribute_tensor(y, tp_mesh, [Replicate()])
+
+    # No device_mesh: the mesh of the DTensor inputs.  Inputs nested in a tuple,
+    # a float first and a string last; outputs nested, with a non-tensor among them.
+    @local_map(
+        out_placements=([Shard(0)], None, [Shard(0)], [Replicate()]),
+        in_placements=(None, [Shard(0)], [Replicate()], None),
+    )
+    def region(scale, pair, mode):
+        a, b = pair
+        assert mode == "sum"
+        return (a * scale, "done", [a + b[: a.shape[0]], b * 2])
+
+    def fn(a, b):
+        out, tag, (total, doubled) = region(3.0, (a, b), "sum")
+        return out, tag, total, doubled
+
+    (out, tag, total, doubled), spec = _compiled_matches_eager(fn, dx, dy)
+    assert tag == "done"
+    assert spec.mesh == "(tp=4)"
+    assert spec.in_placements == ("S(0)", "R")
+    assert spec.out_placements == ("S(0)", "S(0)", "R")
+    # This process is rank 0 of the fake world: its shard of x is the first 2 rows.
+    torch.testing.assert_close(out.to_local(), x[:2] * 3.0)
+    torch.testing.assert_close(total.to_local(), x[:2] + y[:2])
+
+
+def test_plain_tensor_inputs_and_closures_are_operands_without_placements(tp_mesh):
+    x, bias = torch.randn(8, 4), torch.randn(4)
+    dx = distribute_tensor(x, tp_mesh, [Shard(0)])
+    scale = torch.full((4,), 2.0)  # a plain tensor the region closes over
+
+    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)], [Replicate()]), device_mesh=tp_mesh)
+    def region(a, b):
+        return a * scale + b
+
+    out, spec = _compiled_matches_eager(lambda a: region(a, bias), dx)
+    # The plain tensor argument keeps its declared placement; the closure is lifted
+    # as an operand with none ("-").
+    assert spec.in_placements == ("S(0)", "R", None)
+    torch.testing.assert_close(out.to_local(), x[:2] * 2.0 + bias)
+
+
+def test_a_call_without_dtensors_calls_the_function():
+    region = local_map(lambda a: a * 2, [Replicate()], ([Replicate()],))
+    x = torch.randn(3)
+    out = torch.compile(region, backend=dtcompile.backend(inductor=False), fullgraph=True)(x)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, x * 2)
+
+
+def test_redistribute_inputs_redistributes_in_the_graph(tp_mesh):
+    x = torch.randn(8, 4)
+    dx = distribute_tensor(x, tp_mesh, [Replicate()])
+    region = local_map(lambda a: a * 2, [Shard(0)], ([Shard(0)],), device_mesh=tp_mesh, redistribute_inputs=True)
+    backend = dtcompile.backend(inductor=False)
+    out = torch.compile(region, backend=backend, fullgraph=True)(dx)
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.to_local(), x[:2] * 2)  # rank 0's shard
+    (record,) = backend.records
+    assert record.regions[0].spec.redistribute_inputs
+    assert record.regions[0].spec.in_placements == ("S(0)",)
+    # Replicate -> Shard(0) is a local slice before the region, not inside it.
+    assert record.with_regions.index("split") < record.with_regions.index("= local_map[")
+
+
+def test_same_placements_do_not_recompile_other_placements_do(tp_mesh):
+    from dtcompile.testing import assert_no_recompiles
+
+    region = local_map(lambda a: a + 1, [Shard(0)], ([Shard(0)],), device_mesh=tp_mesh, redistribute_inputs=True)
+    compiled = torch.compile(region, backend=dtcompile.backend(inductor=False), fullgraph=True)
+    compiled(distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)]))
+    with assert_no_recompiles():
+        compiled(distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)]))
+    with pytest.raises(AssertionError, match=r"placements of args\[0\] changed: \(Shard\(dim=0\),\) -> \(Replicate\(\),\)"):
+        with assert_no_recompiles():
+            compiled(distribute_tensor(torch.randn(8, 4), tp_mesh, [Replicate()]))
+
+
+def test_dtcompile_exports_local_map_and_it_matches_torchs_eager_local_map():
+    from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+    assert dtcompile.local_map is local_map
+    import torch.distributed._functional_collectives as funcol
+
+    x, w = torch.randn(8, 6), torch.randn(6, 8)
+    with simulated_world(4, (4,), ("tp",)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        dw = distribute_tensor(w, mesh, [Shard(1)]).requires_grad_()
+
+        def gather_matmul(a, b):
+            return funcol.all_gather_single(a, 0, (mesh, 0)) @ b
+
+        results = []
+        for make in (torch_local_map, dtcompile.local_map):
+            region = make(gather_matmul, out_placements=[Shard(1)], in_placements=([Shard(0)], [Shard(1)]), device_mesh=mesh)
+            out = region(dx, dw).full_tensor()
+            out.sum().backward()
+            results.append([out, dx.grad.full_tensor(), dw.grad.full_tensor()])
+            dx.grad = dw.grad = None
+        for ours, theirs in zip(*results):
+            for rank, value in _values_per_rank(ours).items():
+                torch.testing.assert_close(value, _values_per_rank(theirs)[rank])
+        torch.testing.assert_close(_values_per_rank(results[1][0])[0], x @ w)
+
+
+def test_spec_text_round_trips():
+    spec = RegionSpec("attn", "(dp=2, cp=2)", ("S(0)S(1)", "S(0)R", None), ("S(0)S(1)",), ("S(0)S(1)", "S(0)P(sum)", None), True, True, 3)
+    assert str(spec) == (
+        "attn on (dp=2, cp=2): [S(0)S(1), S(0)R, -] -> [S(0)S(1)] | grads [S(0)S(1), S(0)P(sum), -] "
+        "| saved 3 | backward | redistribute"
+    )
+    assert RegionSpec.parse(str(spec)) == spec
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    assert parse_placements("_S(0,2)RP(max)") == (_StridedShard(0, split_factor=2), Replicate(), Partial("max"))
