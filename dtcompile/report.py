@@ -34,7 +34,8 @@ __all__ = ["Report", "collectives_json", "emit_artifacts", "explain", "format_co
 
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
-    """The collectives of one AOT graph with their estimated times, and totals, as JSON data."""
+    """The collectives of one AOT graph with their estimated times, and totals, and its
+    ``local_map`` regions (as the passes saw them, before lowering inlined them), as JSON data."""
     items = []
     for node in record.graph.graph.nodes:
         info = node.meta.get("dtcompile_collective")
@@ -66,6 +67,16 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
             }
             for p in record.passes
         ],
+        "regions": [
+            {
+                "node": r.node,
+                "name": r.spec.name,
+                "spec": str(r.spec),
+                "ops": r.ops,
+                "collectives": list(r.collectives),
+            }
+            for r in record.regions
+        ],
         "collectives": items,
         "totals": {
             "count": len(items),
@@ -85,6 +96,8 @@ def emit_artifacts(record: CompiledGraph) -> None:
     artifact("dtcompile_placements", "string", record.info.format)
     artifact(f"dtcompile_{record.kind}_graph", "string", record.annotated)
     artifact(f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record)))
+    if record.regions:
+        artifact(f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions)
 
 
 def _collective_table(records: list[CompiledGraph]) -> list[str]:

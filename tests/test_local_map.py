@@ -671,3 +671,26 @@ def test_spec_text_round_trips():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     assert parse_placements("_S(0,2)RP(max)") == (_StridedShard(0, split_factor=2), Replicate(), Partial("max"))
+
+
+def test_regions_are_counted_and_named_in_what_dtcompile_logs(fake_world, caplog):
+    import logging
+
+    from dtcompile.report import collectives_json, format_compiled_graph
+
+    case = REGION_CASES["region_with_collective"]
+    with caplog.at_level(logging.INFO, logger="dtcompile.compiler"):
+        _, forward, backward = _graphs("region_with_collective", _mesh(fake_world, case))
+    logged = caplog.text
+    assert "forward graph: " in logged and "1 local_map regions" in logged
+    assert "region gather_matmul: gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)]" in logged
+    assert "backward graph: region gather_matmul_1: gather_matmul on (tp=4): [S(1)] -> [S(0), S(1)]" in logged
+    (fw_region,) = collectives_json(forward)["regions"]
+    assert fw_region["name"] == "gather_matmul" and fw_region["ops"] == 3
+    assert fw_region["collectives"] == ["all_gather[tp] x4 192 B"]
+    (bw_region,) = collectives_json(backward)["regions"]
+    assert bw_region["collectives"] == ["reduce_scatter[tp] x4 192 B"]
+    report = format_compiled_graph(backward)
+    assert "-- local_map regions (one op each until lowering) --" in report
+    # Lowered, the region's collective is one of the graph's and is tagged with the region.
+    assert "in local_map region gather_matmul (gather_matmul_1): reduce_scatter[tp] x4 192 B" in backward.annotated()
