@@ -19,7 +19,13 @@ from torch import fx
 from dtcompile.collectives import collective_info
 from hops.local_map import RegionSpec, _spec, local_map_region
 
-__all__ = ["RegionInfo", "find_regions", "format_with_regions", "inline_regions", "is_region"]
+__all__ = [
+    "RegionInfo",
+    "find_regions",
+    "format_with_regions",
+    "inline_regions",
+    "is_region",
+]
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,9 @@ def _describe(gm: fx.GraphModule, node: fx.Node, axes: dict[str, str]) -> Region
     for n in calls:
         info = collective_info(n, axes)
         if info is not None:
-            collectives.append(f"{info.label}[{info.axis}] x{info.group_size} {info.bytes} B")
+            collectives.append(
+                f"{info.label}[{info.axis}] x{info.group_size} {info.bytes} B"
+            )
     return RegionInfo(node.name, _spec(node.args[1]), len(calls), tuple(collectives))
 
 
@@ -74,7 +82,11 @@ def _arg(arg: object) -> str:
         return arg.name
     if isinstance(arg, (list, tuple)):
         inner = ", ".join(_arg(a) for a in arg)
-        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+        return (
+            f"[{inner}]"
+            if isinstance(arg, list)
+            else f"({inner}{',' if len(arg) == 1 else ''})"
+        )
     return repr(arg)
 
 
@@ -93,21 +105,29 @@ def format_with_regions(gm: fx.GraphModule) -> str:
             body = _body(gm, node)
             inputs = ", ".join(n.name for n in body.graph.find_nodes(op="placeholder"))
             lines.append(f"    def {node.args[0].target}({inputs}):")
-            lines += ["        " + line for line in format_with_regions(body).splitlines()]
+            lines += [
+                "        " + line for line in format_with_regions(body).splitlines()
+            ]
             outputs = body.graph.find_nodes(op="output")[0].args[0]
             lines.append(f"        return {_arg(tuple(outputs))}")
             continue
-        args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+        args = [_arg(a) for a in node.args] + [
+            f"{k}={_arg(v)}" for k, v in node.kwargs.items()
+        ]
         lines.append(f"{node.name} = {_target(node)}({', '.join(args)})")
     return "\n".join(lines)
 
 
-def find_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> list[RegionInfo]:
+def find_regions(
+    gm: fx.GraphModule, axes: dict[str, str] | None = None
+) -> list[RegionInfo]:
     """The region nodes of ``gm``, in graph order."""
     return [_describe(gm, n, axes or {}) for n in gm.graph.nodes if is_region(n)]
 
 
-def inline_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> list[RegionInfo]:
+def inline_regions(
+    gm: fx.GraphModule, axes: dict[str, str] | None = None
+) -> list[RegionInfo]:
     """Splices every region's body into ``gm`` in place; returns what it inlined.
 
     Spliced nodes get ``meta["dtcompile_region"]`` (the region node's name) and an
@@ -124,7 +144,9 @@ def inline_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> li
         placeholders = body.graph.find_nodes(op="placeholder")
         operands = node.args[2:]
         if len(placeholders) != len(operands):
-            raise AssertionError(f"region {node.name}: {len(operands)} operands for {len(placeholders)} body inputs")
+            raise AssertionError(
+                f"region {node.name}: {len(operands)} operands for {len(placeholders)} body inputs"
+            )
         env.update(zip(placeholders, operands))
         outputs: tuple[fx.Node, ...] = ()
         with gm.graph.inserting_before(node):
@@ -132,11 +154,13 @@ def inline_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> li
                 if inner.op == "placeholder":
                     continue
                 if inner.op == "output":
-                    outputs = tuple(fx.map_arg(inner.args[0], lambda n: env[n]))
+                    outputs = tuple(fx.map_arg(inner.args[0], env.__getitem__))
                     continue
                 if inner.op == "get_attr":
-                    raise AssertionError(f"region {node.name}: body reads attribute {inner.target}")
-                copied = gm.graph.node_copy(inner, lambda n: env[n])
+                    raise AssertionError(
+                        f"region {node.name}: body reads attribute {inner.target}"
+                    )
+                copied = gm.graph.node_copy(inner, env.__getitem__)
                 copied.meta["dtcompile_region"] = node.name
                 note = f"in local_map region {info.spec.name} ({node.name})"
                 collective = collective_info(copied, axes)
@@ -149,7 +173,9 @@ def inline_regions(gm: fx.GraphModule, axes: dict[str, str] | None = None) -> li
                 user.replace_all_uses_with(outputs[user.args[1]])
                 gm.graph.erase_node(user)
             else:
-                raise AssertionError(f"region {node.name}: used by {user.format_node()}, not by getitem")
+                raise AssertionError(
+                    f"region {node.name}: used by {user.format_node()}, not by getitem"
+                )
         body_attr = node.args[0]
         gm.graph.erase_node(node)
         if not body_attr.users:

@@ -62,10 +62,17 @@ def _constant(vt: VariableTracker) -> Any:
 
 
 def _refuse(what: str, explanation: str, hint: str) -> None:
-    unimplemented(gb_type=f"dtcompile: {what}", context="local_map", explanation=explanation, hints=[hint])
+    unimplemented(
+        gb_type=f"dtcompile: {what}",
+        context="local_map",
+        explanation=explanation,
+        hints=[hint],
+    )
 
 
-def _flatten(vt: VariableTracker, leaves: list[VariableTracker]) -> Callable[[list[VariableTracker]], VariableTracker]:
+def _flatten(
+    vt: VariableTracker, leaves: list[VariableTracker]
+) -> Callable[[list[VariableTracker]], VariableTracker]:
     """Flattens tuples and lists of ``vt`` into ``leaves`` (pytree's order); returns the rebuilder."""
     vt = LazyVariableTracker.realize_all(vt)
     if isinstance(vt, (TupleVariable, ListVariable)):
@@ -111,7 +118,12 @@ def _placement_codes(text: str) -> tuple[tuple[Any, ...], ...]:
 
 def _redistribute_to(x: Any, codes: tuple[tuple[Any, ...], ...]) -> Any:
     """Traced by Dynamo (``codes`` are constants): ``x.redistribute`` to the placements they spell."""
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+    from torch.distributed.tensor.placement_types import (
+        Partial,
+        Replicate,
+        Shard,
+        _StridedShard,
+    )
 
     placements = []
     for code in codes:
@@ -130,7 +142,11 @@ def _local_fake(tx: Any, dtensor: Any) -> torch.Tensor:
     local = dtensor._local_tensor
     with tx.fake_mode:
         return torch.empty_strided(
-            local.shape, local.stride(), dtype=local.dtype, device=local.device, requires_grad=dtensor.requires_grad
+            local.shape,
+            local.stride(),
+            dtype=local.dtype,
+            device=local.device,
+            requires_grad=dtensor.requires_grad,
         )
 
 
@@ -140,14 +156,25 @@ class LocalMapVariable(WrapHigherOrderVariable):
     supports_input_mutation = False
     supports_aliasing = False
 
-    def call_function(self, tx: Any, args: Sequence[VariableTracker], kwargs: dict[str, VariableTracker]) -> VariableTracker:
+    def call_function(
+        self,
+        tx: Any,
+        args: Sequence[VariableTracker],
+        kwargs: dict[str, VariableTracker],
+    ) -> VariableTracker:
         from torch.distributed.tensor import DTensor
 
         from hops.local_map import LocalMapError, _region_name, make_spec
 
-        func, out_vt, in_vt, grad_vt, mesh_vt, redistribute_vt, check_vt, *user_args = args
-        out_placements, in_placements, in_grad_placements = (_constant(v) for v in (out_vt, in_vt, grad_vt))
-        mesh, redistribute, check = (_constant(v) for v in (mesh_vt, redistribute_vt, check_vt))
+        func, out_vt, in_vt, grad_vt, mesh_vt, redistribute_vt, check_vt, *user_args = (
+            args
+        )
+        out_placements, in_placements, in_grad_placements = (
+            _constant(v) for v in (out_vt, in_vt, grad_vt)
+        )
+        mesh, redistribute, check = (
+            _constant(v) for v in (mesh_vt, redistribute_vt, check_vt)
+        )
         leaves: list[VariableTracker] = []
         rebuild = _flatten(TupleVariable(list(user_args)), leaves)
         values = [_example(vt) for vt in leaves]
@@ -162,21 +189,44 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 "so the call runs eagerly.",
                 "Drop check_placements once the region is checked, or check it in an eager test run.",
             )
-        mesh = real_object(mesh) if mesh is not None else real_object(values[dtensors[0]].device_mesh)
-        name = _region_name(getattr(func, "fn", None) or getattr(func, "get_function", lambda: func)())
+        mesh = (
+            real_object(mesh)
+            if mesh is not None
+            else real_object(values[dtensors[0]].device_mesh)
+        )
+        name = _region_name(
+            getattr(func, "fn", None) or getattr(func, "get_function", lambda: func)()
+        )
         try:
-            spec = make_spec(name, mesh, values, in_placements, in_grad_placements, out_placements, None, redistribute)
+            spec = make_spec(
+                name,
+                mesh,
+                values,
+                in_placements,
+                in_grad_placements,
+                out_placements,
+                None,
+                redistribute,
+            )
         except LocalMapError as e:
-            _refuse("local_map arguments that do not match its placements", str(e), _fix_hint(str(e)))
+            _refuse(
+                "local_map arguments that do not match its placements",
+                str(e),
+                _fix_hint(str(e)),
+            )
 
         # Redistribute where asked, then trace the body on the local shards.
         tensor_leaves = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        by_leaf = dict(zip(tensor_leaves, zip(spec.in_placements, spec.in_grad_placements)))
+        by_leaf = dict(
+            zip(tensor_leaves, zip(spec.in_placements, spec.in_grad_placements))
+        )
         for i in dtensors:
             want = by_leaf[i][0]
             if want is not None and _spec_text(values[i]) != want:
                 leaves[i] = VariableTracker.build(tx, _redistribute_to).call_function(
-                    tx, [leaves[i], VariableTracker.build(tx, _placement_codes(want))], {}
+                    tx,
+                    [leaves[i], VariableTracker.build(tx, _placement_codes(want))],
+                    {},
                 )
                 values[i] = leaves[i].as_proxy().node.meta["example_value"]
         placement_of = {leaves[i].as_proxy().node: by_leaf[i] for i in tensor_leaves}
@@ -188,14 +238,16 @@ class LocalMapVariable(WrapHigherOrderVariable):
             leaves[i].synchronize_attributes(tx)
         user_args = list(rebuild(leaves).items)
         try:
-            (p_args, _, example_value, body_r, body_gmod, _, output_vts, _) = self.create_wrapped_node(
-                tx,
-                func,
-                user_args,
-                kwargs,
-                "local_map",
-                subgraph_name="local_map_body",
-                set_subgraph_inputs="automatic_with_forced_inputs",
+            (p_args, _, example_value, body_r, _, _, output_vts, _) = (
+                self.create_wrapped_node(
+                    tx,
+                    func,
+                    user_args,
+                    kwargs,
+                    "local_map",
+                    subgraph_name="local_map_body",
+                    set_subgraph_inputs="automatic_with_forced_inputs",
+                )
             )
         except Unsupported as e:
             if not any(word in str(e) for word in ("side effect", "mutation")):
@@ -235,9 +287,22 @@ class LocalMapVariable(WrapHigherOrderVariable):
         out_leaves: list[VariableTracker] = []
         _flatten(body_r, out_leaves)
         try:
-            make_spec(name, mesh, values, in_placements, in_grad_placements, out_placements, len(out_leaves), redistribute)
+            make_spec(
+                name,
+                mesh,
+                values,
+                in_placements,
+                in_grad_placements,
+                out_placements,
+                len(out_leaves),
+                redistribute,
+            )
         except LocalMapError as e:
-            _refuse("local_map region whose outputs do not match out_placements", str(e), _fix_hint(str(e)))
+            _refuse(
+                "local_map region whose outputs do not match out_placements",
+                str(e),
+                _fix_hint(str(e)),
+            )
         out_texts = []
         for vt in output_vts:
             index = next(k for k, leaf in enumerate(out_leaves) if leaf is vt)
@@ -252,16 +317,26 @@ class LocalMapVariable(WrapHigherOrderVariable):
                     "Give placements for every tensor output and None for every other output.",
                 )
         spec = spec._replace(
-            in_placements=tuple(in_texts), in_grad_placements=tuple(grad_texts), out_placements=tuple(out_texts)
+            in_placements=tuple(in_texts),
+            in_grad_placements=tuple(grad_texts),
+            out_placements=tuple(out_texts),
         )
         result = _call_function_with_auto_output_flattening(
-            tx, self.value, (p_args[0], str(spec), *operands), {}, example_value, body_r, output_vts
+            tx,
+            self.value,
+            (p_args[0], str(spec), *operands),
+            {},
+            example_value,
+            body_r,
+            output_vts,
         )
         self._outputs_as_dtensors(tx, output_vts, spec, mesh)
         return result
 
     @staticmethod
-    def _outputs_as_dtensors(tx: Any, output_vts: Sequence[VariableTracker], spec: Any, mesh: Any) -> None:
+    def _outputs_as_dtensors(
+        tx: Any, output_vts: Sequence[VariableTracker], spec: Any, mesh: Any
+    ) -> None:
         from torch.distributed.tensor import DTensor
 
         from hops.local_map import parse_placements
@@ -270,9 +345,18 @@ class LocalMapVariable(WrapHigherOrderVariable):
         wrapped = []
         for vt, text in zip(output_vts, spec.out_placements):
             node = vt.as_proxy().node
-            hop_node = node.args[0] if node.target is getattr(__import__("operator"), "getitem") else hop_node
+            hop_node = (
+                node.args[0]
+                if node.target is __import__("operator").getitem
+                else hop_node
+            )
             with tx.fake_mode:
-                global_value = DTensor.from_local(node.meta["example_value"], mesh, parse_placements(text), run_check=False)
+                global_value = DTensor.from_local(
+                    node.meta["example_value"],
+                    mesh,
+                    parse_placements(text),
+                    run_check=False,
+                )
             node.meta["example_value"] = global_value
             wrapped.append(global_value)
             vt.synchronize_attributes(tx)

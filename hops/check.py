@@ -77,13 +77,24 @@ def _groups_along(coords: torch.Tensor, axis: int) -> list[list[int]]:
 
 
 def _check_equal(
-    spec: RegionSpec, index: int, text: str, axis: str, group: list[int], values: dict[int, torch.Tensor]
+    spec: RegionSpec,
+    index: int,
+    text: str,
+    axis: str,
+    group: list[int],
+    values: dict[int, torch.Tensor],
 ) -> None:
     first = values[group[0]]
     for rank in group[1:]:
         other = values[rank]
-        if other.shape != first.shape or not torch.allclose(other, first, rtol=1e-5, atol=1e-6, equal_nan=True):
-            diff = (other - first).abs().max().item() if other.shape == first.shape else "shape"
+        if other.shape != first.shape or not torch.allclose(
+            other, first, rtol=1e-5, atol=1e-6, equal_nan=True
+        ):
+            diff = (
+                (other - first).abs().max().item()
+                if other.shape == first.shape
+                else "shape"
+            )
             raise PlacementCheckError(
                 f"local_map {spec.name}: output {index} is declared {text} (Replicate on mesh axis "
                 f"{axis!r}) but differs between ranks {group[0]} and {rank} (max abs diff {diff}); "
@@ -103,7 +114,9 @@ def _check_shapes(
     shapes = {rank: tuple(values[rank].shape) for rank in group}
     first = shapes[group[0]]
     for rank, shape in shapes.items():
-        if len(shape) != len(first) or any(a != b for d, (a, b) in enumerate(zip(shape, first)) if d != dim):
+        if len(shape) != len(first) or any(
+            a != b for d, (a, b) in enumerate(zip(shape, first)) if d != dim
+        ):
             raise PlacementCheckError(
                 f"local_map {spec.name}: output {index} is declared {text} (Shard({dim}) on mesh axis "
                 f"{axis!r}) but its shards have shapes {first} on rank {group[0]} and {shape} on rank "

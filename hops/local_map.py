@@ -49,7 +49,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
-from torch._higher_order_ops.utils import reenter_make_fx, register_fake, unique_graph_id
+from torch._higher_order_ops.utils import (
+    reenter_make_fx,
+    register_fake,
+    unique_graph_id,
+)
 from torch._ops import HigherOrderOperator
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_tensor_tree
 
@@ -84,7 +88,11 @@ def format_placements(placements: Sequence[Any] | None) -> str | None:
         return None
     text = "".join(str(p).replace(" ", "") for p in placements)
     if parse_placements(text, strict=False) != tuple(placements):
-        unsupported = [p for p in placements if parse_placements(str(p).replace(" ", ""), strict=False) != (p,)]
+        unsupported = [
+            p
+            for p in placements
+            if parse_placements(str(p).replace(" ", ""), strict=False) != (p,)
+        ]
         raise LocalMapError(
             f"local_map: placement {unsupported[0]!r} ({type(unsupported[0]).__name__}) cannot be a "
             "region placement; use Shard, Replicate, Partial or _StridedShard"
@@ -95,7 +103,12 @@ def format_placements(placements: Sequence[Any] | None) -> str | None:
 @functools.lru_cache(maxsize=1024)
 def parse_placements(text: str, strict: bool = True) -> tuple[Any, ...] | None:
     """The inverse of :func:`format_placements`: ``"S(0)R"`` -> ``(Shard(dim=0), Replicate())``."""
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+    from torch.distributed.tensor.placement_types import (
+        Partial,
+        Replicate,
+        Shard,
+        _StridedShard,
+    )
 
     placements: list[Any] = []
     pos = 0
@@ -103,10 +116,14 @@ def parse_placements(text: str, strict: bool = True) -> tuple[Any, ...] | None:
         m = _PLACEMENT.match(text, pos)
         if m is None:
             if strict:
-                raise LocalMapError(f"local_map: cannot read placements {text!r} at {text[pos:]!r}")
+                raise LocalMapError(
+                    f"local_map: cannot read placements {text!r} at {text[pos:]!r}"
+                )
             return None
         if m.group(1) is not None:
-            placements.append(_StridedShard(int(m.group(1)), split_factor=int(m.group(2))))
+            placements.append(
+                _StridedShard(int(m.group(1)), split_factor=int(m.group(2)))
+            )
         elif m.group(3) is not None:
             placements.append(Shard(int(m.group(3))))
         elif m.group(4) is not None:
@@ -165,7 +182,9 @@ class RegionSpec(NamedTuple):
         return _parse_spec(text)
 
 
-_SPEC = re.compile(r"^(?P<name>\w+) on (?P<mesh>\(.*\)): \[(?P<ins>[^\]]*)\] -> \[(?P<outs>[^\]]*)\]$")
+_SPEC = re.compile(
+    r"^(?P<name>\w+) on (?P<mesh>\(.*\)): \[(?P<ins>[^\]]*)\] -> \[(?P<outs>[^\]]*)\]$"
+)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -176,7 +195,11 @@ def _parse_spec(text: str) -> RegionSpec:
         raise LocalMapError(f"local_map: not a region spec: {text!r}")
 
     def side(items: str) -> tuple[str | None, ...]:
-        return tuple(None if item == "-" else item for item in items.split(", ")) if items else ()
+        return (
+            tuple(None if item == "-" else item for item in items.split(", "))
+            if items
+            else ()
+        )
 
     flags = set(parts[1:])
     saved = next((int(p.split()[1]) for p in parts[1:] if p.startswith("saved ")), 0)
@@ -231,7 +254,9 @@ class LocalMapRegion(HigherOrderOperator):
     def __init__(self) -> None:
         super().__init__("dtcompile_local_map")
 
-    def __call__(self, body: Callable[..., Any], spec: RegionSpec | str, *operands: Any) -> tuple[Any, ...]:
+    def __call__(
+        self, body: Callable[..., Any], spec: RegionSpec | str, *operands: Any
+    ) -> tuple[Any, ...]:
         return super().__call__(body, str(spec), *operands)
 
 
@@ -247,7 +272,9 @@ def _call_body(body: Callable[..., Any], operands: Sequence[Any]) -> tuple[Any, 
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _dtensor_boundary(body: Callable[..., Any], spec: RegionSpec | str, operands: Sequence[Any]) -> tuple[Any, ...]:
+def _dtensor_boundary(
+    body: Callable[..., Any], spec: RegionSpec | str, operands: Sequence[Any]
+) -> tuple[Any, ...]:
     """DTensor operands in, DTensor outputs out: the region itself runs on local shards."""
     spec = _spec(spec)
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -269,7 +296,9 @@ def _dtensor_boundary(body: Callable[..., Any], spec: RegionSpec | str, operands
         want = spec.in_placements[i]
         x = _to_placements(x, want, spec, i)
         grad = spec.in_grad_placements[i]
-        y = x.to_local(grad_placements=parse_placements(grad) if grad is not None else None)
+        y = x.to_local(
+            grad_placements=parse_placements(grad) if grad is not None else None
+        )
         if isinstance(y, AsyncCollectiveTensor):
             y = y.wait()
         local.append(y)
@@ -308,7 +337,9 @@ def _wrap_outputs(outs: Sequence[Any], spec: RegionSpec, mesh: Any) -> tuple[Any
                 "give its placements"
             )
         else:
-            wrapped.append(DTensor.from_local(out, mesh, parse_placements(p), run_check=False))
+            wrapped.append(
+                DTensor.from_local(out, mesh, parse_placements(p), run_check=False)
+            )
     return tuple(wrapped)
 
 
@@ -334,7 +365,9 @@ def _has_dtensor(operands: Sequence[Any]) -> bool:
 
 
 @local_map_region.py_impl(DispatchKey.Autograd)
-def _autograd(body: Callable[..., Any], spec: RegionSpec | str, *operands: Any) -> tuple[Any, ...]:
+def _autograd(
+    body: Callable[..., Any], spec: RegionSpec | str, *operands: Any
+) -> tuple[Any, ...]:
     spec = _spec(spec)
     if _has_dtensor(operands):
         return _dtensor_boundary(body, spec, operands)
@@ -352,7 +385,9 @@ def _autograd(body: Callable[..., Any], spec: RegionSpec | str, *operands: Any) 
 
 
 @local_map_region.py_functionalize_impl
-def _functionalize(ctx: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+def _functionalize(
+    ctx: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any
+) -> tuple[Any, ...]:
     unwrapped = ctx.unwrap_tensors(operands)
     with ctx.redispatch_to_next():
         out = local_map_region(ctx.functionalize(body), spec, *unwrapped)
@@ -360,37 +395,58 @@ def _functionalize(ctx: Any, body: Callable[..., Any], spec: RegionSpec, *operan
 
 
 @register_fake(local_map_region, skip_cache=True)
-def _fake(body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+def _fake(
+    body: Callable[..., Any], spec: RegionSpec, *operands: Any
+) -> tuple[Any, ...]:
     return _call_body(body, operands)
 
 
 @local_map_region.py_impl(ProxyTorchDispatchMode)
-def _proxy(mode: ProxyTorchDispatchMode, body: Callable[..., Any], spec: RegionSpec | str, *operands: Any) -> tuple[Any, ...]:
+def _proxy(
+    mode: ProxyTorchDispatchMode,
+    body: Callable[..., Any],
+    spec: RegionSpec | str,
+    *operands: Any,
+) -> tuple[Any, ...]:
     spec = _spec(spec)
     graph = reenter_make_fx(body)(*operands)
-    _, name = unique_graph_id(mode, prefix="local_map_body" if not spec.backward else "local_map_backward")
+    _, name = unique_graph_id(
+        mode, prefix="local_map_body" if not spec.backward else "local_map_backward"
+    )
     mode.tracer.root.register_module(name, graph)
     with torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing():
         example = local_map_region(graph, spec, *operands)
-    proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, (graph, str(spec), *operands))
-    out = mode.tracer.create_proxy("call_function", local_map_region, proxy_args, {}, name=spec.name)
+    proxy_args = pytree.tree_map(
+        mode.tracer.unwrap_proxy, (graph, str(spec), *operands)
+    )
+    out = mode.tracer.create_proxy(
+        "call_function", local_map_region, proxy_args, {}, name=spec.name
+    )
     return track_tensor_tree(example, out, constant=None, tracer=mode.tracer)
 
 
 @local_map_region.py_impl(DispatchKey.CompositeExplicitAutograd)
-def _eager(body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+def _eager(
+    body: Callable[..., Any], spec: RegionSpec, *operands: Any
+) -> tuple[Any, ...]:
     return _call_body(body, operands)
 
 
-def _dtensor_key(body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+def _dtensor_key(
+    body: Callable[..., Any], spec: RegionSpec, *operands: Any
+) -> tuple[Any, ...]:
     return _dtensor_boundary(body, spec, operands)
 
 
-def _local_tensor_key(body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+def _local_tensor_key(
+    body: Callable[..., Any], spec: RegionSpec, *operands: Any
+) -> tuple[Any, ...]:
     return _call_body(body, operands)
 
 
-def _local_tensor_mode_key(mode: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+def _local_tensor_mode_key(
+    mode: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any
+) -> tuple[Any, ...]:
     with mode:
         return _call_body(body, operands)
 
@@ -432,7 +488,9 @@ class _Joint(NamedTuple):
     """Indices of the operands that get one (the backward returns these, in order)."""
 
 
-def _joint_graphs(body: Callable[..., Any], spec: RegionSpec | str, operands: Sequence[Any]) -> _Joint:
+def _joint_graphs(
+    body: Callable[..., Any], spec: RegionSpec | str, operands: Sequence[Any]
+) -> _Joint:
     """Traces the region's forward and backward together and partitions them.
 
     The forward returns the outputs and then what the backward saves; the backward
@@ -447,20 +505,36 @@ def _joint_graphs(body: Callable[..., Any], spec: RegionSpec | str, operands: Se
     from torch._subclasses.functional_tensor import disable_functional_mode
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
-    with suspend_functionalization(), disable_functional_mode(), disable_proxy_modes_tracing():
-        fake_mode = detect_fake_mode(operands) or FakeTensorMode(allow_non_fake_inputs=True)
+    with (
+        suspend_functionalization(),
+        disable_functional_mode(),
+        disable_proxy_modes_tracing(),
+    ):
+        fake_mode = detect_fake_mode(operands) or FakeTensorMode(
+            allow_non_fake_inputs=True
+        )
         with fake_mode, torch.enable_grad():
             primals = [
-                torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
+                torch.empty_strided(
+                    x.shape,
+                    x.stride(),
+                    dtype=x.dtype,
+                    device=x.device,
+                    requires_grad=x.requires_grad,
+                )
                 for x in operands
             ]
             outs = _call_body(body, primals)
         grad_inputs = tuple(i for i, x in enumerate(primals) if x.requires_grad)
         grad_outputs = tuple(
-            i for i, y in enumerate(outs) if isinstance(y, torch.Tensor) and y.requires_grad
+            i
+            for i, y in enumerate(outs)
+            if isinstance(y, torch.Tensor) and y.requires_grad
         )
         with fake_mode:
-            tangents = [torch.empty_like(outs[i], requires_grad=False) for i in grad_outputs]
+            tangents = [
+                torch.empty_like(outs[i], requires_grad=False) for i in grad_outputs
+            ]
             primals = [p.detach() for p in primals]
 
         num_primals, num_outputs = len(primals), len(outs)
@@ -475,16 +549,25 @@ def _joint_graphs(body: Callable[..., Any], spec: RegionSpec | str, operands: Se
                     list(primals_and_tangents[num_primals:]),
                     allow_unused=True,
                 )
-            grads = tuple(g if g is not None else torch.zeros_like(inputs[i]) for g, i in zip(grads, grad_inputs))
+            grads = tuple(
+                g if g is not None else torch.zeros_like(inputs[i])
+                for g, i in zip(grads, grad_inputs)
+            )
             return (*outs, *grads)
 
         # Traced with autograd (the region may hold ops, like funcol's collectives,
         # whose autograd formulas functorch cannot transform), then functionalized.
         with fake_mode:
-            primals = [p.requires_grad_(i in grad_inputs) for i, p in enumerate(primals)]
-            traced = make_fx(joint, decomposition_table=select_decomp_table())(*primals, *tangents)
+            primals = [
+                p.requires_grad_(i in grad_inputs) for i, p in enumerate(primals)
+            ]
+            traced = make_fx(joint, decomposition_table=select_decomp_table())(
+                *primals, *tangents
+            )
             primals = [p.detach() for p in primals]
-            joint_gm = make_fx(torch.func.functionalize(traced, remove="mutations_and_views"))(*primals, *tangents)
+            joint_gm = make_fx(
+                torch.func.functionalize(traced, remove="mutations_and_views")
+            )(*primals, *tangents)
         _prepare_for_partition(joint_gm, num_primals, num_outputs)
         forward, backward = default_partition(joint_gm, [], num_fwd_outputs=num_outputs)
 
@@ -496,15 +579,27 @@ def _joint_graphs(body: Callable[..., Any], spec: RegionSpec | str, operands: Se
         in_placements=tuple(spec.out_placements[i] for i in grad_outputs),
         out_placements=tuple(spec.in_grad_placements[i] for i in grad_inputs),
     )
-    return _Joint(forward, backward, forward_spec, backward_spec, num_outputs, grad_outputs, grad_inputs)
+    return _Joint(
+        forward,
+        backward,
+        forward_spec,
+        backward_spec,
+        num_outputs,
+        grad_outputs,
+        grad_inputs,
+    )
 
 
-def _prepare_for_partition(gm: torch.fx.GraphModule, num_primals: int, num_outputs: int) -> None:
+def _prepare_for_partition(
+    gm: torch.fx.GraphModule, num_primals: int, num_outputs: int
+) -> None:
     """Names placeholders ``primals_i``/``tangents_i`` and tags what the outputs need as
     forward: the partitioner reads both (an untagged node counts as backward and is
     recomputed there)."""
     for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
-        node.name = node.target = f"primals_{i + 1}" if i < num_primals else f"tangents_{i - num_primals + 1}"
+        node.name = node.target = (
+            f"primals_{i + 1}" if i < num_primals else f"tangents_{i - num_primals + 1}"
+        )
     outputs = gm.graph.find_nodes(op="output")[0].args[0][:num_outputs]
     needed = set()
     stack = [n for n in outputs if isinstance(n, torch.fx.Node)]
@@ -529,7 +624,9 @@ class _RegionFunction(torch.autograd.Function):
     """The region's forward and backward, each one ``local_map_region`` call."""
 
     @staticmethod
-    def forward(ctx: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any) -> tuple[Any, ...]:
+    def forward(
+        ctx: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any
+    ) -> tuple[Any, ...]:
         joint = _joint_graphs(body, spec, operands)
         with torch._C._AutoDispatchBelowAutograd():
             outs = local_map_region(joint.forward, joint.forward_spec, *operands)
@@ -537,18 +634,23 @@ class _RegionFunction(torch.autograd.Function):
         ctx.num_operands = len(operands)
         ctx.save_for_backward(*outs[joint.num_outputs :])
         results = outs[: joint.num_outputs]
-        ctx.mark_non_differentiable(*(r for i, r in enumerate(results) if i not in joint.grad_outputs))
+        ctx.mark_non_differentiable(
+            *(r for i, r in enumerate(results) if i not in joint.grad_outputs)
+        )
         return tuple(results)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         joint: _Joint = ctx.joint
         tangents = [
-            grads[i] if grads[i] is not None else torch.zeros_like(ctx.saved_tensors[0]) for i in joint.grad_outputs
+            grads[i] if grads[i] is not None else torch.zeros_like(ctx.saved_tensors[0])
+            for i in joint.grad_outputs
         ]
         tangents = [t.contiguous() for t in tangents]
         with torch._C._AutoDispatchBelowAutograd():
-            grad_inputs = local_map_region(joint.backward, joint.backward_spec, *ctx.saved_tensors, *tangents)
+            grad_inputs = local_map_region(
+                joint.backward, joint.backward_spec, *ctx.saved_tensors, *tangents
+            )
         result: list[Any] = [None] * ctx.num_operands
         for i, g in zip(joint.grad_inputs, grad_inputs):
             result[i] = g
@@ -573,7 +675,9 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _placements_arg(name: str, value: Any, what: str, count: int, ndim: int) -> tuple[str | None, ...]:
+def _placements_arg(
+    name: str, value: Any, what: str, count: int, ndim: int
+) -> tuple[str | None, ...]:
     """One placement string (or None) per flat input/output, checked against the mesh's ndim."""
     noun = "output" if what == "out_placements" else "input"
     if len(value) != count:
@@ -604,7 +708,8 @@ def _out_placements_tuple(out_placements: Any) -> tuple[Any, ...]:
     if out_placements is None:
         return (None,)
     if isinstance(out_placements, tuple) and (
-        not out_placements or all(p is None or not isinstance(p, Placement) for p in out_placements)
+        not out_placements
+        or all(p is None or not isinstance(p, Placement) for p in out_placements)
     ):
         return out_placements
     return (out_placements,)
@@ -631,13 +736,20 @@ def make_spec(
 
     ndim = mesh.ndim
     if in_placements is None:
-        in_texts = tuple(format_placements(a.placements) if isinstance(a, DTensor) else None for a in flat_args)
+        in_texts = tuple(
+            format_placements(a.placements) if isinstance(a, DTensor) else None
+            for a in flat_args
+        )
     else:
-        in_texts = _placements_arg(name, in_placements, "in_placements", len(flat_args), ndim)
+        in_texts = _placements_arg(
+            name, in_placements, "in_placements", len(flat_args), ndim
+        )
     grad_texts = (
         in_texts
         if in_grad_placements is None
-        else _placements_arg(name, in_grad_placements, "in_grad_placements", len(flat_args), ndim)
+        else _placements_arg(
+            name, in_grad_placements, "in_grad_placements", len(flat_args), ndim
+        )
     )
     for i, a in enumerate(flat_args):
         if isinstance(a, DTensor):
@@ -651,7 +763,10 @@ def make_spec(
                     f"local_map {name}: input {i} is a DTensor but in_placements[{i}] is None; "
                     f"give its placements, e.g. {tuple(a.placements)}"
                 )
-            if format_placements(a.placements) != in_texts[i] and not redistribute_inputs:
+            if (
+                format_placements(a.placements) != in_texts[i]
+                and not redistribute_inputs
+            ):
                 raise LocalMapError(
                     f"local_map {name}: input {i} has placements {format_placements(a.placements)} but "
                     f"in_placements[{i}] is {in_texts[i]}; redistribute it first, or pass "
@@ -760,7 +875,16 @@ def _local_map_call(
     if mesh is None or not any(isinstance(a, DTensor) for a in flat_args):
         # No DTensor input: torch's local_map calls func as it is.
         return func(*args, **kwargs)
-    spec = make_spec(name, mesh, flat_args, in_placements, in_grad_placements, out_placements, None, redistribute_inputs)
+    spec = make_spec(
+        name,
+        mesh,
+        flat_args,
+        in_placements,
+        in_grad_placements,
+        out_placements,
+        None,
+        redistribute_inputs,
+    )
     tensor_at = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
     structure: list[Any] = []
 

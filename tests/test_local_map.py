@@ -5,13 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 
 import dtcompile
 from dtcompile._testing.regions import BACKENDS, REGION_CASES, reference_step, run_case
 from dtcompile.regions import format_with_regions
 from dtcompile.testing import simulated_world
-from hops import LocalMapError, PlacementCheckError, RegionSpec, local_map, parse_placements
+from hops import (
+    LocalMapError,
+    PlacementCheckError,
+    RegionSpec,
+    local_map,
+    parse_placements,
+)
 
 
 def _mesh(fake_world, case):
@@ -65,16 +77,23 @@ def test_region_is_one_op_in_every_graph(fake_world, case_name):
 
 
 def test_sharded_pointwise_graphs(fake_world):
-    dynamo, forward, backward = _graphs("sharded_pointwise", _mesh(fake_world, REGION_CASES["sharded_pointwise"]))
-    assert_expected_inline(dynamo, """\
+    dynamo, forward, backward = _graphs(
+        "sharded_pointwise", _mesh(fake_world, REGION_CASES["sharded_pointwise"])
+    )
+    assert_expected_inline(
+        dynamo,
+        """\
 dtcompile_local_map = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)]](l_x_)
     def local_map_body_0(x):
         gelu = gelu(x)
         mul = mul(gelu, 3.0)
         return (mul,)
 getitem = getitem(dtcompile_local_map, 0)
-add = add(getitem, 1.0)""")
-    assert_expected_inline(forward.with_regions, """\
+add = add(getitem, 1.0)""",
+    )
+    assert_expected_inline(
+        forward.with_regions,
+        """\
 view = aten.view.default(primals_1, [2, 6])
 gelu_scale = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] | saved 1](view)
     def local_map_body_0(arg0_1):
@@ -88,8 +107,11 @@ gelu_scale = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] | s
 getitem = getitem(gelu_scale, 0)
 getitem_1 = getitem(gelu_scale, 1)
 view_1 = aten.view.default(getitem, [2, 6])
-add = aten.add.Tensor(view_1, 1.0)""")
-    assert_expected_inline(backward.with_regions, """\
+add = aten.add.Tensor(view_1, 1.0)""",
+    )
+    assert_expected_inline(
+        backward.with_regions,
+        """\
 gelu_scale_1 = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] | saved 1 | backward](getitem_1, tangents_1)
     def local_map_backward_0(arg0_1, arg1_1):
         mul = aten.mul.Tensor(arg1_1, 3.0)
@@ -106,19 +128,27 @@ gelu_scale_1 = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] |
         mul_7 = aten.mul.Tensor(mul, add_1)
         return (mul_7,)
 getitem_2 = getitem(gelu_scale_1, 0)
-view_2 = aten.view.default(getitem_2, [2, 6])""")
+view_2 = aten.view.default(getitem_2, [2, 6])""",
+    )
 
 
 def test_replicated_linear_graphs(fake_world):
-    dynamo, forward, backward = _graphs("replicated_linear", _mesh(fake_world, REGION_CASES["replicated_linear"]))
-    assert_expected_inline(dynamo, """\
+    dynamo, forward, backward = _graphs(
+        "replicated_linear", _mesh(fake_world, REGION_CASES["replicated_linear"])
+    )
+    assert_expected_inline(
+        dynamo,
+        """\
 dtcompile_local_map = local_map[linear on (tp=4): [R, R, R] -> [R] | grads [R, R, R]](l_x_, l_w_, l_b_)
     def local_map_body_0(x, w, b):
         linear = linear(x, w, b)
         return (linear,)
 getitem = getitem(dtcompile_local_map, 0)
-tanh = .tanh(getitem)""")
-    assert_expected_inline(forward.with_regions, """\
+tanh = .tanh(getitem)""",
+    )
+    assert_expected_inline(
+        forward.with_regions,
+        """\
 view = aten.view.default(primals_1, [4, 6])
 view_1 = aten.view.default(primals_3, [5, 6])
 view_2 = aten.view.default(primals_5, [5])
@@ -132,8 +162,11 @@ getitem = getitem(linear, 0)
 getitem_1 = getitem(linear, 1)
 getitem_2 = getitem(linear, 2)
 view_3 = aten.view.default(getitem, [4, 5])
-tanh = aten.tanh.default(view_3)""")
-    assert_expected_inline(backward.with_regions, """\
+tanh = aten.tanh.default(view_3)""",
+    )
+    assert_expected_inline(
+        backward.with_regions,
+        """\
 alias = aten.alias.default(tanh)
 alias_1 = aten.alias.default(alias)
 mul = aten.mul.Tensor(alias_1, alias_1)
@@ -160,12 +193,17 @@ getitem_4 = getitem(linear_1, 1)
 getitem_5 = getitem(linear_1, 2)
 view_4 = aten.view.default(getitem_5, [5])
 view_5 = aten.view.default(getitem_4, [5, 6])
-view_6 = aten.view.default(getitem_3, [4, 6])""")
+view_6 = aten.view.default(getitem_3, [4, 6])""",
+    )
 
 
 def test_cp_attention_graphs(fake_world):
-    dynamo, forward, backward = _graphs("cp_attention", _mesh(fake_world, REGION_CASES["cp_attention"]))
-    assert_expected_inline(dynamo, """\
+    dynamo, forward, backward = _graphs(
+        "cp_attention", _mesh(fake_world, REGION_CASES["cp_attention"])
+    )
+    assert_expected_inline(
+        dynamo,
+        """\
 dtcompile_local_map = local_map[attention on (dp=2, cp=2): [S(0)S(1), S(0)R, S(0)R] -> [S(0)S(1)] | grads [S(0)S(1), S(0)P(sum), S(0)P(sum)]](l_q_, l_k_, l_v_)
     def local_map_body_0(q, k, v):
         transpose = .transpose(k, -2, -1)
@@ -175,8 +213,11 @@ dtcompile_local_map = local_map[attention on (dp=2, cp=2): [S(0)S(1), S(0)R, S(0
         matmul_1 = matmul(softmax, v)
         return (matmul_1,)
 getitem = getitem(dtcompile_local_map, 0)
-mul = mul(getitem, 0.5)""")
-    assert_expected_inline(forward.with_regions, """\
+mul = mul(getitem, 0.5)""",
+    )
+    assert_expected_inline(
+        forward.with_regions,
+        """\
 view = aten.view.default(primals_1, [2, 4, 6])
 view_1 = aten.view.default(primals_3, [2, 8, 6])
 view_2 = aten.view.default(primals_5, [2, 8, 6])
@@ -220,8 +261,11 @@ getitem_3 = getitem(attention, 3)
 getitem_4 = getitem(attention, 4)
 getitem_5 = getitem(attention, 5)
 view_3 = aten.view.default(getitem, [2, 4, 6])
-mul = aten.mul.Tensor(view_3, 0.5)""")
-    assert_expected_inline(backward.with_regions, """\
+mul = aten.mul.Tensor(view_3, 0.5)""",
+    )
+    assert_expected_inline(
+        backward.with_regions,
+        """\
 mul_1 = aten.mul.Tensor(tangents_1, 0.5)
 attention_1 = local_map[attention on (dp=2, cp=2): [S(0)S(1)] -> [S(0)S(1), S(0)P(sum), S(0)P(sum)] | grads [S(0)S(1), S(0)P(sum), S(0)P(sum)] | saved 5 | backward](getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, mul_1)
     def local_map_backward_0(arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
@@ -266,12 +310,18 @@ getitem_7 = getitem(attention_1, 1)
 getitem_8 = getitem(attention_1, 2)
 view_4 = aten.view.default(getitem_8, [2, 8, 6])
 view_5 = aten.view.default(getitem_7, [2, 8, 6])
-view_6 = aten.view.default(getitem_6, [2, 4, 6])""")
+view_6 = aten.view.default(getitem_6, [2, 4, 6])""",
+    )
 
 
 def test_region_with_collective_graphs(fake_world):
-    dynamo, forward, backward = _graphs("region_with_collective", _mesh(fake_world, REGION_CASES["region_with_collective"]))
-    assert_expected_inline(dynamo, """\
+    dynamo, forward, backward = _graphs(
+        "region_with_collective",
+        _mesh(fake_world, REGION_CASES["region_with_collective"]),
+    )
+    assert_expected_inline(
+        dynamo,
+        """\
 dtcompile_local_map = local_map[gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)]](l_x_, l_w_)
     def local_map_body_0(x, w):
         tensor = _c10d_functional.all_gather_into_tensor(x, 4, '0')
@@ -279,8 +329,11 @@ dtcompile_local_map = local_map[gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] 
         matmul = matmul(res, w)
         return (matmul,)
 getitem = getitem(dtcompile_local_map, 0)
-relu = .relu(getitem)""")
-    assert_expected_inline(forward.with_regions, """\
+relu = .relu(getitem)""",
+    )
+    assert_expected_inline(
+        forward.with_regions,
+        """\
 view = aten.view.default(primals_1, [2, 6])
 view_1 = aten.view.default(primals_3, [6, 2])
 gather_matmul = local_map[gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)] | saved 2](view, view_1)
@@ -296,8 +349,11 @@ view_2 = aten.view.default(getitem, [8, 2])
 relu = aten.relu.default(view_2)
 alias = aten.alias.default(relu)
 alias_1 = aten.alias.default(alias)
-le = aten.le.Scalar(alias_1, 0)""")
-    assert_expected_inline(backward.with_regions, """\
+le = aten.le.Scalar(alias_1, 0)""",
+    )
+    assert_expected_inline(
+        backward.with_regions,
+        """\
 scalar_tensor = aten.scalar_tensor.default(0, dtype=torch.float32, layout=torch.strided, device=device(type='cpu'))
 where = aten.where.self(le, scalar_tensor, tangents_1)
 gather_matmul_1 = local_map[gather_matmul on (tp=4): [S(1)] -> [S(0), S(1)] | grads [S(0), S(1)] | saved 2 | backward](getitem_1, getitem_2, where)
@@ -314,7 +370,8 @@ gather_matmul_1 = local_map[gather_matmul on (tp=4): [S(1)] -> [S(0), S(1)] | gr
 getitem_3 = getitem(gather_matmul_1, 0)
 getitem_4 = getitem(gather_matmul_1, 1)
 view_3 = aten.view.default(getitem_4, [6, 2])
-view_4 = aten.view.default(getitem_3, [2, 6])""")
+view_4 = aten.view.default(getitem_3, [2, 6])""",
+    )
 
 
 # ---------------------------------------------------------------- numerics
@@ -330,7 +387,13 @@ def _assert_close(got, want, what):
     labels = ["output", *(f"grad of input {i}" for i in range(len(want) - 1))]
     for label, g, w in zip(labels, got, want):
         for rank, value in _values_per_rank(g).items():
-            torch.testing.assert_close(value, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}, rank {rank}, {label}: {m}")
+            torch.testing.assert_close(
+                value,
+                w,
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, r=rank, l=label: f"{what}, rank {r}, {l}: {m}",
+            )
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -357,7 +420,11 @@ def test_gloo_two_ranks_match_reference():
         want = reference_step(case, case.global_inputs())
         for backend in backends:
             for rank, results in enumerate(per_rank):
-                _assert_close(results[case_name, backend], want, f"{case_name} ({backend}) on gloo rank {rank}")
+                _assert_close(
+                    results[case_name, backend],
+                    want,
+                    f"{case_name} ({backend}) on gloo rank {rank}",
+                )
 
 
 # ---------------------------------------------------------------- bad input
@@ -375,44 +442,74 @@ def _bad_calls(mesh, mesh2d):
 
     return {
         "wrong number of placements": (
-            local_map(add_one, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh), (x,),
-            ["in_placements has 2 entries but the region has 1 input", "give one placement tuple per input"],
+            local_map(add_one, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh),
+            (x,),
+            [
+                "in_placements has 2 entries but the region has 1 input",
+                "give one placement tuple per input",
+            ],
         ),
         "placements longer than the mesh": (
-            local_map(add_one, [Shard(0)], ([Shard(0), Replicate()],), device_mesh=mesh), (x,),
-            ["in_placements[0] = (Shard(dim=0), Replicate()) has 2 placements but the mesh has 1 axis",
-             "give one placement per mesh axis"],
+            local_map(
+                add_one, [Shard(0)], ([Shard(0), Replicate()],), device_mesh=mesh
+            ),
+            (x,),
+            [
+                "in_placements[0] = (Shard(dim=0), Replicate()) has 2 placements but the mesh has 1 axis",
+                "give one placement per mesh axis",
+            ],
         ),
         "input on another mesh": (
-            local_map(add_one, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh), (x, y),
-            ["input 1 is a DTensor on DeviceMesh((dp=2, tp=2))", "device_mesh is DeviceMesh((tp=4))",
-             "redistribute it onto the region's mesh"],
+            local_map(add_one, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh),
+            (x, y),
+            [
+                "input 1 is a DTensor on DeviceMesh((dp=2, tp=2))",
+                "device_mesh is DeviceMesh((tp=4))",
+                "redistribute it onto the region's mesh",
+            ],
         ),
         "mismatched input placements": (
-            local_map(add_one, [Shard(0)], ([Replicate()],), device_mesh=mesh), (x,),
-            ["input 0 has placements S(0) but in_placements[0] is R", "pass redistribute_inputs=True"],
+            local_map(add_one, [Shard(0)], ([Replicate()],), device_mesh=mesh),
+            (x,),
+            [
+                "input 0 has placements S(0) but in_placements[0] is R",
+                "pass redistribute_inputs=True",
+            ],
         ),
         "more outputs than declared": (
-            local_map(two_outputs, [Shard(0)], ([Shard(0)],), device_mesh=mesh), (x,),
-            ["local_map two_outputs: the region returned 2 outputs", "out_placements declares 1",
-             "give one placement tuple (None for a non-tensor) per output"],
+            local_map(two_outputs, [Shard(0)], ([Shard(0)],), device_mesh=mesh),
+            (x,),
+            [
+                "local_map two_outputs: the region returned 2 outputs",
+                "out_placements declares 1",
+                "give one placement tuple (None for a non-tensor) per output",
+            ],
         ),
     }
 
 
 @pytest.mark.parametrize(
     "label",
-    ["wrong number of placements", "placements longer than the mesh", "input on another mesh",
-     "mismatched input placements", "more outputs than declared"],
+    [
+        "wrong number of placements",
+        "placements longer than the mesh",
+        "input on another mesh",
+        "mismatched input placements",
+        "more outputs than declared",
+    ],
 )
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_bad_input_names_the_argument_and_the_fix(fake_world, label, compiled):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = fake_world(4, (4,), ("tp",))
-    fn, args, phrases = _bad_calls(mesh, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))[label]
+    fn, args, phrases = _bad_calls(
+        mesh, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    )[label]
     if compiled:
-        fn = torch.compile(fn, backend=dtcompile.backend(inductor=False), fullgraph=True)
+        fn = torch.compile(
+            fn, backend=dtcompile.backend(inductor=False), fullgraph=True
+        )
         error = torch._dynamo.exc.Unsupported
     else:
         error = LocalMapError
@@ -426,12 +523,16 @@ def test_side_effects_in_a_region_are_refused(tp_mesh):
     x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
     log = []
 
-    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh)
+    @local_map(
+        out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh
+    )
     def logs(a):
         log.append(a.shape)
         return a + 1
 
-    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh)
+    @local_map(
+        out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh
+    )
     def writes_input(a):
         a.add_(1)
         return a * 2
@@ -439,7 +540,9 @@ def test_side_effects_in_a_region_are_refused(tp_mesh):
     for region in (logs, writes_input):
         torch._dynamo.reset()
         with pytest.raises(torch._dynamo.exc.Unsupported) as info:
-            torch.compile(region, backend=dtcompile.backend(inductor=False), fullgraph=True)(x)
+            torch.compile(
+                region, backend=dtcompile.backend(inductor=False), fullgraph=True
+            )(x)
         assert "dtcompile: side effect inside a local_map region" in str(info.value)
         assert "a region must be a pure function of its arguments" in str(info.value)
         assert "Return new tensors instead of writing into inputs" in str(info.value)
@@ -449,12 +552,18 @@ def test_closing_over_a_dtensor_is_refused(tp_mesh):
     x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
     z = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
 
-    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh)
+    @local_map(
+        out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=tp_mesh
+    )
     def uses_z(a):
         return a + z.to_local()
 
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="Pass it as an argument of the region"):
-        torch.compile(uses_z, backend=dtcompile.backend(inductor=False), fullgraph=True)(x)
+    with pytest.raises(
+        torch._dynamo.exc.Unsupported, match="Pass it as an argument of the region"
+    ):
+        torch.compile(
+            uses_z, backend=dtcompile.backend(inductor=False), fullgraph=True
+        )(x)
 
 
 # ---------------------------------------------------------------- check_placements
@@ -463,7 +572,12 @@ def test_closing_over_a_dtensor_is_refused(tp_mesh):
 def _sum_rows(mesh, reduce):
     import torch.distributed._functional_collectives as funcol
 
-    @local_map(out_placements=[Replicate()], in_placements=([Shard(0)],), device_mesh=mesh, check_placements=True)
+    @local_map(
+        out_placements=[Replicate()],
+        in_placements=([Shard(0)],),
+        device_mesh=mesh,
+        check_placements=True,
+    )
     def sum_rows(a):
         partial = a.sum(0)
         return funcol.all_reduce(partial, "sum", (mesh, 0)) if reduce else partial
@@ -477,7 +591,10 @@ def test_check_placements_catches_a_forgotten_all_reduce():
         dx = distribute_tensor(x, mesh, [Shard(0)])
         with pytest.raises(PlacementCheckError) as info:
             _sum_rows(mesh, reduce=False)(dx)
-        assert "local_map sum_rows: output 0 is declared R (Replicate on mesh axis 'tp')" in str(info.value)
+        assert (
+            "local_map sum_rows: output 0 is declared R (Replicate on mesh axis 'tp')"
+            in str(info.value)
+        )
         assert "but differs between ranks 0 and 1" in str(info.value)
         assert "funcol.all_reduce over 'tp') or declare it Partial()" in str(info.value)
         out = _sum_rows(mesh, reduce=True)(dx)
@@ -491,12 +608,18 @@ def test_check_placements_checks_each_axis_of_a_2d_mesh():
     with simulated_world(4, (2, 2), ("dp", "tp")) as mesh:
         dx = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
         region = local_map(
-            lambda a: a.sum(0, keepdim=True), [Replicate(), Shard(1)], ([Shard(0), Shard(1)],), check_placements=True
+            lambda a: a.sum(0, keepdim=True),
+            [Replicate(), Shard(1)],
+            ([Shard(0), Shard(1)],),
+            check_placements=True,
         )
         with pytest.raises(PlacementCheckError, match="Replicate on mesh axis 'dp'"):
             region(dx)
         fixed = local_map(
-            lambda a: a.sum(0, keepdim=True) * 0 + 1, [Replicate(), Shard(1)], ([Shard(0), Shard(1)],), check_placements=True
+            lambda a: a.sum(0, keepdim=True) * 0 + 1,
+            [Replicate(), Shard(1)],
+            ([Shard(0), Shard(1)],),
+            check_placements=True,
         )
         assert fixed(dx).shape == (1, 8)
 
@@ -505,23 +628,40 @@ def test_check_placements_catches_inconsistent_shard_shapes():
     x = torch.randn(7, 4)  # rows 2, 2, 2, 1 on the four ranks
     with simulated_world(4, (4,), ("tp",)) as mesh:
         dx = distribute_tensor(x, mesh, [Shard(0)])
-        transposed = local_map(lambda a: a.t().contiguous(), [Shard(0)], ([Shard(0)],), check_placements=True)
+        transposed = local_map(
+            lambda a: a.t().contiguous(),
+            [Shard(0)],
+            ([Shard(0)],),
+            check_placements=True,
+        )
         with pytest.raises(PlacementCheckError) as info:
             transposed(dx)
-        assert "output 0 is declared S(0) (Shard(0) on mesh axis 'tp')" in str(info.value)
+        assert "output 0 is declared S(0) (Shard(0) on mesh axis 'tp')" in str(
+            info.value
+        )
         assert "shards may differ only along dim 0" in str(info.value)
 
 
 def test_check_placements_needs_simulated_ranks(tp_mesh):
     dx = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
-    with pytest.raises(PlacementCheckError, match="run the region under torch.distributed._local_tensor.LocalTensorMode"):
+    with pytest.raises(
+        PlacementCheckError,
+        match="run the region under torch.distributed._local_tensor.LocalTensorMode",
+    ):
         _sum_rows(tp_mesh, reduce=False)(dx)
 
 
 def test_check_placements_in_compiled_code_runs_eagerly(tp_mesh):
     dx = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="check_placements compares each output across all simulated ranks"):
-        torch.compile(_sum_rows(tp_mesh, reduce=True), backend=dtcompile.backend(inductor=False), fullgraph=True)(dx)
+    with pytest.raises(
+        torch._dynamo.exc.Unsupported,
+        match="check_placements compares each output across all simulated ranks",
+    ):
+        torch.compile(
+            _sum_rows(tp_mesh, reduce=True),
+            backend=dtcompile.backend(inductor=False),
+            fullgraph=True,
+        )(dx)
 
 
 # ---------------------------------------------------------------- what a region may take and return
@@ -572,7 +712,7 @@ def test_non_tensor_arguments_anywhere_nested_outputs_and_inferred_mesh(tp_mesh)
         out, tag, (total, doubled) = region(3.0, (a, b), "sum")
         return out, tag, total, doubled
 
-    (out, tag, total, doubled), spec = _compiled_matches_eager(fn, dx, dy)
+    (out, tag, total, _doubled), spec = _compiled_matches_eager(fn, dx, dy)
     assert tag == "done"
     assert spec.mesh == "(tp=4)"
     assert spec.in_placements == ("S(0)", "R")
@@ -587,7 +727,11 @@ def test_plain_tensor_inputs_and_closures_are_operands_without_placements(tp_mes
     dx = distribute_tensor(x, tp_mesh, [Shard(0)])
     scale = torch.full((4,), 2.0)  # a plain tensor the region closes over
 
-    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)], [Replicate()]), device_mesh=tp_mesh)
+    @local_map(
+        out_placements=[Shard(0)],
+        in_placements=([Shard(0)], [Replicate()]),
+        device_mesh=tp_mesh,
+    )
     def region(a, b):
         return a * scale + b
 
@@ -601,7 +745,9 @@ def test_plain_tensor_inputs_and_closures_are_operands_without_placements(tp_mes
 def test_a_call_without_dtensors_calls_the_function():
     region = local_map(lambda a: a * 2, [Replicate()], ([Replicate()],))
     x = torch.randn(3)
-    out = torch.compile(region, backend=dtcompile.backend(inductor=False), fullgraph=True)(x)
+    out = torch.compile(
+        region, backend=dtcompile.backend(inductor=False), fullgraph=True
+    )(x)
     assert type(out) is torch.Tensor
     torch.testing.assert_close(out, x * 2)
 
@@ -609,7 +755,13 @@ def test_a_call_without_dtensors_calls_the_function():
 def test_redistribute_inputs_redistributes_in_the_graph(tp_mesh):
     x = torch.randn(8, 4)
     dx = distribute_tensor(x, tp_mesh, [Replicate()])
-    region = local_map(lambda a: a * 2, [Shard(0)], ([Shard(0)],), device_mesh=tp_mesh, redistribute_inputs=True)
+    region = local_map(
+        lambda a: a * 2,
+        [Shard(0)],
+        ([Shard(0)],),
+        device_mesh=tp_mesh,
+        redistribute_inputs=True,
+    )
     backend = dtcompile.backend(inductor=False)
     out = torch.compile(region, backend=backend, fullgraph=True)(dx)
     assert out.placements == (Shard(0),)
@@ -618,20 +770,32 @@ def test_redistribute_inputs_redistributes_in_the_graph(tp_mesh):
     assert record.regions[0].spec.redistribute_inputs
     assert record.regions[0].spec.in_placements == ("S(0)",)
     # Replicate -> Shard(0) is a local slice before the region, not inside it.
-    assert record.with_regions.index("split") < record.with_regions.index("= local_map[")
+    assert record.with_regions.index("split") < record.with_regions.index(
+        "= local_map["
+    )
 
 
 def test_same_placements_do_not_recompile_other_placements_do(tp_mesh):
     from dtcompile.testing import assert_no_recompiles
 
-    region = local_map(lambda a: a + 1, [Shard(0)], ([Shard(0)],), device_mesh=tp_mesh, redistribute_inputs=True)
-    compiled = torch.compile(region, backend=dtcompile.backend(inductor=False), fullgraph=True)
+    region = local_map(
+        lambda a: a + 1,
+        [Shard(0)],
+        ([Shard(0)],),
+        device_mesh=tp_mesh,
+        redistribute_inputs=True,
+    )
+    compiled = torch.compile(
+        region, backend=dtcompile.backend(inductor=False), fullgraph=True
+    )
     compiled(distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)]))
     with assert_no_recompiles():
         compiled(distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)]))
-    with pytest.raises(AssertionError, match=r"placements of args\[0\] changed: \(Shard\(dim=0\),\) -> \(Replicate\(\),\)"):
-        with assert_no_recompiles():
-            compiled(distribute_tensor(torch.randn(8, 4), tp_mesh, [Replicate()]))
+    changed = (
+        r"placements of args\[0\] changed: \(Shard\(dim=0\),\) -> \(Replicate\(\),\)"
+    )
+    with pytest.raises(AssertionError, match=changed), assert_no_recompiles():
+        compiled(distribute_tensor(torch.randn(8, 4), tp_mesh, [Replicate()]))
 
 
 def test_dtcompile_exports_local_map_and_it_matches_torchs_eager_local_map():
@@ -650,7 +814,12 @@ def test_dtcompile_exports_local_map_and_it_matches_torchs_eager_local_map():
 
         results = []
         for make in (torch_local_map, dtcompile.local_map):
-            region = make(gather_matmul, out_placements=[Shard(1)], in_placements=([Shard(0)], [Shard(1)]), device_mesh=mesh)
+            region = make(
+                gather_matmul,
+                out_placements=[Shard(1)],
+                in_placements=([Shard(0)], [Shard(1)]),
+                device_mesh=mesh,
+            )
             out = region(dx, dw).full_tensor()
             out.sum().backward()
             results.append([out, dx.grad.full_tensor(), dw.grad.full_tensor()])
@@ -662,7 +831,16 @@ def test_dtcompile_exports_local_map_and_it_matches_torchs_eager_local_map():
 
 
 def test_spec_text_round_trips():
-    spec = RegionSpec("attn", "(dp=2, cp=2)", ("S(0)S(1)", "S(0)R", None), ("S(0)S(1)",), ("S(0)S(1)", "S(0)P(sum)", None), True, True, 3)
+    spec = RegionSpec(
+        "attn",
+        "(dp=2, cp=2)",
+        ("S(0)S(1)", "S(0)R", None),
+        ("S(0)S(1)",),
+        ("S(0)S(1)", "S(0)P(sum)", None),
+        True,
+        True,
+        3,
+    )
     assert str(spec) == (
         "attn on (dp=2, cp=2): [S(0)S(1), S(0)R, -] -> [S(0)S(1)] | grads [S(0)S(1), S(0)P(sum), -] "
         "| saved 3 | backward | redistribute"
@@ -670,7 +848,11 @@ def test_spec_text_round_trips():
     assert RegionSpec.parse(str(spec)) == spec
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    assert parse_placements("_S(0,2)RP(max)") == (_StridedShard(0, split_factor=2), Replicate(), Partial("max"))
+    assert parse_placements("_S(0,2)RP(max)") == (
+        _StridedShard(0, split_factor=2),
+        Replicate(),
+        Partial("max"),
+    )
 
 
 def test_regions_are_counted_and_named_in_what_dtcompile_logs(fake_world, caplog):
@@ -680,11 +862,19 @@ def test_regions_are_counted_and_named_in_what_dtcompile_logs(fake_world, caplog
 
     case = REGION_CASES["region_with_collective"]
     with caplog.at_level(logging.INFO, logger="dtcompile.compiler"):
-        _, forward, backward = _graphs("region_with_collective", _mesh(fake_world, case))
+        _, forward, backward = _graphs(
+            "region_with_collective", _mesh(fake_world, case)
+        )
     logged = caplog.text
     assert "forward graph: " in logged and "1 local_map regions" in logged
-    assert "region gather_matmul: gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)]" in logged
-    assert "backward graph: region gather_matmul_1: gather_matmul on (tp=4): [S(1)] -> [S(0), S(1)]" in logged
+    assert (
+        "region gather_matmul: gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)]"
+        in logged
+    )
+    assert (
+        "backward graph: region gather_matmul_1: gather_matmul on (tp=4): [S(1)] -> [S(0), S(1)]"
+        in logged
+    )
     (fw_region,) = collectives_json(forward)["regions"]
     assert fw_region["name"] == "gather_matmul" and fw_region["ops"] == 3
     assert fw_region["collectives"] == ["all_gather[tp] x4 192 B"]
@@ -693,4 +883,7 @@ def test_regions_are_counted_and_named_in_what_dtcompile_logs(fake_world, caplog
     report = format_compiled_graph(backward)
     assert "-- local_map regions (one op each until lowering) --" in report
     # Lowered, the region's collective is one of the graph's and is tagged with the region.
-    assert "in local_map region gather_matmul (gather_matmul_1): reduce_scatter[tp] x4 192 B" in backward.annotated()
+    assert (
+        "in local_map region gather_matmul (gather_matmul_1): reduce_scatter[tp] x4 192 B"
+        in backward.annotated()
+    )

@@ -15,11 +15,24 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 
 from hops import local_map
 
-__all__ = ["BACKENDS", "REGION_CASES", "RegionCase", "gloo_rank", "reference_step", "run_case"]
+__all__ = [
+    "BACKENDS",
+    "REGION_CASES",
+    "RegionCase",
+    "gloo_rank",
+    "reference_step",
+    "run_case",
+]
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,10 @@ class RegionCase:
     def inputs(self, mesh: Any, tensors: list[torch.Tensor]) -> list[DTensor]:
         """Leaf DTensors that require grad, placed per ``placements`` (draw ``tensors``
         with :meth:`global_inputs` outside ``LocalTensorMode``: inside it, a draw differs by rank)."""
-        return [distribute_tensor(t.detach(), mesh, p).requires_grad_() for t, p in zip(tensors, self.placements)]
+        return [
+            distribute_tensor(t.detach(), mesh, p).requires_grad_()
+            for t, p in zip(tensors, self.placements)
+        ]
 
 
 def _sharded_pointwise(mesh: Any) -> Callable[..., Any]:
@@ -57,7 +73,11 @@ def _sharded_pointwise(mesh: Any) -> Callable[..., Any]:
 
 
 def _replicated_linear(mesh: Any) -> Callable[..., Any]:
-    @local_map(out_placements=[Replicate()], in_placements=([Replicate()], [Replicate()], [Replicate()]), device_mesh=mesh)
+    @local_map(
+        out_placements=[Replicate()],
+        in_placements=([Replicate()], [Replicate()], [Replicate()]),
+        device_mesh=mesh,
+    )
     def linear(x, w, b):
         return torch.nn.functional.linear(x, w, b)
 
@@ -70,7 +90,11 @@ def _replicated_linear(mesh: Any) -> Callable[..., Any]:
 def _cp_attention(mesh: Any) -> Callable[..., Any]:
     # Batch sharded on dp; the query sharded on the sequence over cp, key and value
     # whole on each cp rank: each cp rank's key/value gradient is its share of a sum.
-    q_p, kv_p, kv_grad = (Shard(0), Shard(1)), (Shard(0), Replicate()), (Shard(0), Partial())
+    q_p, kv_p, kv_grad = (
+        (Shard(0), Shard(1)),
+        (Shard(0), Replicate()),
+        (Shard(0), Partial()),
+    )
 
     @local_map(
         out_placements=(q_p,),
@@ -91,7 +115,11 @@ def _cp_attention(mesh: Any) -> Callable[..., Any]:
 def _gather_then_column_parallel(mesh: Any) -> Callable[..., Any]:
     # Sequence parallel into a column-parallel matmul: the region all-gathers the
     # sequence-sharded activation itself (whose backward reduce-scatters).
-    @local_map(out_placements=[Shard(1)], in_placements=([Shard(0)], [Shard(1)]), device_mesh=mesh)
+    @local_map(
+        out_placements=[Shard(1)],
+        in_placements=([Shard(0)], [Shard(1)]),
+        device_mesh=mesh,
+    )
     def gather_matmul(x, w):
         full = funcol.all_gather_single(x, 0, (mesh, 0))
         return full @ w
@@ -102,7 +130,9 @@ def _gather_then_column_parallel(mesh: Any) -> Callable[..., Any]:
     return fn
 
 
-def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     return (torch.softmax(scores, dim=-1) @ v) * 0.5
 
@@ -111,21 +141,40 @@ REGION_CASES: dict[str, RegionCase] = {
     c.name: c
     for c in (
         RegionCase(
-            "sharded_pointwise", (4,), ("tp",), ((8, 6),), ((Shard(0),),), _sharded_pointwise,
+            "sharded_pointwise",
+            (4,),
+            ("tp",),
+            ((8, 6),),
+            ((Shard(0),),),
+            _sharded_pointwise,
             lambda x: torch.nn.functional.gelu(x) * 3.0 + 1.0,
         ),
         RegionCase(
-            "replicated_linear", (4,), ("tp",), ((4, 6), (5, 6), (5,)), ((Replicate(),),) * 3, _replicated_linear,
+            "replicated_linear",
+            (4,),
+            ("tp",),
+            ((4, 6), (5, 6), (5,)),
+            ((Replicate(),),) * 3,
+            _replicated_linear,
             lambda x, w, b: torch.nn.functional.linear(x, w, b).tanh(),
         ),
         RegionCase(
-            "cp_attention", (2, 2), ("dp", "cp"), ((4, 8, 6),) * 3,
+            "cp_attention",
+            (2, 2),
+            ("dp", "cp"),
+            ((4, 8, 6),) * 3,
             ((Shard(0), Shard(1)), (Shard(0), Replicate()), (Shard(0), Replicate())),
-            _cp_attention, _attention_reference,
+            _cp_attention,
+            _attention_reference,
         ),
         RegionCase(
-            "region_with_collective", (4,), ("tp",), ((8, 6), (6, 8)), ((Shard(0),), (Shard(1),)),
-            _gather_then_column_parallel, lambda x, w: (x @ w).relu(),
+            "region_with_collective",
+            (4,),
+            ("tp",),
+            ((8, 6), (6, 8)),
+            ((Shard(0),), (Shard(1),)),
+            _gather_then_column_parallel,
+            lambda x, w: (x @ w).relu(),
         ),
     )
 }
@@ -141,7 +190,9 @@ BACKENDS: dict[str, Callable[[], Any] | None] = {
 }
 
 
-def run_case(case: RegionCase, mesh: Any, tensors: list[torch.Tensor], backend: str) -> list[torch.Tensor]:
+def run_case(
+    case: RegionCase, mesh: Any, tensors: list[torch.Tensor], backend: str
+) -> list[torch.Tensor]:
     """One step of ``case`` under ``backend``: the output and each input's gradient, as full tensors."""
     fn = case.make(mesh)
     make = BACKENDS[backend]
@@ -162,7 +213,9 @@ def reference_step(case: RegionCase, tensors: list[torch.Tensor]) -> list[torch.
     return [out.detach(), *(x.grad for x in inputs)]
 
 
-def gloo_rank(rank: int, world_size: int, backends: list[str]) -> dict[tuple[str, str], list[torch.Tensor]]:
+def gloo_rank(
+    rank: int, world_size: int, backends: list[str]
+) -> dict[tuple[str, str], list[torch.Tensor]]:
     """Every case under every backend on a real gloo rank (the 2-D case on a ``(1, world_size)`` mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
