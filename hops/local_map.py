@@ -87,16 +87,14 @@ def format_placements(placements: Sequence[Any] | None) -> str | None:
     if placements is None:
         return None
     text = "".join(str(p).replace(" ", "") for p in placements)
-    if parse_placements(text, strict=False) != tuple(placements):
-        unsupported = [
-            p
-            for p in placements
-            if parse_placements(str(p).replace(" ", ""), strict=False) != (p,)
-        ]
-        raise LocalMapError(
-            f"local_map: placement {unsupported[0]!r} ({type(unsupported[0]).__name__}) cannot be a "
-            "region placement; use Shard, Replicate, Partial or _StridedShard"
-        )
+    for p in placements:
+        # By type as well as ``==``: a user Partial subclass equals Partial('sum').
+        back = parse_placements(str(p).replace(" ", ""), strict=False)
+        if back is None or len(back) != 1 or type(back[0]) is not type(p) or back[0] != p:
+            raise LocalMapError(
+                f"local_map: placement {p!r} ({type(p).__name__}) cannot be a region placement; "
+                "use Shard, Replicate, Partial or _StridedShard"
+            )
     return text
 
 
@@ -697,7 +695,10 @@ def _placements_arg(
                 f"local_map {name}: {what}[{i}] = {ps} has {_count(len(ps), 'placement')} but the mesh has "
                 f"{_count(ndim, 'axis').replace('axiss', 'axes')}; give one placement per mesh axis"
             )
-        texts.append(format_placements(ps))
+        try:
+            texts.append(format_placements(ps))
+        except LocalMapError as e:
+            raise LocalMapError(f"local_map {name}: {what}[{i}]: {str(e).removeprefix('local_map: ')}") from None
     return tuple(texts)
 
 

@@ -887,3 +887,13 @@ def test_regions_are_counted_and_named_in_what_dtcompile_logs(fake_world, caplog
         "in local_map region gather_matmul (gather_matmul_1): reduce_scatter[tp] x4 192 B"
         in backward.annotated()
     )
+
+
+def test_a_user_placement_subclass_is_refused_not_taken_for_partial(tp_mesh):
+    class MyPartial(Partial):
+        pass
+
+    x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+    region = local_map(lambda a: a * 2, [MyPartial()], ([Shard(0)],), device_mesh=tp_mesh)
+    with pytest.raises(LocalMapError, match=r"out_placements\[0\]: placement Partial\(sum\) \(MyPartial\) cannot be a region placement"):
+        region(x)
