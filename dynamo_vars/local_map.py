@@ -197,23 +197,26 @@ class LocalMapVariable(WrapHigherOrderVariable):
         name = _region_name(
             getattr(func, "fn", None) or getattr(func, "get_function", lambda: func)()
         )
-        try:
-            spec = make_spec(
-                name,
-                mesh,
-                values,
-                in_placements,
-                in_grad_placements,
-                out_placements,
-                None,
-                redistribute,
-            )
-        except LocalMapError as e:
-            _refuse(
-                "local_map arguments that do not match its placements",
-                str(e),
-                _fix_hint(str(e)),
-            )
+
+        def checked_spec(what: str, num_outputs: int | None) -> Any:
+            """The eager checks and messages (make_spec), as a refusal that names ``what``."""
+            try:
+                return make_spec(
+                    name,
+                    mesh,
+                    values,
+                    in_placements,
+                    in_grad_placements,
+                    out_placements,
+                    num_outputs,
+                    redistribute,
+                )
+            except LocalMapError as e:
+                _refuse(what, str(e), _fix_hint(str(e)))
+
+        spec = checked_spec(
+            "local_map arguments that do not match its placements", None
+        )
 
         # Redistribute where asked, then trace the body on the local shards.
         tensor_leaves = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -286,23 +289,10 @@ class LocalMapVariable(WrapHigherOrderVariable):
 
         out_leaves: list[VariableTracker] = []
         _flatten(body_r, out_leaves)
-        try:
-            make_spec(
-                name,
-                mesh,
-                values,
-                in_placements,
-                in_grad_placements,
-                out_placements,
-                len(out_leaves),
-                redistribute,
-            )
-        except LocalMapError as e:
-            _refuse(
-                "local_map region whose outputs do not match out_placements",
-                str(e),
-                _fix_hint(str(e)),
-            )
+        checked_spec(
+            "local_map region whose outputs do not match out_placements",
+            len(out_leaves),
+        )
         out_texts = []
         for vt in output_vts:
             index = next(k for k, leaf in enumerate(out_leaves) if leaf is vt)
