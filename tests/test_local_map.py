@@ -894,6 +894,46 @@ def test_a_user_placement_subclass_is_refused_not_taken_for_partial(tp_mesh):
         pass
 
     x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
-    region = local_map(lambda a: a * 2, [MyPartial()], ([Shard(0)],), device_mesh=tp_mesh)
-    with pytest.raises(LocalMapError, match=r"out_placements\[0\]: placement Partial\(sum\) \(MyPartial\) cannot be a region placement"):
+    region = local_map(
+        lambda a: a * 2, [MyPartial()], ([Shard(0)],), device_mesh=tp_mesh
+    )
+    with pytest.raises(
+        LocalMapError,
+        match=r"out_placements\[0\]: placement Partial\(sum\) \(MyPartial\) cannot be a region placement",
+    ):
         region(x)
+
+
+@pytest.mark.parametrize("backend", ["dtcompile", "aot_eager"])
+def test_several_outputs_backward_and_gradients_carry_the_users_mesh(tp_mesh, backend):
+    """Stock's inlined local_map crashed the partitioner here ("Node tangents_2 was invalid,
+    but is output") and handed gradients a trace-time fake mesh."""
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    @local_map(
+        out_placements=([Shard(0)], [Shard(0)], [Shard(0)]),
+        in_placements=([Shard(0)], [Shard(0)]),
+    )
+    def three(a, b):
+        return a * b, a.sin(), b.exp()
+
+    def fn(a, b):
+        p, s, e = three(a, b)
+        return (p + s * e).sum(dim=1)
+
+    grads = []
+    for compiled in (False, True):
+        dx = distribute_tensor(x, tp_mesh, [Shard(0)]).requires_grad_()
+        dy = distribute_tensor(y, tp_mesh, [Shard(0)]).requires_grad_()
+        f = (
+            torch.compile(fn, backend=BACKENDS[backend](), fullgraph=True)
+            if compiled
+            else fn
+        )
+        f(dx, dy).to_local().sum().backward()
+        assert dx.grad.device_mesh is tp_mesh and dy.grad.device_mesh is tp_mesh
+        grads.append((dx.grad.to_local(), dy.grad.to_local()))
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager)
+    a, b = x[:2], y[:2]  # rank 0's shards
+    torch.testing.assert_close(grads[1][0], b + a.cos() * b.exp())
