@@ -98,46 +98,6 @@ def _example(vt: VariableTracker) -> Any:
     return _constant(vt)
 
 
-def _placement_codes(text: str) -> tuple[tuple[Any, ...], ...]:
-    from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
-
-    from hops.local_map import parse_placements
-
-    codes = []
-    for p in parse_placements(text):
-        if isinstance(p, _StridedShard):
-            codes.append(("_S", p.dim, p.split_factor))
-        elif isinstance(p, Shard):
-            codes.append(("S", p.dim))
-        elif isinstance(p, Partial):
-            codes.append(("P", p.reduce_op))
-        else:
-            codes.append(("R",))
-    return tuple(codes)
-
-
-def _redistribute_to(x: Any, codes: tuple[tuple[Any, ...], ...]) -> Any:
-    """Traced by Dynamo (``codes`` are constants): ``x.redistribute`` to the placements they spell."""
-    from torch.distributed.tensor.placement_types import (
-        Partial,
-        Replicate,
-        Shard,
-        _StridedShard,
-    )
-
-    placements = []
-    for code in codes:
-        if code[0] == "S":
-            placements.append(Shard(code[1]))
-        elif code[0] == "_S":
-            placements.append(_StridedShard(code[1], split_factor=code[2]))
-        elif code[0] == "P":
-            placements.append(Partial(code[1]))
-        else:
-            placements.append(Replicate())
-    return x.redistribute(placements=tuple(placements))
-
-
 def _local_fake(tx: Any, dtensor: Any) -> torch.Tensor:
     local = dtensor._local_tensor
     with tx.fake_mode:
@@ -164,7 +124,12 @@ class LocalMapVariable(WrapHigherOrderVariable):
     ) -> VariableTracker:
         from torch.distributed.tensor import DTensor
 
-        from hops.local_map import LocalMapError, _region_name, make_spec
+        from hops.local_map import (
+            LocalMapError,
+            _region_name,
+            make_spec,
+            parse_placements,
+        )
 
         func, out_vt, in_vt, grad_vt, mesh_vt, redistribute_vt, check_vt, *user_args = (
             args
@@ -226,10 +191,13 @@ class LocalMapVariable(WrapHigherOrderVariable):
         for i in dtensors:
             want = by_leaf[i][0]
             if want is not None and _spec_text(values[i]) != want:
-                leaves[i] = VariableTracker.build(tx, _redistribute_to).call_function(
+                # Placements are constants to Dynamo (opaque value types): the call
+                # is traced as the user's own x.redistribute(placements=...) would be.
+                leaves[i] = leaves[i].call_method(
                     tx,
-                    [leaves[i], VariableTracker.build(tx, _placement_codes(want))],
-                    {},
+                    "redistribute",
+                    [],
+                    {"placements": VariableTracker.build(tx, parse_placements(want))},
                 )
                 values[i] = leaves[i].as_proxy().node.meta["example_value"]
         placement_of = {leaves[i].as_proxy().node: by_leaf[i] for i in tensor_leaves}
