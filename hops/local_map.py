@@ -90,7 +90,12 @@ def format_placements(placements: Sequence[Any] | None) -> str | None:
     for p in placements:
         # By type as well as ``==``: a user Partial subclass equals Partial('sum').
         back = parse_placements(str(p).replace(" ", ""), strict=False)
-        if back is None or len(back) != 1 or type(back[0]) is not type(p) or back[0] != p:
+        if (
+            back is None
+            or len(back) != 1
+            or type(back[0]) is not type(p)
+            or back[0] != p
+        ):
             raise LocalMapError(
                 f"local_map: placement {p!r} ({type(p).__name__}) cannot be a region placement; "
                 "use Shard, Replicate, Partial or _StridedShard"
@@ -287,10 +292,7 @@ def _dtensor_boundary(
         if mesh is None:
             mesh = x.device_mesh
         elif x.device_mesh != mesh:
-            raise LocalMapError(
-                f"local_map {spec.name}: input {i} is on {x.device_mesh}, the region on {mesh}; "
-                "redistribute it onto the region's mesh before the call"
-            )
+            raise _other_mesh(spec.name, i, x.device_mesh, mesh)
         want = spec.in_placements[i]
         x = _to_placements(x, want, spec, i)
         grad = spec.in_grad_placements[i]
@@ -310,11 +312,7 @@ def _wrap_outputs(outs: Sequence[Any], spec: RegionSpec, mesh: Any) -> tuple[Any
     from torch.distributed.tensor import DTensor
 
     if len(outs) != len(spec.out_placements):
-        raise LocalMapError(
-            f"local_map {spec.name}: the region returned {_count(len(outs), 'output')} (after flattening) but "
-            f"out_placements declares {len(spec.out_placements)}; give one placement tuple "
-            "(None for a non-tensor) per output"
-        )
+        raise _output_count(spec.name, len(outs), len(spec.out_placements))
     wrapped = []
     for i, (out, p) in enumerate(zip(outs, spec.out_placements)):
         if isinstance(out, DTensor):
@@ -349,11 +347,7 @@ def _to_placements(x: Any, want: str | None, spec: RegionSpec, index: int) -> An
         return x
     if spec.redistribute_inputs:
         return x.redistribute(placements=placements)
-    raise LocalMapError(
-        f"local_map {spec.name}: input {index} has placements {format_placements(x.placements)} "
-        f"but in_placements[{index}] is {want}; redistribute it first, or pass "
-        "redistribute_inputs=True to local_map"
-    )
+    raise _mismatch(spec.name, index, format_placements(x.placements), want)
 
 
 def _has_dtensor(operands: Sequence[Any]) -> bool:
@@ -436,12 +430,6 @@ def _dtensor_key(
     return _dtensor_boundary(body, spec, operands)
 
 
-def _local_tensor_key(
-    body: Callable[..., Any], spec: RegionSpec, *operands: Any
-) -> tuple[Any, ...]:
-    return _call_body(body, operands)
-
-
 def _local_tensor_mode_key(
     mode: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any
 ) -> tuple[Any, ...]:
@@ -463,7 +451,8 @@ def _register_subclass_keys() -> None:
     from torch.distributed.tensor import DTensor
 
     local_map_region.py_impl(DTensor)(_dtensor_key)
-    local_map_region.py_impl(LocalTensor)(_local_tensor_key)
+    # LocalTensor runs every op on all ranks: the body runs as it is (see _autograd).
+    local_map_region.py_impl(LocalTensor)(_eager)
     local_map_region.py_impl(LocalTensorMode)(_local_tensor_mode_key)
 
 
@@ -669,8 +658,33 @@ def _region_name(func: Callable[..., Any]) -> str:
     return re.sub(r"\W", "_", name) or "region"
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
+# The errors that both the call's checks (make_spec, also at trace time) and the
+# op itself (a region node run on other inputs) raise: one message each.
+
+
+def _other_mesh(name: str, index: int, mesh: Any, region_mesh: Any) -> LocalMapError:
+    return LocalMapError(
+        f"local_map {name}: input {index} is a DTensor on {_describe(mesh)} but the region's "
+        f"device_mesh is {_describe(region_mesh)}; redistribute it onto the region's mesh, or pass that mesh"
+    )
+
+
+def _mismatch(name: str, index: int, have: str | None, want: str) -> LocalMapError:
+    return LocalMapError(
+        f"local_map {name}: input {index} has placements {have} but in_placements[{index}] is {want}; "
+        "redistribute it first, or pass redistribute_inputs=True to local_map"
+    )
+
+
+def _output_count(name: str, returned: int, declared: int) -> LocalMapError:
+    return LocalMapError(
+        f"local_map {name}: the region returned {_count(returned, 'output')} (after flattening) but "
+        f"out_placements declares {declared}; give one placement tuple (None for a non-tensor) per output"
+    )
 
 
 def _placements_arg(
@@ -680,7 +694,7 @@ def _placements_arg(
     noun = "output" if what == "out_placements" else "input"
     if len(value) != count:
         raise LocalMapError(
-            f"local_map {name}: {what} has {_count(len(value), 'entry').replace('entrys', 'entries')} but the "
+            f"local_map {name}: {what} has {_count(len(value), 'entry', 'entries')} but the "
             f"region has {_count(count, noun)} (after flattening the arguments with pytree); give one "
             f"placement tuple per {noun} (None for a non-tensor)"
         )
@@ -693,12 +707,14 @@ def _placements_arg(
         if len(ps) != ndim:
             raise LocalMapError(
                 f"local_map {name}: {what}[{i}] = {ps} has {_count(len(ps), 'placement')} but the mesh has "
-                f"{_count(ndim, 'axis').replace('axiss', 'axes')}; give one placement per mesh axis"
+                f"{_count(ndim, 'axis', 'axes')}; give one placement per mesh axis"
             )
         try:
             texts.append(format_placements(ps))
         except LocalMapError as e:
-            raise LocalMapError(f"local_map {name}: {what}[{i}]: {str(e).removeprefix('local_map: ')}") from None
+            raise LocalMapError(
+                f"local_map {name}: {what}[{i}]: {str(e).removeprefix('local_map: ')}"
+            ) from None
     return tuple(texts)
 
 
@@ -755,24 +771,15 @@ def make_spec(
     for i, a in enumerate(flat_args):
         if isinstance(a, DTensor):
             if a.device_mesh != mesh:
-                raise LocalMapError(
-                    f"local_map {name}: input {i} is a DTensor on {_describe(a.device_mesh)} but the region's "
-                    f"device_mesh is {_describe(mesh)}; redistribute it onto the region's mesh, or pass that mesh"
-                )
+                raise _other_mesh(name, i, a.device_mesh, mesh)
             if in_texts[i] is None:
                 raise LocalMapError(
                     f"local_map {name}: input {i} is a DTensor but in_placements[{i}] is None; "
                     f"give its placements, e.g. {tuple(a.placements)}"
                 )
-            if (
-                format_placements(a.placements) != in_texts[i]
-                and not redistribute_inputs
-            ):
-                raise LocalMapError(
-                    f"local_map {name}: input {i} has placements {format_placements(a.placements)} but "
-                    f"in_placements[{i}] is {in_texts[i]}; redistribute it first, or pass "
-                    "redistribute_inputs=True to local_map"
-                )
+            have = format_placements(a.placements)
+            if have != in_texts[i] and not redistribute_inputs:
+                raise _mismatch(name, i, have, in_texts[i])
             if grad_texts[i] is None:
                 raise LocalMapError(
                     f"local_map {name}: input {i} is a DTensor but in_grad_placements[{i}] is None; "
@@ -785,10 +792,7 @@ def make_spec(
             )
     outs = _out_placements_tuple(out_placements)
     if num_outputs is not None and len(outs) != num_outputs:
-        raise LocalMapError(
-            f"local_map {name}: the region returned {_count(num_outputs, 'output')} (after flattening) but "
-            f"out_placements declares {len(outs)}; give one placement tuple (None for a non-tensor) per output"
-        )
+        raise _output_count(name, num_outputs, len(outs))
     out_texts = _placements_arg(name, outs, "out_placements", len(outs), ndim)
     tensor = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
     return RegionSpec(
