@@ -23,6 +23,7 @@ rank's values, so that call runs eagerly (a graph break that says so).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,6 +128,8 @@ class LocalMapVariable(WrapHigherOrderVariable):
         from hops.local_map import (
             LocalMapError,
             _region_name,
+            check_output_kinds,
+            format_placements,
             make_spec,
             parse_placements,
         )
@@ -190,7 +193,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
         )
         for i in dtensors:
             want = by_leaf[i][0]
-            if want is not None and _spec_text(values[i]) != want:
+            if want is not None and format_placements(values[i].placements) != want:
                 # Placements are constants to Dynamo (opaque value types): the call
                 # is traced as the user's own x.redistribute(placements=...) would be.
                 leaves[i] = leaves[i].call_method(
@@ -265,15 +268,16 @@ class LocalMapVariable(WrapHigherOrderVariable):
         for vt in output_vts:
             index = next(k for k, leaf in enumerate(out_leaves) if leaf is vt)
             out_texts.append(spec.out_placements[index])
-        for k, leaf in enumerate(out_leaves):
-            p = spec.out_placements[k]
-            if leaf.is_tensor() != (p is not None):
-                kind = "a tensor" if leaf.is_tensor() else "not a tensor"
-                _refuse(
-                    "local_map output that does not match out_placements",
-                    f"local_map {name}: output {k} is {kind} but out_placements[{k}] is {p}",
-                    "Give placements for every tensor output and None for every other output.",
-                )
+        try:
+            check_output_kinds(
+                name, [leaf.is_tensor() for leaf in out_leaves], spec.out_placements
+            )
+        except LocalMapError as e:
+            _refuse(
+                "local_map output that does not match out_placements",
+                str(e),
+                _fix_hint(str(e)),
+            )
         spec = spec._replace(
             in_placements=tuple(in_texts),
             in_grad_placements=tuple(grad_texts),
@@ -303,11 +307,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
         wrapped = []
         for vt, text in zip(output_vts, spec.out_placements):
             node = vt.as_proxy().node
-            hop_node = (
-                node.args[0]
-                if node.target is __import__("operator").getitem
-                else hop_node
-            )
+            hop_node = node.args[0] if node.target is operator.getitem else hop_node
             with tx.fake_mode:
                 global_value = DTensor.from_local(
                     node.meta["example_value"],
@@ -320,12 +320,6 @@ class LocalMapVariable(WrapHigherOrderVariable):
             vt.synchronize_attributes(tx)
         if hop_node is not None:
             hop_node.meta["example_value"] = tuple(wrapped)
-
-
-def _spec_text(dtensor: Any) -> str | None:
-    from hops.local_map import format_placements
-
-    return format_placements(dtensor.placements)
 
 
 def _fix_hint(message: str) -> str:

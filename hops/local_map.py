@@ -313,30 +313,37 @@ def _wrap_outputs(outs: Sequence[Any], spec: RegionSpec, mesh: Any) -> tuple[Any
 
     if len(outs) != len(spec.out_placements):
         raise _output_count(spec.name, len(outs), len(spec.out_placements))
-    wrapped = []
-    for i, (out, p) in enumerate(zip(outs, spec.out_placements)):
+    for i, out in enumerate(outs):
         if isinstance(out, DTensor):
             raise LocalMapError(
                 f"local_map {spec.name}: output {i} is a DTensor; the region must return local "
                 "tensors (call .to_local() inside it, or return the tensor it was made from)"
             )
-        if not isinstance(out, torch.Tensor):
-            if p is not None:
-                raise LocalMapError(
-                    f"local_map {spec.name}: output {i} is a {type(out).__name__}, not a tensor, but "
-                    f"out_placements[{i}] is {p}; give None for non-tensor outputs"
-                )
-            wrapped.append(out)
-        elif p is None:
+    check_output_kinds(
+        spec.name, [isinstance(out, torch.Tensor) for out in outs], spec.out_placements
+    )
+    return tuple(
+        out
+        if p is None
+        else DTensor.from_local(out, mesh, parse_placements(p), run_check=False)
+        for out, p in zip(outs, spec.out_placements)
+    )
+
+
+def check_output_kinds(
+    name: str, is_tensor: Sequence[bool], out_placements: Sequence[str | None]
+) -> None:
+    """Placements for every tensor output and ``None`` for every other one (eager and trace time)."""
+    for i, (tensor, p) in enumerate(zip(is_tensor, out_placements)):
+        if tensor and p is None:
             raise LocalMapError(
-                f"local_map {spec.name}: output {i} is a tensor but out_placements[{i}] is None; "
-                "give its placements"
+                f"local_map {name}: output {i} is a tensor but out_placements[{i}] is None; give its placements"
             )
-        else:
-            wrapped.append(
-                DTensor.from_local(out, mesh, parse_placements(p), run_check=False)
+        if not tensor and p is not None:
+            raise LocalMapError(
+                f"local_map {name}: output {i} is not a tensor but out_placements[{i}] is {p}; "
+                "give None for non-tensor outputs"
             )
-    return tuple(wrapped)
 
 
 def _to_placements(x: Any, want: str | None, spec: RegionSpec, index: int) -> Any:

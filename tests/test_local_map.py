@@ -937,3 +937,32 @@ def test_several_outputs_backward_and_gradients_carry_the_users_mesh(tp_mesh, ba
         torch.testing.assert_close(compiled, eager)
     a, b = x[:2], y[:2]  # rank 0's shards
     torch.testing.assert_close(grads[1][0], b + a.cos() * b.exp())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_output_kinds_must_match_out_placements(tp_mesh, compiled):
+    x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+    cases = [
+        (
+            lambda a: (a + 1, a * 2),
+            ([Shard(0)], None),
+            "output 1 is a tensor but out_placements[1] is None",
+        ),
+        (
+            lambda a: (a + 1, "tag"),
+            ([Shard(0)], [Shard(0)]),
+            "output 1 is not a tensor but out_placements[1] is S(0)",
+        ),
+    ]
+    for func, out_placements, phrase in cases:
+        torch._dynamo.reset()
+        fn = local_map(func, out_placements, ([Shard(0)],), device_mesh=tp_mesh)
+        if compiled:
+            fn = torch.compile(
+                fn, backend=dtcompile.backend(inductor=False), fullgraph=True
+            )
+        with pytest.raises(
+            torch._dynamo.exc.Unsupported if compiled else LocalMapError
+        ) as info:
+            fn(x)
+        assert phrase in str(info.value), str(info.value)
