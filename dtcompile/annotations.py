@@ -63,8 +63,7 @@ class Communication:
     time_us: float
 
     def __str__(self) -> str:
-        c = self.collective
-        return f"{self.kind} {c.label}[{c.axis}] x{c.group_size} {c.bytes} B ~{self.time_us:.1f} us"
+        return f"{self.kind} {self.collective.short} ~{self.time_us:.1f} us"
 
 
 @dataclass
@@ -199,7 +198,7 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> 
             node.meta["dtcompile_cost_us"] = time_us
             communication = Communication(kind, collective, time_us)
             info.communication[source or "?"].append(communication)
-            note = f"{collective.label}[{collective.axis}] x{collective.group_size} {collective.bytes} B ~{time_us:.1f} us ({info.profile.name})"
+            note = f"{collective.short} ~{time_us:.1f} us ({info.profile.name})"
         elif source is not None:
             placement = info.nodes.get(source)
             role = "grad of" if kind == "backward" and not node.meta.get("from_node") else "from"

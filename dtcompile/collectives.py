@@ -50,6 +50,11 @@ class CollectiveInfo:
         """``all_gather``, or ``all_gather+matmul`` for a fused collective-matmul."""
         return f"{self.op}+{self.fused}" if self.fused else self.op
 
+    @property
+    def short(self) -> str:
+        """``all_gather[tp] x4 192 B``: op, mesh axis, group size and bytes per rank."""
+        return f"{self.label}[{self.axis}] x{self.group_size} {self.bytes} B"
+
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return (

@@ -60,9 +60,7 @@ def _describe(gm: fx.GraphModule, node: fx.Node, axes: dict[str, str]) -> Region
     for n in calls:
         info = collective_info(n, axes)
         if info is not None:
-            collectives.append(
-                f"{info.label}[{info.axis}] x{info.group_size} {info.bytes} B"
-            )
+            collectives.append(info.short)
     return RegionInfo(node.name, _spec(node.args[1]), len(calls), tuple(collectives))
 
 
@@ -165,7 +163,7 @@ def inline_regions(
                 note = f"in local_map region {info.spec.name} ({node.name})"
                 collective = collective_info(copied, axes)
                 if collective is not None:
-                    note += f": {collective.label}[{collective.axis}] x{collective.group_size} {collective.bytes} B"
+                    note += f": {collective.short}"
                 copied.meta["dtcompile_annotation"] = note
                 env[inner] = copied
         for user in list(node.users):
