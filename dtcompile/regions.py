@@ -1,4 +1,4 @@
-"""``local_map`` regions in the AOT graphs: found, described, and inlined at lowering.
+"""``local_map`` regions in the AOT graphs: formatted, and inlined (and described) at lowering.
 
 While dtcompile's AOTAutograd traces, :func:`hops.keep_regions` is on, so each
 ``local_map`` region stays one ``local_map_region(body, spec, *operands)`` node
@@ -21,7 +21,6 @@ from hops.local_map import RegionSpec, _spec, local_map_region
 
 __all__ = [
     "RegionInfo",
-    "find_regions",
     "format_with_regions",
     "inline_regions",
     "is_region",
@@ -51,17 +50,6 @@ def is_region(node: fx.Node) -> bool:
 
 def _body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule:
     return getattr(gm, node.args[0].target)
-
-
-def _describe(gm: fx.GraphModule, node: fx.Node, axes: dict[str, str]) -> RegionInfo:
-    body = _body(gm, node)
-    calls = [n for n in body.graph.nodes if n.op == "call_function"]
-    collectives = []
-    for n in calls:
-        info = collective_info(n, axes)
-        if info is not None:
-            collectives.append(info.short)
-    return RegionInfo(node.name, _spec(node.args[1]), len(calls), tuple(collectives))
 
 
 def _target(node: fx.Node) -> str:
@@ -116,13 +104,6 @@ def format_with_regions(gm: fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def find_regions(
-    gm: fx.GraphModule, axes: dict[str, str] | None = None
-) -> list[RegionInfo]:
-    """The region nodes of ``gm``, in graph order."""
-    return [_describe(gm, n, axes or {}) for n in gm.graph.nodes if is_region(n)]
-
-
 def inline_regions(
     gm: fx.GraphModule, axes: dict[str, str] | None = None
 ) -> list[RegionInfo]:
@@ -136,8 +117,9 @@ def inline_regions(
     for node in list(gm.graph.nodes):
         if not is_region(node):
             continue
-        info = _describe(gm, node, axes or {})
+        spec = _spec(node.args[1])
         body = _body(gm, node)
+        ops, collectives = 0, []
         env: dict[fx.Node, fx.Node] = {}
         placeholders = body.graph.find_nodes(op="placeholder")
         operands = node.args[2:]
@@ -160,9 +142,11 @@ def inline_regions(
                     )
                 copied = gm.graph.node_copy(inner, env.__getitem__)
                 copied.meta["dtcompile_region"] = node.name
-                note = f"in local_map region {info.spec.name} ({node.name})"
+                ops += copied.op == "call_function"
+                note = f"in local_map region {spec.name} ({node.name})"
                 collective = collective_info(copied, axes)
                 if collective is not None:
+                    collectives.append(collective.short)
                     note += f": {collective.short}"
                 copied.meta["dtcompile_annotation"] = note
                 env[inner] = copied
@@ -179,7 +163,7 @@ def inline_regions(
         if not body_attr.users:
             gm.graph.erase_node(body_attr)
             delattr(gm, body_attr.target)
-        inlined.append(info)
+        inlined.append(RegionInfo(node.name, spec, ops, tuple(collectives)))
     if inlined:
         gm.graph.lint()
         gm.recompile()
