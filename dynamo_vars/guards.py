@@ -60,7 +60,15 @@ def describe_mesh_change(old: Any, new: Any) -> str:
     old_real, new_real = real_object(old), real_object(new)
     if old_real.device_type != new_real.device_type:
         return f"{before} on {old_real.device_type} -> on {new_real.device_type}"
-    return f"{before} over ranks {old_real.mesh.flatten().tolist()} -> ranks {new_real.mesh.flatten().tolist()}"
+    old_ranks, new_ranks = old_real.mesh.flatten().tolist(), new_real.mesh.flatten().tolist()
+    if old_ranks != new_ranks:
+        return f"{before} over ranks {old_ranks} -> ranks {new_ranks}"
+    old_thread, new_thread = getattr(old_real, "_thread_id", None), getattr(new_real, "_thread_id", None)
+    if old_thread != new_thread:
+        # DeviceMesh.__eq__ tells apart the meshes of the threaded process group's rank threads.
+        old_rank, new_rank = getattr(old_real, "_rank", "?"), getattr(new_real, "_rank", "?")
+        return f"{before} of rank {old_rank}'s thread -> of rank {new_rank}'s thread (threaded process group)"
+    return f"{before} -> another {before} that DeviceMesh.__eq__ tells apart (its layout differs)"
 
 
 def describe_placements(placements: Any) -> str:

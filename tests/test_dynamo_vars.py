@@ -176,6 +176,38 @@ def test_mesh_argument_changes_recompile_with_readable_reasons(world8):
     )
 
 
+def _twice(d):
+    return d * 2
+
+
+def _compile_in_rank_order(rank: int) -> list[str]:
+    """Rank 0 compiles ``_twice`` first, then rank 1 runs the same code."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    d = DTensor.from_local(torch.ones(2), mesh, [Replicate()], run_check=False)
+    compiled = torch.compile(_twice, backend="eager", fullgraph=True)
+    reasons = []
+    for turn in range(2):
+        if turn == rank:
+            before = len(guard_failures[_twice.__code__])
+            compiled(d)
+            reasons = [str(r) for r in guard_failures[_twice.__code__][before:]]
+        dist.barrier()
+    return reasons
+
+
+def test_threaded_ranks_recompile_naming_the_rank_thread():
+    """The threaded group's meshes differ by thread (DeviceMesh.__eq__): rank 1
+    cannot run rank 0's program, and the reason says so instead of printing two
+    equal meshes."""
+    from dtcompile.testing import run_threaded
+
+    torch._dynamo.reset()
+    assert run_threaded(2, _compile_in_rank_order) == [
+        [],
+        ["0/0: mesh of arg d changed: DeviceMesh((tp=2)) of rank 0's thread -> of rank 1's thread (threaded process group)"],
+    ]
+
+
 class _TaggedPartial(Partial):
     """A user Partial that only tags its values: equal to ``Partial('sum')`` by ``==``."""
 

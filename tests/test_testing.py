@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import threading
+import time
 
 import expecttest
 import pytest
@@ -139,6 +141,36 @@ def test_wrong_gradient_names_the_rank_and_the_parameter():
     lines = message.splitlines()[1:]
     assert [line.split(":")[0] for line in lines] == ["rank 2, output", "rank 2, grad of b"]
     assert "Mismatched elements: 3 / 4" in lines[1]
+
+
+class _DoubledWhenCompiling(nn.Module):
+    def forward(self, x: DTensor) -> DTensor:
+        return x * (2.0 if torch.compiler.is_compiling() else 1.0)
+
+
+def test_threaded_eager_steps_end_before_any_rank_compiles():
+    """``is_compiling()`` is one flag per process: rank 1's eager step, run while
+    rank 0 compiles, would read True and take the compiled branch.  Here rank 1
+    starts late and rank 0's compile holds the flag a while; every rank's eager
+    step must still see 1x, so every rank's compiled 2x is a mismatch."""
+    rank0_compiling = threading.Event()
+
+    def slow_backend(gm, example_inputs):
+        if dist.get_rank() == 0:
+            rank0_compiling.set()
+            time.sleep(0.5)
+        return gm.forward
+
+    def build(mesh):
+        if dist.get_rank() == 1:
+            # Without the wait between eager and compile, rank 0 is compiling now.
+            rank0_compiling.wait(timeout=2.0)
+        return _DoubledWhenCompiling(), (DTensor.from_local(torch.ones(4), mesh, [Replicate()], run_check=False),)
+
+    with pytest.raises(AssertionError) as err:
+        assert_matches_eager(build, world=threaded_world(2), backward=False, backend=slow_backend)
+    lines = str(err.value).splitlines()[1:]
+    assert [line.split(":")[0] for line in lines] == ["rank 0, output", "rank 1, output"]
 
 
 def test_matches_eager_refuses_args_with_a_threaded_world():

@@ -111,12 +111,14 @@ def rank_eager_and_compiled(
     compiled run that compiled nothing would silently be eager).
     """
     import dtcompile
+    from dtcompile.testing.worlds import wait_for_eager_on_every_rank
 
     case = CASES[case_name]
     mesh = case.mesh(world_size)
     _, parallel, x = case.build(mesh)
     local_x = case.local_input(x, mesh)
     eager = run_step(parallel, parallel, local_x)
+    wait_for_eager_on_every_rank()
     backend = dtcompile.backend(**(backend_options or {}))
     compiled = torch.compile(parallel, backend=backend, fullgraph=True)
     return eager, run_step(compiled, parallel, local_x), len(backend.records)

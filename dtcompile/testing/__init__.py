@@ -8,7 +8,9 @@ Worlds (context managers; also pytest fixtures of the same names through the
 - :func:`simulated_world` -- every rank in one process (``LocalTensorMode``),
   real collective semantics; :func:`threaded_world` -- ranks as threads, each
   compiling its own program; :func:`run_threaded`, :func:`run_gloo` -- run a
-  function on every rank of a threaded or a real gloo world.
+  function on every rank of a threaded or a real gloo world (on threads, call
+  :func:`wait_for_eager_on_every_rank` between a rank's eager step and its
+  compile).
 
 Checks:
 
@@ -37,6 +39,7 @@ from dtcompile.testing.worlds import (
     run_gloo,
     run_threaded,
     simulated_world,
+    wait_for_eager_on_every_rank,
 )
 
 __all__ = [
@@ -53,4 +56,5 @@ __all__ = [
     "run_threaded",
     "simulated_world",
     "threaded_world",
+    "wait_for_eager_on_every_rank",
 ]

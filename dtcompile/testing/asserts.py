@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from dtcompile.testing.worlds import run_threaded
+from dtcompile.testing.worlds import run_threaded, wait_for_eager_on_every_rank
 
 __all__ = [
     "Step",
@@ -167,6 +167,7 @@ def _eager_and_compiled(fn: Any, args: Sequence[Any], backward: bool, backend: A
     from torch._dynamo.testing import CompileCounterWithBackend
 
     eager = run_step(fn, args, backward)
+    wait_for_eager_on_every_rank()
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
     params = fn if isinstance(fn, nn.Module) else None

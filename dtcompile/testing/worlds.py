@@ -42,6 +42,7 @@ __all__ = [
     "run_gloo",
     "run_threaded",
     "simulated_world",
+    "wait_for_eager_on_every_rank",
 ]
 
 R = TypeVar("R")
@@ -194,6 +195,18 @@ def run_threaded(
             what += f" (rank(s) {sorted(stopped)} stopped waiting for them)"
         raise _failure(what, list(failures.queue))
     return [results[rank] for rank in range(world_size)]
+
+
+def wait_for_eager_on_every_rank() -> None:
+    """Between a rank's eager step and its compile: waits for every rank, when ranks are threads.
+
+    ``torch.compiler.is_compiling()`` is one flag for the whole process.  While
+    one rank thread compiles it reads True on every thread, so another rank's
+    eager code that branches on it takes the compiled branch, and an eager
+    reference taken then is wrong.  Real ranks are processes and do not wait.
+    """
+    if dist.is_initialized() and dist.get_backend() == "threaded":
+        dist.barrier()
 
 
 # Seconds to collect the other ranks' reports once one rank failed.
