@@ -26,7 +26,9 @@ one node (the span of its ranks, ``max - min + 1``, is at most
 
 Compute is estimated with a roofline: a matmul takes ``2 M N K`` flops at the
 profile's ``matmul_tflops``, any other op reads and writes its tensors at its
-``memory_gbps`` (views and metadata ops are free); :func:`node_time_us`.
+``memory_gbps`` (views and metadata ops are free); :func:`node_time_us`.  A
+``local_map`` region (one node until lowering) takes what its body takes, the
+collectives it issues and waits for inside included: :func:`region_timeline`.
 
 To add a profile: build a :class:`HardwareProfile` and call
 :func:`register_profile`; ``dtcompile.backend(cost_profile="name")`` then uses
@@ -47,6 +49,7 @@ __all__ = [
     "collective_time_us",
     "get_profile",
     "node_time_us",
+    "region_timeline",
     "register_profile",
     "simulate",
 ]
@@ -194,12 +197,28 @@ def _flops_time_us(flops: float, profile: HardwareProfile) -> float:
     return flops / (profile.matmul_tflops * 1e12) * 1e6
 
 
+def region_timeline(node: Any, profile: HardwareProfile) -> Timeline:
+    """A ``local_map`` region node played alone: its body's :func:`simulate`.
+
+    The region ends when its body's last node does, so its collectives (issued
+    and waited for inside) hold the compute stream.
+    """
+    from dtcompile.regions import region_body
+
+    return simulate(region_body(node).graph, profile)
+
+
 def node_time_us(node: Any, profile: HardwareProfile) -> float:
     """Roofline estimate of one compute node of an AOT graph (0 for views, waits, non-ops;
-    for a fused collective-matmul, its matmuls)."""
+    for a fused collective-matmul, its matmuls; for a ``local_map`` region, its body's
+    whole time, inner collectives included)."""
     import torch
 
+    from dtcompile.regions import is_region
+
     target = node.target
+    if is_region(node):
+        return region_timeline(node, profile).total_us
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return 0.0
     name = target._opname
@@ -246,11 +265,14 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
     previous collective; ``wait_tensor`` holds compute until it is done; other
     nodes take their roofline time.  A fused collective-matmul over ``n`` ranks
     pipelines ``n`` chunks: it takes ``max(C, M) + min(C, M) / n`` on the compute
-    stream for communication ``C`` and matmuls ``M``.
+    stream for communication ``C`` and matmuls ``M``.  A ``local_map`` region
+    takes its body's time (:func:`region_timeline`); one that issues collectives
+    starts once the communication stream is free and holds both streams.
     """
     import torch
 
     from dtcompile.collectives import collective_info
+    from dtcompile.regions import is_region
 
     wait = torch.ops._c10d_functional.wait_tensor.default
     clock = comm_free = compute = comm = 0.0
@@ -270,6 +292,15 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
             done[node] = comm_free
         elif node.target is wait:
             clock = max(clock, done.get(node.args[0], clock))
+        elif is_region(node):
+            inner = region_timeline(node, profile)
+            compute += inner.compute_us
+            comm += inner.comm_us
+            # Its collectives queue behind the ones in flight; it ends with its body.
+            start = max(clock, comm_free) if inner.comm_us else clock
+            clock = start + inner.total_us
+            if inner.comm_us:
+                comm_free = clock
         else:
             cost = node_time_us(node, profile)
             compute += cost

@@ -24,6 +24,8 @@ __all__ = [
     "format_with_regions",
     "inline_regions",
     "is_region",
+    "issues_collectives",
+    "region_body",
 ]
 
 
@@ -48,8 +50,14 @@ def is_region(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is local_map_region
 
 
-def _body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule:
-    return getattr(gm, node.args[0].target)
+def region_body(node: fx.Node) -> fx.GraphModule:
+    """A region node's body: the submodule of its graph's module that its first argument names."""
+    return getattr(node.graph.owning_module, node.args[0].target)
+
+
+def issues_collectives(node: fx.Node) -> bool:
+    """Whether ``node`` is a region whose body issues a collective."""
+    return is_region(node) and any(collective_info(n) is not None for n in region_body(node).graph.nodes)
 
 
 def _target(node: fx.Node) -> str:
@@ -88,7 +96,7 @@ def format_with_regions(gm: fx.GraphModule) -> str:
         if is_region(node):
             operands = ", ".join(_arg(a) for a in node.args[2:])
             lines.append(f"{node.name} = local_map[{node.args[1]}]({operands})")
-            body = _body(gm, node)
+            body = region_body(node)
             inputs = ", ".join(n.name for n in body.graph.find_nodes(op="placeholder"))
             lines.append(f"    def {node.args[0].target}({inputs}):")
             lines += [
@@ -118,7 +126,7 @@ def inline_regions(
         if not is_region(node):
             continue
         spec = _spec(node.args[1])
-        body = _body(gm, node)
+        body = region_body(node)
         ops, collectives = 0, []
         env: dict[fx.Node, fx.Node] = {}
         placeholders = body.graph.find_nodes(op="placeholder")

@@ -157,6 +157,101 @@ all_reduce_default: issued 2 node(s) earlier, after mul_tensor""")
     assert decisions[-1] == "all_reduce_default: 2 independent node(s) moved after it, to run under it"
 
 
+def _overlap(fn, *args) -> tuple[list[str], str]:
+    """Compiles ``fn`` (inference) under the cpu_gloo profile, where an all-reduce costs
+    about 290 us and a 256^3 matmul about 340 us: the overlap pass's decisions, and
+    the graph as the passes left it (regions as one op each)."""
+    backend = dtcompile.backend(inductor=False, cost_profile="cpu_gloo")
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (record,) = backend.records
+    return [d for p in record.passes if p.name == "overlap" for d in p.decisions], record.with_regions
+
+
+def _matmul(y, w):
+    return y @ w
+
+
+def test_overlap_counts_a_region_body_as_compute_under_the_collective(fake_world):
+    """The all-reduce's window holds a region whose matmul covers it: nothing else
+    has to move under it (counted as free, the region left the window empty and
+    the independent ``z * 3`` was moved after the collective)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = fake_world(4, (4,), ("tp",))
+    region = dtcompile.local_map(_matmul, [Replicate()], [[Replicate()], [Replicate()]], device_mesh=mesh)
+
+    def program(p, z, y, w):
+        c = z * 3
+        reduced = (p * 2).redistribute(placements=[Replicate()])
+        return reduced + region(y, w)[0, :8], c
+
+    p = DTensor.from_local(torch.ones(8), mesh, [Partial()], run_check=False)
+    y, w = (DTensor.from_local(torch.randn(256, 256), mesh, [Replicate()], run_check=False) for _ in range(2))
+    decisions, _ = _overlap(program, p, torch.ones(8), y, w)
+    assert not [d for d in decisions if "moved after it" in d], decisions
+
+
+def test_overlap_does_not_move_a_region_that_issues_a_collective(fake_world):
+    """A region holding an all-gather is a collective to the overlap pass: it is
+    not moved under the all-reduce after it (as free compute, it was)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = fake_world(4, (4,), ("tp",))
+
+    def gather_matmul(x, w):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_gather_tensor(x, 0, mesh) @ w
+
+    region = dtcompile.local_map(gather_matmul, [Replicate()], [[Shard(0)], [Replicate()]], device_mesh=mesh)
+
+    def program(p, x, w):
+        gathered = region(x, w)
+        reduced = (p * 2).redistribute(placements=[Replicate()])
+        return reduced + 1, gathered
+
+    p = DTensor.from_local(torch.ones(8), mesh, [Partial()], run_check=False)
+    x = DTensor.from_local(torch.randn(2, 8), mesh, [Shard(0)], run_check=False)
+    w = DTensor.from_local(torch.randn(8, 8), mesh, [Replicate()], run_check=False)
+    _, graph = _overlap(program, p, x, w)
+    lines = graph.splitlines()
+    region_at = next(i for i, line in enumerate(lines) if "= local_map[gather_matmul on (tp=4)" in line)
+    reduce_at = next(i for i, line in enumerate(lines) if "= _c10d_functional.all_reduce.default(" in line)
+    assert region_at < reduce_at, graph
+
+
+def test_cost_model_plays_a_region_as_its_inlined_body(fake_world):
+    """A kept region (all-reduce, wait, matmul inside) takes in :func:`simulate` and
+    :func:`node_time_us` what its body takes once inlined: compute, communication
+    and the wait for it."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dtcompile.cost_model import get_profile, node_time_us, simulate
+    from dtcompile.regions import inline_regions, is_region
+    from hops import keep_regions
+    from hops.local_map import local_map_region
+
+    mesh = fake_world(4)
+
+    def body(y, w):
+        return (funcol.all_reduce(y, "sum", mesh) @ w,)
+
+    def program(y, w):
+        return local_map_region(body, "reduce_mm on (dim0=4): [P(sum), R] -> [R] | grads [R, R]", y, w)
+
+    with keep_regions():
+        gm = make_fx(program)(torch.randn(256, 256), torch.randn(256, 256))
+    profile = get_profile("cpu_gloo")
+    (region,) = [n for n in gm.graph.nodes if is_region(n)]
+    kept, region_us = simulate(gm.graph, profile), node_time_us(region, profile)
+    inline_regions(gm)
+    inlined = simulate(gm.graph, profile)
+    assert kept == inlined
+    assert region_us == inlined.total_us
+    assert inlined.comm_us > 0 and inlined.compute_us > 300  # the all-reduce and the 256^3 matmul
+
+
 def _fused_rank(rank: int) -> tuple[float, float]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol

@@ -18,7 +18,9 @@ After AOTAutograd every functional collective is followed at once by its
 
 The graph computes the same values (only the order of independent nodes
 changes).  Fused collective-matmuls (``async_tp``) are left where they are:
-they overlap inside.  :func:`dtcompile.cost_model.simulate` estimates what is
+they overlap inside.  A ``local_map`` region is one node here: its estimate is
+its body's (:func:`dtcompile.cost_model.region_timeline`), and one that issues
+collectives is not moved, nor compute across it.  :func:`dtcompile.cost_model.simulate` estimates what is
 gained; every move, and every move refused, is recorded.
 """
 
@@ -32,6 +34,7 @@ from torch import fx
 
 from dtcompile.collectives import collective_info
 from dtcompile.passes._graph import record_decision
+from dtcompile.regions import issues_collectives
 
 __all__ = ["reorder_for_overlap"]
 
@@ -127,8 +130,8 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], profile: Any) -
         ancestors = _ancestors(node)
         candidates = []
         for before in reversed([n for n in gm.graph.nodes if order[n] < order[node]]):
-            if before.op != "call_function" or before.target is _WAIT or before in infos:
-                break  # do not move compute across another collective or wait
+            if before.op != "call_function" or before.target is _WAIT or before in infos or issues_collectives(before):
+                break  # do not move compute across another collective or wait, or a region issuing one
             if before in ancestors:
                 continue
             candidates.append(before)
