@@ -508,6 +508,7 @@ def _joint_graphs(
             allow_non_fake_inputs=True
         )
         with fake_mode, torch.enable_grad():
+            # Non-tensor operands (the sizes Dynamo lifts under dynamic shapes) pass as they are.
             primals = [
                 torch.empty_strided(
                     x.shape,
@@ -516,10 +517,14 @@ def _joint_graphs(
                     device=x.device,
                     requires_grad=x.requires_grad,
                 )
+                if isinstance(x, torch.Tensor)
+                else x
                 for x in operands
             ]
             outs = _call_body(body, primals)
-        grad_inputs = tuple(i for i, x in enumerate(primals) if x.requires_grad)
+        grad_inputs = tuple(
+            i for i, x in enumerate(primals) if isinstance(x, torch.Tensor) and x.requires_grad
+        )
         grad_outputs = tuple(
             i
             for i, y in enumerate(outs)
@@ -529,7 +534,7 @@ def _joint_graphs(
             tangents = [
                 torch.empty_like(outs[i], requires_grad=False) for i in grad_outputs
             ]
-            primals = [p.detach() for p in primals]
+            primals = [_detach(p) for p in primals]
 
         num_primals, num_outputs = len(primals), len(outs)
 
@@ -552,18 +557,18 @@ def _joint_graphs(
         # Traced with autograd (the region may hold ops, like funcol's collectives,
         # whose autograd formulas functorch cannot transform), then functionalized.
         with fake_mode:
-            primals = [
-                p.requires_grad_(i in grad_inputs) for i, p in enumerate(primals)
-            ]
+            for i in grad_inputs:
+                primals[i].requires_grad_(True)
             traced = make_fx(joint, decomposition_table=select_decomp_table())(
                 *primals, *tangents
             )
-            primals = [p.detach() for p in primals]
+            primals = [_detach(p) for p in primals]
             joint_gm = make_fx(
                 torch.func.functionalize(traced, remove="mutations_and_views")
             )(*primals, *tangents)
         _prepare_for_partition(joint_gm, num_primals, num_outputs)
         forward, backward = default_partition(joint_gm, [], num_fwd_outputs=num_outputs)
+        _save_in_backward_order(forward, backward, num_outputs)
 
     num_saved = len(forward.graph.find_nodes(op="output")[0].args[0]) - num_outputs
     forward_spec = spec._replace(saved=num_saved)
@@ -582,6 +587,29 @@ def _joint_graphs(
         grad_outputs,
         grad_inputs,
     )
+
+
+def _save_in_backward_order(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_outputs: int
+) -> None:
+    """Reorders what ``forward`` saves to the order of ``backward``'s inputs.
+
+    The partitioner returns saved tensors before saved sizes (SymInts, under
+    dynamic shapes) but the backward takes the sizes first; the region's
+    backward call passes the saved values in the order the forward returned them.
+    """
+    output = forward.graph.find_nodes(op="output")[0]
+    results, saved = output.args[0][:num_outputs], output.args[0][num_outputs:]
+    by_name = {node.name: node for node in saved}
+    wanted = [node.name for node in backward.graph.find_nodes(op="placeholder")[: len(saved)]]
+    if sorted(wanted) != sorted(by_name):
+        raise AssertionError(f"region backward reads {wanted} but its forward saves {sorted(by_name)}")
+    output.args = ((*results, *(by_name[name] for name in wanted)),)
+    forward.recompile()
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _prepare_for_partition(
@@ -626,7 +654,10 @@ class _RegionFunction(torch.autograd.Function):
             outs = local_map_region(joint.forward, joint.forward_spec, *operands)
         ctx.joint = joint
         ctx.num_operands = len(operands)
-        ctx.save_for_backward(*outs[joint.num_outputs :])
+        # What the backward reads: tensors through autograd's saving, sizes (SymInts) as they are.
+        saved = outs[joint.num_outputs :]
+        ctx.save_for_backward(*(x for x in saved if isinstance(x, torch.Tensor)))
+        ctx.saved_sizes = [None if isinstance(x, torch.Tensor) else x for x in saved]
         results = outs[: joint.num_outputs]
         ctx.mark_non_differentiable(
             *(r for i, r in enumerate(results) if i not in joint.grad_outputs)
@@ -636,14 +667,13 @@ class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         joint: _Joint = ctx.joint
-        tangents = [
-            grads[i] if grads[i] is not None else torch.zeros_like(ctx.saved_tensors[0])
-            for i in joint.grad_outputs
-        ]
-        tangents = [t.contiguous() for t in tangents]
+        # Autograd materializes the gradient of an unused output as zeros: none is None.
+        tangents = [grads[i].contiguous() for i in joint.grad_outputs]
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if x is None else x for x in ctx.saved_sizes]
         with torch._C._AutoDispatchBelowAutograd():
             grad_inputs = local_map_region(
-                joint.backward, joint.backward_spec, *ctx.saved_tensors, *tangents
+                joint.backward, joint.backward_spec, *saved, *tangents
             )
         result: list[Any] = [None] * ctx.num_operands
         for i, g in zip(joint.grad_inputs, grad_inputs):
