@@ -33,6 +33,7 @@ __all__ = [
     "DynamoGraphInfo",
     "NodePlacement",
     "annotate_aot_graph",
+    "charge_collective",
     "describe_dynamo_graph",
     "format_aot_graph",
 ]
@@ -178,6 +179,16 @@ def _source_node(node: fx.Node, info: DynamoGraphInfo, known: dict[fx.Node, str]
     return next((known[a] for a in node.all_input_nodes if a in known), None)
 
 
+def charge_collective(node: fx.Node, collective: CollectiveInfo, kind: str, info: DynamoGraphInfo, source: str | None) -> str:
+    """Costs collective ``node`` under the profile, charges it to Dynamo node ``source``; returns its note."""
+    link = info.profile.link(collective.group_span)
+    time_us = collective_time_us(collective.op, collective.bytes, collective.group_size, link)
+    node.meta["dtcompile_collective"] = collective
+    node.meta["dtcompile_cost_us"] = time_us
+    info.communication[source or "?"].append(Communication(kind, collective, time_us))
+    return f"{collective.short} ~{time_us:.1f} us ({info.profile.name})"
+
+
 def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> int:
     """Annotates every call node of an AOT graph (see the module docstring); returns how many."""
     count = 0
@@ -190,15 +201,10 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> 
             known[node] = source
         if kind != "backward" and source is not None and node.meta.get("seq_nr") is not None:
             info.seq_nr_to_node.setdefault(node.meta["seq_nr"], source)
+        node.meta["dtcompile_source"] = source
         collective = collective_info(node, info.axes)
         if collective is not None:
-            link = info.profile.link(collective.group_span)
-            time_us = collective_time_us(collective.op, collective.bytes, collective.group_size, link)
-            node.meta["dtcompile_collective"] = collective
-            node.meta["dtcompile_cost_us"] = time_us
-            communication = Communication(kind, collective, time_us)
-            info.communication[source or "?"].append(communication)
-            note = f"{collective.short} ~{time_us:.1f} us ({info.profile.name})"
+            note = charge_collective(node, collective, kind, info, source)
         elif source is not None:
             placement = info.nodes.get(source)
             role = "grad of" if kind == "backward" and not node.meta.get("from_node") else "from"

@@ -187,7 +187,7 @@ class DTCompileBackend:
         gm.meta["dtcompile_graph_info"] = info
         gm, passes = run_passes(gm, example_inputs, self.config)
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
-        regions = inline_regions(gm, info.axes)
+        regions = inline_regions(gm, info)
         gm.recompile()
         record = CompiledGraph(
             compile_id=info.compile_id,

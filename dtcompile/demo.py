@@ -1,11 +1,14 @@
 """Demo: the tensor + sequence parallel block compiled with dtcompile on 4 simulated ranks.
 
-Run ``python -m dtcompile.demo``.  Each rank is a thread of this process with a
+Run ``python -m dtcompile.demo``.  The block's attention core is a ``local_map``
+region on head-sharded q, k and v (``--model tp_sp_block`` for the plain block).
+Each rank is a thread of this process with a
 real-semantics process group; every rank compiles the block with
 ``backend="dtcompile"``, runs forward and backward, and is checked against eager
 and against the single-process block.  Then rank 0's inspection report
 (``dtcompile.explain``: DTensor placements node by node, the collectives each
-causes with estimated times, totals, graph breaks, recompiles) is printed.
+causes with estimated times, the ``local_map`` regions, totals, graph breaks,
+recompiles) is printed.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _report(case_name: str, world_size: int, inductor: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tp_sp_block", choices=sorted(CASES))
+    parser.add_argument("--model", default="tp_sp_block_local_map", choices=sorted(CASES))
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--no-inductor", action="store_true", help="skip Inductor lowering")
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from dtcompile.annotations import DynamoGraphInfo, charge_collective
 from dtcompile.collectives import collective_info
 from hops.local_map import RegionSpec, _spec, local_map_region
 
@@ -113,19 +114,26 @@ def format_with_regions(gm: fx.GraphModule) -> str:
 
 
 def inline_regions(
-    gm: fx.GraphModule, axes: dict[str, str] | None = None
+    gm: fx.GraphModule, info: DynamoGraphInfo | None = None
 ) -> list[RegionInfo]:
     """Splices every region's body into ``gm`` in place; returns what it inlined.
 
     Spliced nodes get ``meta["dtcompile_region"]`` (the region node's name) and an
-    annotation that says so; the region's outputs (``getitem`` users) become the
-    body's outputs.
+    annotation: the region node's own (its Dynamo node and placement, from the
+    ``annotate`` pass), or for a collective its cost under ``info``'s profile
+    (charged to the region's Dynamo node), then which region it is in.  The
+    region's outputs (``getitem`` users) become the body's outputs.
     """
+    axes = info.axes if info is not None else None
+    kind = gm.meta.get("dtcompile_graph_kind", "forward")
     inlined = []
     for node in list(gm.graph.nodes):
         if not is_region(node):
             continue
         spec = _spec(node.args[1])
+        where = f"in local_map region {spec.name} ({node.name})"
+        region_note = node.meta.get("dtcompile_annotation")
+        source = node.meta.get("dtcompile_source")
         body = region_body(node)
         ops, collectives = 0, []
         env: dict[fx.Node, fx.Node] = {}
@@ -151,11 +159,13 @@ def inline_regions(
                 copied = gm.graph.node_copy(inner, env.__getitem__)
                 copied.meta["dtcompile_region"] = node.name
                 ops += copied.op == "call_function"
-                note = f"in local_map region {spec.name} ({node.name})"
                 collective = collective_info(copied, axes)
                 if collective is not None:
                     collectives.append(collective.short)
-                    note += f": {collective.short}"
+                    cost = charge_collective(copied, collective, kind, info, source) if info is not None else collective.short
+                    note = f"{cost}; {where}"
+                else:
+                    note = f"{region_note}; {where}" if region_note else where
                 copied.meta["dtcompile_annotation"] = note
                 env[inner] = copied
         for user in list(node.users):

@@ -127,13 +127,17 @@ def format_compiled_graph(record: CompiledGraph) -> str:
             record.info.format(),
             f"-- {record.kind} graph --",
             record.annotated(),
-            *(["-- local_map regions (one op each until lowering) --", *map(str, record.regions)] if record.regions else []),
+            *_region_lines(record, "-- local_map regions (one op each until lowering) --"),
             "-- passes --",
             *_pass_lines(record),
             "-- collectives --",
             *_collective_table([record]),
         ]
     )
+
+
+def _region_lines(record: CompiledGraph, title: str) -> list[str]:
+    return [title, *map(str, record.regions)] if record.regions else []
 
 
 def _pass_lines(record: CompiledGraph) -> list[str]:
@@ -170,6 +174,7 @@ class Report:
             for record in records:
                 if aot_graphs:
                     lines += [f"-- {record.kind} graph --", record.annotated()]
+                lines += _region_lines(record, f"-- local_map regions of the {record.kind} graph (one op each until lowering) --")
                 lines += [f"-- passes on the {record.kind} graph --", *_pass_lines(record)]
         lines += ["== collectives ==", *_collective_table(list(self.graphs))]
         lines.append("== graph breaks ==")

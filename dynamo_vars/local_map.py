@@ -320,6 +320,8 @@ class LocalMapVariable(WrapHigherOrderVariable):
             vt.synchronize_attributes(tx)
         if hop_node is not None:
             hop_node.meta["example_value"] = tuple(wrapped)
+            # Named after the region, as its AOT nodes are: reports say "from attention".
+            hop_node._rename(spec.name)
 
 
 def _fix_hint(message: str) -> str:

@@ -421,7 +421,21 @@ def _proxy(
     out = mode.tracer.create_proxy(
         "call_function", local_map_region, proxy_args, {}, name=spec.name
     )
+    seq_nr = getattr(_state, "forward_seq_nr", None)
+    if seq_nr is not None and not spec.backward:
+        # Pairs it with its backward region (AOTAutograd and dtcompile match nodes by it).
+        out.node.meta["seq_nr"] = seq_nr
     return track_tensor_tree(example, out, constant=None, tracer=mode.tracer)
+
+
+@contextlib.contextmanager
+def _forward_seq_nr(seq_nr: int) -> Iterator[None]:
+    before = getattr(_state, "forward_seq_nr", None)
+    _state.forward_seq_nr = seq_nr
+    try:
+        yield
+    finally:
+        _state.forward_seq_nr = before
 
 
 @local_map_region.py_impl(DispatchKey.CompositeExplicitAutograd)
@@ -649,8 +663,11 @@ class _RegionFunction(torch.autograd.Function):
     def forward(
         ctx: Any, body: Callable[..., Any], spec: RegionSpec, *operands: Any
     ) -> tuple[Any, ...]:
+        # This Function's autograd node, whose number the backward region's node gets:
+        # the forward region's node gets it too (tracing the joint numbers more nodes).
+        seq_nr = torch.autograd._get_sequence_nr() - 1
         joint = _joint_graphs(body, spec, operands)
-        with torch._C._AutoDispatchBelowAutograd():
+        with torch._C._AutoDispatchBelowAutograd(), _forward_seq_nr(seq_nr):
             outs = local_map_region(joint.forward, joint.forward_spec, *operands)
         ctx.joint = joint
         ctx.num_operands = len(operands)

@@ -83,12 +83,12 @@ def test_sharded_pointwise_graphs(fake_world):
     assert_expected_inline(
         dynamo,
         """\
-dtcompile_local_map = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)]](l_x_)
+gelu_scale = local_map[gelu_scale on (tp=4): [S(0)] -> [S(0)] | grads [S(0)]](l_x_)
     def local_map_body_0(x):
         gelu = gelu(x)
         mul = mul(gelu, 3.0)
         return (mul,)
-getitem = getitem(dtcompile_local_map, 0)
+getitem = getitem(gelu_scale, 0)
 add = add(getitem, 1.0)""",
     )
     assert_expected_inline(
@@ -139,11 +139,11 @@ def test_replicated_linear_graphs(fake_world):
     assert_expected_inline(
         dynamo,
         """\
-dtcompile_local_map = local_map[linear on (tp=4): [R, R, R] -> [R] | grads [R, R, R]](l_x_, l_w_, l_b_)
+linear = local_map[linear on (tp=4): [R, R, R] -> [R] | grads [R, R, R]](l_x_, l_w_, l_b_)
     def local_map_body_0(x, w, b):
         linear = linear(x, w, b)
         return (linear,)
-getitem = getitem(dtcompile_local_map, 0)
+getitem = getitem(linear, 0)
 tanh = .tanh(getitem)""",
     )
     assert_expected_inline(
@@ -204,7 +204,7 @@ def test_cp_attention_graphs(fake_world):
     assert_expected_inline(
         dynamo,
         """\
-dtcompile_local_map = local_map[attention on (dp=2, cp=2): [S(0)S(1), S(0)R, S(0)R] -> [S(0)S(1)] | grads [S(0)S(1), S(0)P(sum), S(0)P(sum)]](l_q_, l_k_, l_v_)
+attention = local_map[attention on (dp=2, cp=2): [S(0)S(1), S(0)R, S(0)R] -> [S(0)S(1)] | grads [S(0)S(1), S(0)P(sum), S(0)P(sum)]](l_q_, l_k_, l_v_)
     def local_map_body_0(q, k, v):
         transpose = .transpose(k, -2, -1)
         matmul = matmul(q, transpose)
@@ -212,7 +212,7 @@ dtcompile_local_map = local_map[attention on (dp=2, cp=2): [S(0)S(1), S(0)R, S(0
         softmax = softmax(scores, dim=-1)
         matmul_1 = matmul(softmax, v)
         return (matmul_1,)
-getitem = getitem(dtcompile_local_map, 0)
+getitem = getitem(attention, 0)
 mul = mul(getitem, 0.5)""",
     )
     assert_expected_inline(
@@ -322,13 +322,13 @@ def test_region_with_collective_graphs(fake_world):
     assert_expected_inline(
         dynamo,
         """\
-dtcompile_local_map = local_map[gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)]](l_x_, l_w_)
+gather_matmul = local_map[gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)]](l_x_, l_w_)
     def local_map_body_0(x, w):
         tensor = _c10d_functional.all_gather_into_tensor(x, 4, '0')
         res = _c10d_functional.wait_tensor(tensor)
         matmul = matmul(res, w)
         return (matmul,)
-getitem = getitem(dtcompile_local_map, 0)
+getitem = getitem(gather_matmul, 0)
 relu = .relu(getitem)""",
     )
     assert_expected_inline(
@@ -882,11 +882,20 @@ def test_regions_are_counted_and_named_in_what_dtcompile_logs(fake_world, caplog
     assert bw_region["collectives"] == ["reduce_scatter[tp] x4 192 B"]
     report = format_compiled_graph(backward)
     assert "-- local_map regions (one op each until lowering) --" in report
-    # Lowered, the region's collective is one of the graph's and is tagged with the region.
+    # Lowered, the region's collective is one of the graph's, costed and tagged with the
+    # region; its other nodes name the region's Dynamo node, as does the placement view,
+    # which charges it the region's collectives, forward and backward.
+    annotated = backward.annotated()
     assert (
-        "in local_map region gather_matmul (gather_matmul_1): reduce_scatter[tp] x4 192 B"
-        in backward.annotated()
+        "# reduce_scatter[tp] x4 192 B ~8.4 us (h100); in local_map region gather_matmul (gather_matmul_1)"
+        in annotated
     )
+    assert (
+        "# grad of gather_matmul: Spec(f32[8, 8](S(1))); in local_map region gather_matmul (gather_matmul_1)"
+        in annotated
+    )
+    (region_line,) = [line for line in backward.info.format().splitlines() if line.startswith("gather_matmul = ")]
+    assert region_line.endswith("# forward all_gather[tp] x4 192 B ~8.4 us; backward reduce_scatter[tp] x4 192 B ~8.4 us")
 
 
 def test_a_user_placement_subclass_is_refused_not_taken_for_partial(tp_mesh):

@@ -75,6 +75,7 @@ CASES: dict[str, ModelCase] = {
     for case in [
         ModelCase("tp_mlp", models.build_mlp, ("tp",), None),
         ModelCase("tp_sp_block", models.build_block, ("tp",), None),
+        ModelCase("tp_sp_block_local_map", models.build_block_local_map, ("tp",), None),
         ModelCase("fsdp_mlp", models.build_fsdp_mlp, ("dp",), "dp"),
         ModelCase("block_2d", models.build_block_2d, ("dp", "tp"), "dp"),
     ]

@@ -13,6 +13,8 @@ compiled and reference runs can be compared directly:
 - :func:`parallelize_fsdp_mlp`: the MLP with every parameter a ``Shard(0)``
   DTensor that is all-gathered in forward (SimpleFSDP style); input and output
   are the rank's own batch shard, gradients are reduce-scattered.
+- :func:`build_block_local_map`: the same block and plan, its attention core a
+  ``local_map`` region on head-sharded q, k and v (:class:`RegionAttention`).
 - :func:`parallelize_block_2d`: the block on a 2-D ``(dp, tp)`` mesh: tensor +
   sequence parallel over ``tp``, data parallel over ``dp`` (parameters
   replicated across ``dp``, gradients all-reduced there); input and output are
@@ -52,13 +54,17 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.utils import parametrize
 
+from hops import local_map
+
 __all__ = [
     "MLP",
     "Block",
     "BlockArgs",
     "RMSNorm",
+    "RegionAttention",
     "build_block",
     "build_block_2d",
+    "build_block_local_map",
     "build_fsdp_mlp",
     "build_mlp",
     "parallelize_block",
@@ -98,6 +104,15 @@ class BlockArgs:
     eps: float = 1e-6
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention over ``(batch, heads, seq, head_dim)``."""
+    seq = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(causal, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
 class Attention(nn.Module):
     def __init__(self, args: BlockArgs) -> None:
         super().__init__()
@@ -107,17 +122,31 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
+    core = staticmethod(causal_attention)
+    """The attention on heads; :class:`RegionAttention` runs it as a ``local_map`` region."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism the projections return the local heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(causal, float("-inf"))
-        out = scores.softmax(dim=-1) @ v
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class RegionAttention(Attention):
+    """:class:`Attention` whose core is a ``local_map`` region on head-sharded DTensors.
+
+    Parallelized with ``ColwiseParallel(use_local_output=False)`` the projections
+    return DTensors sharded on heads (``Shard(1)`` after the transpose), and the
+    region runs the attention on the local heads.  On plain tensors (the
+    reference) the region is the plain function.
+    """
+
+    core = staticmethod(
+        local_map(causal_attention, [Shard(1)], ([Shard(1)],) * 3, ([Shard(1)],) * 3)
+    )
 
 
 class FeedForward(nn.Module):
@@ -136,10 +165,10 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """A Llama-style transformer block: pre-norm attention and SwiGLU MLP."""
 
-    def __init__(self, args: BlockArgs) -> None:
+    def __init__(self, args: BlockArgs, attention: type[Attention] = Attention) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.eps)
-        self.attention = Attention(args)
+        self.attention = attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.eps)
         self.feed_forward = FeedForward(args.dim, args.hidden)
 
@@ -161,16 +190,19 @@ def parallelize_block(model: Block, mesh: DeviceMesh) -> Block:
     Norms run sequence-sharded (``Shard(1)``); attention and the MLP all-gather
     the sequence, compute on local heads / hidden columns and reduce-scatter back
     to the sequence shard.  The block's own input is replicated and its output is
-    gathered again, so it can be compared with the single-process model.
+    gathered again, so it can be compared with the single-process model.  With a
+    :class:`RegionAttention`, q, k and v stay DTensors for its region.
     """
+    heads_as_dtensors = isinstance(model.attention, RegionAttention)
+    projection = ColwiseParallel(use_local_output=not heads_as_dtensors)
     plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
+        "attention.wq": projection,
+        "attention.wk": projection,
+        "attention.wv": projection,
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(
@@ -336,6 +368,18 @@ def build_block(
 ) -> tuple[Block, Block, torch.Tensor]:
     """Returns ``(reference, parallel, input)``; the input is replicated, ``seq`` must divide by the TP degree."""
     return _build(lambda: Block(args), parallelize_block, mesh, (batch, seq, args.dim), seed)
+
+
+def build_block_local_map(
+    mesh: DeviceMesh,
+    *,
+    batch: int = 2,
+    seq: int = 8,
+    args: BlockArgs = BlockArgs(),
+    seed: int = 0,
+) -> tuple[Block, Block, torch.Tensor]:
+    """:func:`build_block` with the attention core a ``local_map`` region (:class:`RegionAttention`)."""
+    return _build(lambda: Block(args, RegionAttention), parallelize_block, mesh, (batch, seq, args.dim), seed)
 
 
 def build_fsdp_mlp(
