@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -365,21 +366,14 @@ def build_block(
     seq: int = 8,
     args: BlockArgs = BlockArgs(),
     seed: int = 0,
+    attention: type[Attention] = Attention,
 ) -> tuple[Block, Block, torch.Tensor]:
     """Returns ``(reference, parallel, input)``; the input is replicated, ``seq`` must divide by the TP degree."""
-    return _build(lambda: Block(args), parallelize_block, mesh, (batch, seq, args.dim), seed)
+    return _build(lambda: Block(args, attention), parallelize_block, mesh, (batch, seq, args.dim), seed)
 
 
-def build_block_local_map(
-    mesh: DeviceMesh,
-    *,
-    batch: int = 2,
-    seq: int = 8,
-    args: BlockArgs = BlockArgs(),
-    seed: int = 0,
-) -> tuple[Block, Block, torch.Tensor]:
-    """:func:`build_block` with the attention core a ``local_map`` region (:class:`RegionAttention`)."""
-    return _build(lambda: Block(args, RegionAttention), parallelize_block, mesh, (batch, seq, args.dim), seed)
+build_block_local_map = functools.partial(build_block, attention=RegionAttention)
+"""``build_block`` with the attention core a ``local_map`` region (:class:`RegionAttention`)."""
 
 
 def build_fsdp_mlp(
