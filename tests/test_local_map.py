@@ -1050,3 +1050,16 @@ def test_a_nested_local_map_is_part_of_the_outer_region(tp_mesh):
         "outer_body on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] | saved 1",
         "outer_body on (tp=4): [S(0)] -> [S(0)] | grads [S(0)] | saved 1 | backward",
     ]
+
+
+def test_the_report_lists_each_graphs_regions(fake_world):
+    case = REGION_CASES["region_with_collective"]
+    mesh = _mesh(fake_world, case)
+    report = dtcompile.explain(case.make(mesh))(*case.inputs(mesh, case.global_inputs()))
+    text = report.text(aot_graphs=False)
+    forward = text.index("-- local_map regions of the forward graph (one op each until lowering) --")
+    backward = text.index("-- local_map regions of the backward graph (one op each until lowering) --")
+    assert forward < text.index(
+        "gather_matmul: gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)] | saved 2 (3 ops; issues all_gather[tp] x4 192 B)"
+    ) < backward
+    assert "ops; issues reduce_scatter[tp] x4 192 B)" in text[backward:]
