@@ -232,12 +232,23 @@ def keep_regions(flag: bool = True) -> Iterator[None]:
     plain ops.  The dtcompile backend turns it on while AOTAutograd traces, and
     inlines the regions itself just before lowering.
     """
-    before = regions_kept()
-    _state.keep = flag
+    with _swapped_state("keep", flag):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped_state(name: str, value: Any) -> Iterator[None]:
+    """This thread's ``_state.<name>`` is ``value`` inside the block, and as it was after."""
+    missing = object()
+    before = getattr(_state, name, missing)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state.keep = before
+        if before is missing:
+            delattr(_state, name)
+        else:
+            setattr(_state, name, before)
 
 
 def regions_kept() -> bool:
@@ -426,16 +437,6 @@ def _proxy(
         # Pairs it with its backward region (AOTAutograd and dtcompile match nodes by it).
         out.node.meta["seq_nr"] = seq_nr
     return track_tensor_tree(example, out, constant=None, tracer=mode.tracer)
-
-
-@contextlib.contextmanager
-def _forward_seq_nr(seq_nr: int) -> Iterator[None]:
-    before = getattr(_state, "forward_seq_nr", None)
-    _state.forward_seq_nr = seq_nr
-    try:
-        yield
-    finally:
-        _state.forward_seq_nr = before
 
 
 @local_map_region.py_impl(DispatchKey.CompositeExplicitAutograd)
@@ -667,7 +668,7 @@ class _RegionFunction(torch.autograd.Function):
         # the forward region's node gets it too (tracing the joint numbers more nodes).
         seq_nr = torch.autograd._get_sequence_nr() - 1
         joint = _joint_graphs(body, spec, operands)
-        with torch._C._AutoDispatchBelowAutograd(), _forward_seq_nr(seq_nr):
+        with torch._C._AutoDispatchBelowAutograd(), _swapped_state("forward_seq_nr", seq_nr):
             outs = local_map_region(joint.forward, joint.forward_spec, *operands)
         ctx.joint = joint
         ctx.num_operands = len(operands)

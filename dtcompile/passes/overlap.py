@@ -111,7 +111,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], profile: Any) -> int:
+def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions: set[fx.Node], profile: Any) -> int:
     from dtcompile.cost_model import collective_time_us, node_time_us
 
     moved = 0
@@ -130,7 +130,7 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], profile: Any) -
         ancestors = _ancestors(node)
         candidates = []
         for before in reversed([n for n in gm.graph.nodes if order[n] < order[node]]):
-            if before.op != "call_function" or before.target is _WAIT or before in infos or issues_collectives(before):
+            if before.op != "call_function" or before.target is _WAIT or before in infos or before in talking_regions:
                 break  # do not move compute across another collective or wait, or a region issuing one
             if before in ancestors:
                 continue
@@ -153,10 +153,11 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], confi
     """See the module docstring."""
     from dtcompile.cost_model import get_profile
 
-    # Described once: moving nodes changes no collective.
+    # Described once: moving nodes changes no collective (nor what a region issues).
     infos = {node: info for node in gm.graph.nodes if (info := collective_info(node)) is not None}
+    talking_regions = {node for node in gm.graph.nodes if issues_collectives(node)}
     moved = _sink_waits(gm) + _hoist_collectives(gm, infos, config.overlap_memory_budget_bytes)
-    moved += _fill_windows(gm, infos, get_profile(config.cost_profile))
+    moved += _fill_windows(gm, infos, talking_regions, get_profile(config.cost_profile))
     if moved:
         gm.graph.lint()
         gm.recompile()
