@@ -49,7 +49,7 @@ def main() -> None:
     import dtcompile
     from dtcompile._testing.models import BlockArgs, build_block
     from dtcompile.testing import fake_world
-    from tools import report as report_tool
+    from dtcompile_tools import report as report_tool
 
     with tempfile.TemporaryDirectory() as trace_dir, tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "TORCH_TRACE": trace_dir}

@@ -4,13 +4,24 @@
 installed; ``dtcompile.backend(**options)`` makes a configured one.
 ``dtcompile.local_map`` is :func:`hops.local_map`: torch's ``local_map`` as one
 op that keeps its placements through to the backend.
+
+Importing ``dtcompile`` has no side effects and imports nothing heavy: each name
+below is loaded on first use, and Dynamo is changed only when a backend is
+made (:func:`backend`, or torch looking the name ``"dtcompile"`` up).
 """
 
-from dtcompile.collectives import CollectiveInfo
-from dtcompile.compiler import CompiledGraph, DTCompileBackend, backend
-from dtcompile.config import DTCompileConfig
-from dtcompile.report import Report, explain
-from hops.local_map import local_map
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
+    from dtcompile.collectives import CollectiveInfo
+    from dtcompile.compiler import DTCompileBackend, backend
+    from dtcompile.config import DTCompileConfig
+    from dtcompile.records import CompiledGraph
+    from dtcompile.report import Report, explain
+    from hops.local_map import local_map
 
 __all__ = [
     "CollectiveInfo",
@@ -22,3 +33,26 @@ __all__ = [
     "explain",
     "local_map",
 ]
+
+_WHERE = {
+    "CollectiveInfo": "dtcompile.collectives",
+    "CompiledGraph": "dtcompile.records",
+    "DTCompileBackend": "dtcompile.compiler",
+    "DTCompileConfig": "dtcompile.config",
+    "Report": "dtcompile.report",
+    "backend": "dtcompile.compiler",
+    "explain": "dtcompile.report",
+    "local_map": "hops.local_map",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'dtcompile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

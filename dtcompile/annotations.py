@@ -27,6 +27,8 @@ from torch.utils import _pytree as pytree
 
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost_model import HardwareProfile, collective_time_us
+from dtcompile.notation import describe_mesh, real_object
+from hops.region_op import region_call_id
 
 __all__ = [
     "Communication",
@@ -80,6 +82,8 @@ class DynamoGraphInfo:
     """Every node of the Dynamo graph (the provenance of AOT nodes names one)."""
     meshes: tuple[str, ...] = ()
     seq_nr_to_node: dict[int, str] = field(default_factory=dict)
+    region_calls: dict[int, str] = field(default_factory=dict)
+    """A forward ``local_map`` region's call id -> its Dynamo node (its backward region has the same id)."""
     communication: dict[str, list[Communication]] = field(default_factory=lambda: defaultdict(list))
 
     def format(self) -> str:
@@ -107,8 +111,6 @@ def _spec(value: Any) -> str | None:
 def _mesh_text(value: Any) -> str | None:
     """``DeviceMesh((tp=4))`` for a mesh, or the trace-time fake of one; else None."""
     from torch.distributed.device_mesh import DeviceMesh
-
-    from dynamo_vars.guards import describe_mesh, real_object
 
     real = real_object(value)
     return describe_mesh(real) if isinstance(real, DeviceMesh) else None
@@ -142,8 +144,6 @@ def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, s
     """The placements of every DTensor node of a Dynamo graph (read from its example values)."""
     from torch.distributed.tensor import DTensor
 
-    from dynamo_vars.guards import real_object
-
     info = DynamoGraphInfo(compile_id, axes, profile)
     meshes: dict[str, None] = {}  # reprs, in order of appearance
     for node in gm.graph.nodes:
@@ -167,12 +167,16 @@ def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, s
 
 def _source_node(node: fx.Node, info: DynamoGraphInfo, known: dict[fx.Node, str]) -> str | None:
     """The Dynamo node an AOT node was traced from: its ``from_node``; for a backward
-    node, the forward node with the same autograd sequence number; else (a wait, a
-    gradient accumulation) the source of its first input that has one."""
+    ``local_map`` region, its forward region's (paired by call id); for another
+    backward node, the forward node with the same autograd sequence number; else
+    (a wait, a gradient accumulation) the source of its first input that has one."""
     sources = node.meta.get("from_node") or []
     if sources:
         # The first entry is the outermost graph that produced it: the Dynamo graph.
         return sources[0].name
+    call_id = region_call_id(node)
+    if call_id is not None and call_id in info.region_calls:
+        return info.region_calls[call_id]
     seq_nr = node.meta.get("seq_nr")
     if seq_nr is not None and seq_nr in info.seq_nr_to_node:
         return info.seq_nr_to_node[seq_nr]
@@ -201,6 +205,8 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> 
             known[node] = source
         if kind != "backward" and source is not None and node.meta.get("seq_nr") is not None:
             info.seq_nr_to_node.setdefault(node.meta["seq_nr"], source)
+        if kind != "backward" and source is not None and region_call_id(node) is not None:
+            info.region_calls[region_call_id(node)] = source
         node.meta["dtcompile_source"] = source
         collective = collective_info(node, info.axes)
         if collective is not None:

@@ -2,7 +2,16 @@
 
 ``backend(**options)`` returns a compiler function for ``torch.compile``; the
 name ``"dtcompile"`` (registered through the ``torch_dynamo_backends`` entry
-point) is that factory's result with default options.
+point ``dtcompile.compiler:dtcompile``) is that factory's result with default
+options, made when torch first looks the name up.  Making a backend installs
+:mod:`dynamo_vars` (nothing is installed at import).
+
+torch.compile's own knobs reach the backend: ``options={...}`` keys that are
+:class:`~dtcompile.config.DTCompileConfig` fields set them and the others are
+Inductor settings; ``mode=`` adds Inductor's settings for that mode
+(``torch._inductor.list_mode_options``).  Settings that cannot take effect
+(Inductor settings with ``inductor=False``, CUDA graphs on a CPU graph) are
+dropped with one warning that names them.
 
 The pipeline for one Dynamo graph:
 
@@ -13,7 +22,7 @@ The pipeline for one Dynamo graph:
    ``local_map`` regions stay one ``local_map_region`` node each, forward and
    backward (:func:`hops.keep_regions` is on while AOTAutograd traces).
 2. :func:`dtcompile.passes.run_passes` runs the ordered pass list on each.
-3. Lowering: the regions are inlined (:func:`dtcompile.regions.inline_regions`),
+3. Lowering: the regions are inlined (:func:`dtcompile.lowering.inline_regions`),
    then Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph as
    it is (``inductor=False``).
 """
@@ -21,85 +30,95 @@ The pipeline for one Dynamo graph:
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
 import dynamo_vars
-from hops import keep_regions
-from dtcompile.annotations import (
-    DynamoGraphInfo,
-    describe_dynamo_graph,
-    format_aot_graph,
-)
-from dtcompile.collectives import CollectiveInfo, graph_collectives, mesh_axes
-from dtcompile.config import DTCompileConfig
+from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
+from dtcompile.artifacts import emit_artifacts, format_compiled_graph
+from dtcompile.collectives import graph_collectives, mesh_axes
+from dtcompile.config import DTCompileConfig, inductor_settings
 from dtcompile.cost_model import get_profile
-from dtcompile.passes import PassRecord, run_passes
-from dtcompile.regions import RegionInfo, format_with_regions, inline_regions, is_region
-from dtcompile.report import emit_artifacts, format_compiled_graph
+from dtcompile.lowering import inline_regions
+from dtcompile.passes import PassContext, run_passes
+from dtcompile.records import CompiledGraph
+from dtcompile.regions import format_with_regions, is_region
+from dtcompile.sharding_cache import fresh_sharding_caches
+from hops import keep_regions
 
-__all__ = ["CompiledGraph", "DTCompileBackend", "backend", "dtcompile"]
+__all__ = ["DTCompileBackend", "backend", "named_backend"]
 
 log = logging.getLogger(__name__)
 
 # How many compiled graphs a backend keeps for inspection; older ones are dropped.
 _MAX_RECORDS = 256
 
-
-@dataclass(frozen=True)
-class CompiledGraph:
-    """What dtcompile did with one AOT graph (forward, backward or inference)."""
-
-    compile_id: str
-    """Dynamo's compile id, e.g. ``"0/0"`` (frame 0, first compile)."""
-    kind: str
-    """``forward``, ``backward`` or ``inference``."""
-    graph: fx.GraphModule
-    """The graph after the passes and with its regions inlined, as handed to lowering."""
-    collectives: tuple[CollectiveInfo, ...]
-    passes: tuple[PassRecord, ...]
-    info: DynamoGraphInfo
-    """The Dynamo graph it came from: placements, and collectives charged to its nodes."""
-    regions: tuple[RegionInfo, ...] = ()
-    """The ``local_map`` regions the passes saw as one op each (inlined at lowering)."""
-    with_regions: str = ""
-    """The graph as the passes left it, regions as one op (:func:`~dtcompile.regions.format_with_regions`);
-    empty when it has none."""
-
-    def annotated(self) -> str:
-        """The graph one line per call node with its annotation (see :mod:`dtcompile.annotations`)."""
-        return format_aot_graph(self.graph)
+# torch.compile's modes, as Inductor spells them out (torch._inductor.list_mode_options).
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-@contextlib.contextmanager
-def _fresh_sharding_caches() -> Iterator[None]:
-    """DTensor's sharding caches, empty before AOTAutograd and emptied after it.
+def config_for(
+    config: DTCompileConfig,
+    mode: str | None,
+    options: Mapping[str, Any] | None,
+    devices: frozenset[str] = frozenset(),
+) -> tuple[DTCompileConfig, list[str]]:
+    """``config`` with torch.compile's ``mode`` and ``options`` applied; also what was ignored.
 
-    AOTAutograd runs DTensor ops on inputs whose mesh is a trace-time fake; those
-    land in DTensor's caches, which compare meshes by ``==``, and a later hit gave
-    compiled gradients and eager results the fake (or an earlier, equal mesh).
+    ``options`` keys that are config fields replace them; the others are Inductor
+    settings, added to ``inductor_config``; an unknown key is a ``ValueError``
+    listing both kinds.  ``mode`` adds Inductor's settings for that mode (under
+    the ones given explicitly).  ``devices`` are the device types of the graph's
+    inputs: CUDA graphs are dropped on a graph with no CUDA input, and every
+    Inductor setting when ``inductor`` is False; each such drop is one line of
+    the returned list.
     """
-    from dynamo_vars.dtensor_api import clear_sharding_caches
+    from torch._inductor import list_mode_options
 
-    clear_sharding_caches()
-    try:
-        yield
-    finally:
-        clear_sharding_caches()
+    options = dict(options or {})
+    fields = set(DTCompileConfig.field_names())
+    settings = {k: v for k, v in options.items() if k not in fields}
+    unknown = sorted(set(settings) - inductor_settings())
+    if unknown:
+        raise ValueError(
+            f"dtcompile: torch.compile options {unknown} are neither dtcompile options nor Inductor "
+            f"settings; dtcompile's options are {sorted(fields)}, the others must be names from "
+            "torch._inductor.config"
+        )
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"dtcompile: unknown torch.compile mode {mode!r}; the modes are {list(_MODES)}")
+    merged = {**list_mode_options(mode or "default"), **config.inductor_config, **settings}
+    ignored = []
+    if merged.get("triton.cudagraphs") and "cuda" not in devices:
+        merged.pop("triton.cudagraphs")
+        ignored.append(
+            f"triton.cudagraphs (mode={mode!r} asks for CUDA graphs; this graph runs on "
+            f"{', '.join(sorted(devices)) or 'no device'})"
+        )
+    own = {k: v for k, v in options.items() if k in fields}
+    inductor = own.get("inductor", config.inductor)
+    if not inductor and merged:
+        ignored.append(f"Inductor settings {sorted(merged)} (inductor=False: the graphs are not lowered by Inductor)")
+        merged = {}
+    return config.replace(**own, inductor_config=merged), ignored
+
+
+def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
+    return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
 
 
 class DTCompileBackend:
     """The compiler function ``torch.compile`` calls; made by :func:`backend`.
 
-    ``records`` holds a :class:`CompiledGraph` for each graph it compiled
-    (bounded; the newest last).
+    ``records`` holds a :class:`~dtcompile.records.CompiledGraph` for each graph
+    it compiled (bounded; the newest last).  ``torch.compile``'s ``mode=`` and
+    ``options=`` arrive as keyword arguments of the call (:func:`config_for`).
     """
 
     def __init__(self, config: DTCompileConfig) -> None:
@@ -109,39 +128,53 @@ class DTCompileBackend:
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Callable[..., Any]:
         from torch._functorch import config as functorch_config
 
-        # The AOTAutograd cache keys on the Dynamo graph and global configs, not on
-        # this backend's options and passes: a hit could return a graph compiled
-        # without them.  Inductor's per-graph FX cache (keyed on the graph after
-        # our passes) stays on.
+        config = self.config
+        if mode is not None or options:
+            config, ignored = config_for(config, mode, options, _devices(example_inputs))
+            if ignored:
+                warnings.warn(f"dtcompile: ignored {'; '.join(ignored)}", stacklevel=2)
         compile_id = torch._guards.CompileContext.current_compile_id()
         info = describe_dynamo_graph(
             gm,
             str(compile_id) if compile_id is not None else "?",
             mesh_axes(gm, example_inputs),
-            get_profile(self.config.cost_profile),
+            get_profile(config.cost_profile),
         )
-        with functorch_config.patch(enable_autograd_cache=False), _fresh_sharding_caches(), keep_regions():
-            if self.config.inductor:
+        # The AOTAutograd cache keys on the Dynamo graph and global configs, not on
+        # this backend's options and passes: a hit could return a graph compiled
+        # without them.  Inductor's per-graph FX cache (keyed on the graph after
+        # our passes) stays on.
+        with functorch_config.patch(enable_autograd_cache=False), fresh_sharding_caches(), keep_regions():
+            if config.inductor:
                 from torch._inductor.compile_fx import compile_fx
 
                 return compile_fx(
                     gm,
                     example_inputs,
-                    inner_compile=functools.partial(self._inductor_inner_compile, info),
-                    config_patches=dict(self.config.inductor_config) or None,
+                    inner_compile=functools.partial(self._inductor_inner_compile, info, config),
+                    config_patches=dict(config.inductor_config) or None,
                 )
-            return self._aot_without_inductor(gm, example_inputs, info)
+            return self._aot_without_inductor(gm, example_inputs, info, config)
 
     def _inductor_inner_compile(
         self,
         info: DynamoGraphInfo,
+        config: DTCompileConfig,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         **kwargs: Any,
     ) -> Any:
+        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx_inner
 
         if kwargs.get("is_backward"):
@@ -150,11 +183,17 @@ class DTCompileBackend:
             kind = "inference"
         else:
             kind = "forward"
-        gm = self._run_passes(gm, example_inputs, kind, info)
+        current = inductor_config.get_config_copy()
+        lowering = {name: current[name] for name in config.inductor_config}
+        gm = self._run_passes(gm, example_inputs, kind, info, config, lowering)
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _aot_without_inductor(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], info: DynamoGraphInfo
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        info: DynamoGraphInfo,
+        config: DTCompileConfig,
     ) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -164,7 +203,7 @@ class DTCompileBackend:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
-                return make_boxed_func(self._run_passes(graph, inputs, kind, info).forward)
+                return make_boxed_func(self._run_passes(graph, inputs, kind, info, config, {}).forward)
 
             return compile_graph
 
@@ -173,21 +212,23 @@ class DTCompileBackend:
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=select_decomp_table(),
-            partition_fn=functools.partial(
-                min_cut_rematerialization_partition, compiler="inductor"
-            ),
+            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
     def _run_passes(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str, info: DynamoGraphInfo
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        kind: str,
+        info: DynamoGraphInfo,
+        config: DTCompileConfig,
+        lowering: Mapping[str, Any],
     ) -> fx.GraphModule:
-        gm.meta["dtcompile_graph_kind"] = kind
-        gm.meta["dtcompile_mesh_axes"] = info.axes
-        gm.meta["dtcompile_graph_info"] = info
-        gm, passes = run_passes(gm, example_inputs, self.config)
+        ctx = PassContext(kind=kind, config=config, info=info, example_inputs=example_inputs)
+        gm, passes = run_passes(gm, example_inputs, ctx)
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
-        regions = inline_regions(gm, info)
+        regions = inline_regions(gm, info, kind)
         gm.recompile()
         record = CompiledGraph(
             compile_id=info.compile_id,
@@ -198,6 +239,7 @@ class DTCompileBackend:
             info=info,
             regions=tuple(regions),
             with_regions=with_regions,
+            lowering=dict(lowering),
         )
         self.records.append(record)
         log.info(
@@ -211,7 +253,7 @@ class DTCompileBackend:
         for region in regions:
             log.info("compile %s %s graph: region %s", record.compile_id, kind, region)
         emit_artifacts(record)
-        if self.config.report:
+        if config.report:
             print(format_compiled_graph(record), flush=True)
         return gm
 
@@ -227,9 +269,36 @@ def backend(**options: Any) -> DTCompileBackend:
     Making a backend installs :mod:`dynamo_vars` into Dynamo (once per process),
     so that Dynamo traces the DTensor code before the backend sees it.
     """
+    config = DTCompileConfig.from_options(options)
     dynamo_vars.install()
-    return DTCompileBackend(DTCompileConfig.from_options(options))
+    return DTCompileBackend(config)
 
 
-# What ``torch.compile(backend="dtcompile")`` resolves to (the entry point).
-dtcompile = backend()
+_named: DTCompileBackend | None = None
+
+
+def _forget_named() -> None:
+    """After ``dynamo_vars.uninstall()``: torch forgets the name, so its next lookup installs again."""
+    from torch._dynamo.backends import registry
+
+    if _named is not None and registry._COMPILER_FNS.get("dtcompile") is _named:
+        del registry._COMPILER_FNS["dtcompile"]
+
+
+def named_backend() -> DTCompileBackend:
+    """What ``torch.compile(backend="dtcompile")`` resolves to: one default backend per
+    process, which installs :mod:`dynamo_vars` each time torch looks the name up."""
+    global _named
+    if _named is None:
+        _named = DTCompileBackend(DTCompileConfig())
+    dynamo_vars.install()
+    dynamo_vars.on_uninstall(_forget_named)
+    return _named
+
+
+def __getattr__(name: str) -> Any:
+    # The entry point ``dtcompile.compiler:dtcompile``: loaded when torch looks the
+    # name up, never at import.
+    if name == "dtcompile":
+        return named_backend()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

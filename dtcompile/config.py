@@ -1,13 +1,20 @@
-"""Options of the dtcompile backend."""
+"""Options of the dtcompile backend: one frozen, hashable, validated config.
+
+Every field is a keyword of :func:`dtcompile.backend` and a key of
+``torch.compile(..., options={...})``; every field is checked by type and
+range when the config is made, and a bad value is a ``ValueError`` or
+``TypeError`` that names the field, what it got and what it takes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import types
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DTCompileConfig"]
+__all__ = ["DTCompileConfig", "inductor_settings"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -24,14 +31,15 @@ class DTCompileConfig:
 
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """``torch._inductor.config`` settings for this backend's compiles only,
-    applied with ``config.patch`` inside the call (never globally)."""
+    applied with ``config.patch`` inside the call (never globally); nested
+    settings by dotted name (``"triton.cudagraphs"``).  Read-only once made."""
 
     bucket_cap_bytes: int = 256 * 1024 * 1024
-    """Largest buffer (bytes per rank) the ``bucketing`` pass makes of several
-    collectives; a bucket's buffer is the memory bucketing adds."""
+    """Largest buffer (bytes per rank, > 0) the ``bucketing`` pass makes of
+    several collectives; a bucket's buffer is the memory bucketing adds."""
 
     overlap_memory_budget_bytes: int = 1024 * 1024 * 1024
-    """Most bytes (per rank) of collectives the ``overlap`` pass lets be in
+    """Most bytes (per rank, >= 0) of collectives the ``overlap`` pass lets be in
     flight at once when it issues them earlier."""
 
     cost_profile: str = "h100"
@@ -42,40 +50,122 @@ class DTCompileConfig:
     """Print the text report (see :func:`dtcompile.explain`) of every graph this
     backend compiles, as it compiles it."""
 
-    def __post_init__(self) -> None:
-        # Normalise the collections so the frozen config cannot be changed behind
-        # its back and compares by value.
-        object.__setattr__(self, "disable_passes", frozenset(self.disable_passes))
-        object.__setattr__(self, "inductor_config", dict(self.inductor_config))
-        from dtcompile.passes import PASSES
+    trace_pass_graphs: bool = False
+    """Log every graph before and after each pass as ``TORCH_TRACE`` artifacts
+    (``dtcompile_<kind>_before_<pass>`` / ``..._after_<pass>``), for debugging
+    a pass; off by default (a graph's text per pass)."""
 
-        known = {p.name for p in PASSES}
-        unknown = sorted(self.disable_passes - known)
-        if unknown:
-            raise ValueError(
-                f"dtcompile: disable_passes names unknown passes {unknown}; "
-                f"the passes are {sorted(known)}"
+    def __post_init__(self) -> None:
+        _check_bool("inductor", self.inductor)
+        _check_bool("report", self.report)
+        _check_bool("trace_pass_graphs", self.trace_pass_graphs)
+        _check_bytes("bucket_cap_bytes", self.bucket_cap_bytes, minimum=1)
+        _check_bytes("overlap_memory_budget_bytes", self.overlap_memory_budget_bytes, minimum=0)
+        object.__setattr__(self, "disable_passes", _pass_names(self.disable_passes))
+        object.__setattr__(self, "inductor_config", _inductor_settings(self.inductor_config))
+        if not isinstance(self.cost_profile, str):
+            raise TypeError(
+                f"dtcompile: cost_profile must be a profile name (str), got {type(self.cost_profile).__name__} "
+                f"{self.cost_profile!r}"
             )
         from dtcompile.cost_model import get_profile
 
         get_profile(self.cost_profile)
-        if self.inductor_config:
-            from torch._inductor import config as inductor_config
 
-            unknown = sorted(k for k in self.inductor_config if not hasattr(inductor_config, k))
-            if unknown:
-                raise ValueError(
-                    f"dtcompile: inductor_config has unknown settings {unknown}; "
-                    "use names from torch._inductor.config"
-                )
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.inductor,
+                self.disable_passes,
+                tuple(sorted((k, repr(v)) for k, v in self.inductor_config.items())),
+                self.bucket_cap_bytes,
+                self.overlap_memory_budget_bytes,
+                self.cost_profile,
+                self.report,
+                self.trace_pass_graphs,
+            )
+        )
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> DTCompileConfig:
         """Builds a config from keyword options, naming the valid ones on a typo."""
-        valid = sorted(f.name for f in dataclasses.fields(cls))
-        unknown = sorted(set(options) - set(valid))
+        unknown = sorted(set(options) - set(cls.field_names()))
         if unknown:
             raise ValueError(
-                f"dtcompile.backend: unknown option(s) {unknown}; valid options are {valid}"
+                f"dtcompile.backend: unknown option(s) {unknown}; valid options are {sorted(cls.field_names())}"
             )
         return cls(**options)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes: Any) -> DTCompileConfig:
+        """A copy with ``changes`` (validated like any new config)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"dtcompile: {name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _check_bytes(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"dtcompile: {name} must be a number of bytes (int), got {type(value).__name__} {value!r}; "
+            f"write 256 * 1024 * 1024 for 256 MiB"
+        )
+    if value < minimum:
+        raise ValueError(f"dtcompile: {name} must be >= {minimum} bytes, got {value}")
+
+
+def _pass_names(value: Any) -> frozenset[str]:
+    if isinstance(value, str) or not isinstance(value, (Set, list, tuple)):
+        fix = f"; write {{{value!r}}} for one pass" if isinstance(value, str) else ""
+        raise TypeError(
+            f"dtcompile: disable_passes must be a set of pass names, got {type(value).__name__} {value!r}{fix}"
+        )
+    names = frozenset(value)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"dtcompile: disable_passes must hold pass names (str), got {sorted(map(repr, names))}")
+    from dtcompile.passes import PASSES
+
+    known = {p.name for p in PASSES}
+    unknown = sorted(names - known)
+    if unknown:
+        raise ValueError(f"dtcompile: disable_passes names unknown passes {unknown}; the passes are {sorted(known)}")
+    return names
+
+
+def _inductor_settings(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"dtcompile: inductor_config must be a mapping of torch._inductor.config settings, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    settings = dict(value)
+    if not settings:
+        return types.MappingProxyType(settings)
+    bad_keys = sorted(repr(k) for k in settings if not isinstance(k, str))
+    if bad_keys:
+        raise TypeError(f"dtcompile: inductor_config keys must be setting names (str), got {bad_keys}")
+    nested = sorted(k for k, v in settings.items() if isinstance(v, Mapping))
+    if nested:
+        raise ValueError(
+            f"dtcompile: inductor_config has nested mappings under {nested}; give nested settings by "
+            "dotted name, e.g. {'triton.cudagraphs': True}"
+        )
+    unknown = sorted(set(settings) - inductor_settings())
+    if unknown:
+        raise ValueError(
+            f"dtcompile: inductor_config has unknown settings {unknown}; use names from torch._inductor.config"
+        )
+    return types.MappingProxyType(settings)
+
+
+def inductor_settings() -> frozenset[str]:
+    """Every setting of ``torch._inductor.config``, nested ones by dotted name."""
+    from torch._inductor import config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())

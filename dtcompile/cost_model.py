@@ -24,11 +24,10 @@ A mesh axis uses the profile's intra-node link when its group's ranks fit in
 one node (the span of its ranks, ``max - min + 1``, is at most
 ``devices_per_node``), else the inter-node link.
 
-Compute is estimated with a roofline: a matmul takes ``2 M N K`` flops at the
-profile's ``matmul_tflops``, any other op reads and writes its tensors at its
-``memory_gbps`` (views and metadata ops are free); :func:`node_time_us`.  A
-``local_map`` region (one node until lowering) takes what its body takes, the
-collectives it issues and waits for inside included: :func:`region_timeline`.
+The profile also carries a device roofline (``matmul_tflops``,
+``memory_gbps``) that :mod:`dtcompile.simulate` uses to time the compute nodes
+of a graph and play it on a compute and a communication stream.  This module is
+the pure formulas and the profiles: it reads no graph.
 
 To add a profile: build a :class:`HardwareProfile` and call
 :func:`register_profile`; ``dtcompile.backend(cost_profile="name")`` then uses
@@ -37,21 +36,15 @@ it.  The ``cpu_gloo`` constants come from ``benchmarks/calibrate_gloo.py``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = [
     "PROFILES",
     "HardwareProfile",
     "Link",
-    "Timeline",
     "collective_time_us",
     "get_profile",
-    "node_time_us",
-    "region_timeline",
     "register_profile",
-    "simulate",
 ]
 
 
@@ -180,129 +173,3 @@ def collective_time_us(op: str, num_bytes: int, group_size: int, link: Link) -> 
         raise ValueError(f"collective_time_us: unknown collective {op!r}; known: {sorted([*_RING, 'broadcast'])}")
     seconds_on_wire = num_bytes * wire / (link.bandwidth_gbps * 1e9)
     return link.base_latency_us + hops * link.hop_latency_us + seconds_on_wire * 1e6
-
-
-_FREE = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select",
-         "unsqueeze", "squeeze", "split", "split_with_sizes", "alias", "as_strided", "wait_tensor"}
-
-
-def _tensors(value: Any) -> list[Any]:
-    import torch
-
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _flops_time_us(flops: float, profile: HardwareProfile) -> float:
-    return flops / (profile.matmul_tflops * 1e12) * 1e6
-
-
-def region_timeline(node: Any, profile: HardwareProfile) -> Timeline:
-    """A ``local_map`` region node played alone: its body's :func:`simulate`.
-
-    The region ends when its body's last node does, so its collectives (issued
-    and waited for inside) hold the compute stream.
-    """
-    from dtcompile.regions import region_body
-
-    return simulate(region_body(node).graph, profile)
-
-
-def node_time_us(node: Any, profile: HardwareProfile) -> float:
-    """Roofline estimate of one compute node of an AOT graph (0 for views, waits, non-ops;
-    for a fused collective-matmul, its matmuls; for a ``local_map`` region, its body's
-    whole time, inner collectives included)."""
-    import torch
-
-    from dtcompile.regions import is_region
-
-    target = node.target
-    if is_region(node):
-        return region_timeline(node, profile).total_us
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return 0.0
-    name = target._opname
-    if target.namespace == "dtcompile":
-        if name == "fused_all_gather_matmul":
-            gathered, outs = node.meta["val"]
-            return sum(_flops_time_us(2 * o.numel() * gathered.shape[-1], profile) for o in outs)
-        if name == "fused_matmul_reduce_scatter":
-            a, out_shape = node.args[0].meta["val"], node.args[2]
-            return _flops_time_us(2 * math.prod(out_shape) * a.shape[-1], profile)
-    if name in _FREE or target.namespace == "_c10d_functional":
-        return 0.0
-    out = _tensors(node.meta.get("val"))
-    if name in ("mm", "addmm", "bmm", "baddbmm") and out:
-        a = node.args[1] if name in ("addmm", "baddbmm") else node.args[0]
-        k = a.meta["val"].shape[-1]
-        return _flops_time_us(2 * out[0].numel() * k, profile)
-    moved = sum(t.numel() * t.element_size() for t in out)
-    moved += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-    return moved / (profile.memory_gbps * 1e9) * 1e6
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Estimated run of one graph: a compute stream and a communication stream."""
-
-    compute_us: float
-    """Sum of the compute nodes' estimates."""
-    comm_us: float
-    """Sum of the collectives' estimates."""
-    total_us: float
-    """When the last node finishes."""
-
-    @property
-    def exposed_comm_us(self) -> float:
-        """Communication the compute stream waits for: ``total - compute``."""
-        return self.total_us - self.compute_us
-
-
-def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
-    """Play ``graph`` on one compute and one communication stream, in graph order.
-
-    A collective is issued when the compute stream reaches it and runs after the
-    previous collective; ``wait_tensor`` holds compute until it is done; other
-    nodes take their roofline time.  A fused collective-matmul over ``n`` ranks
-    pipelines ``n`` chunks: it takes ``max(C, M) + min(C, M) / n`` on the compute
-    stream for communication ``C`` and matmuls ``M``.  A ``local_map`` region
-    takes its body's time (:func:`region_timeline`); one that issues collectives
-    starts once the communication stream is free and holds both streams.
-    """
-    import torch
-
-    from dtcompile.collectives import collective_info
-    from dtcompile.regions import is_region
-
-    wait = torch.ops._c10d_functional.wait_tensor.default
-    clock = comm_free = compute = comm = 0.0
-    done: dict[Any, float] = {}
-    for node in graph.nodes:
-        info = collective_info(node)
-        if info is not None and info.fused:
-            c = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
-            m = node_time_us(node, profile)
-            comm += c
-            compute += m
-            clock = max(clock, comm_free) + max(c, m) + min(c, m) / info.group_size
-        elif info is not None:
-            cost = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
-            comm += cost
-            comm_free = max(clock, comm_free) + cost
-            done[node] = comm_free
-        elif node.target is wait:
-            clock = max(clock, done.get(node.args[0], clock))
-        elif is_region(node):
-            inner = region_timeline(node, profile)
-            compute += inner.compute_us
-            comm += inner.comm_us
-            # Its collectives queue behind the ones in flight; it ends with its body.
-            start = max(clock, comm_free) if inner.comm_us else clock
-            clock = start + inner.total_us
-            if inner.comm_us:
-                comm_free = clock
-        else:
-            cost = node_time_us(node, profile)
-            compute += cost
-            clock += cost
-    return Timeline(compute, comm, max(clock, comm_free))

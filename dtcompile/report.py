@@ -1,4 +1,4 @@
-"""The text report and the ``TORCH_TRACE`` artifacts of what dtcompile compiled.
+"""The text report of what dtcompile compiled: :func:`explain` and :class:`Report`.
 
 ``dtcompile.explain(fn)(*args)`` compiles ``fn`` with dtcompile, runs it (and a
 backward), and returns a :class:`Report`; ``str(report)`` is, per compile id:
@@ -9,144 +9,35 @@ backward), and returns a :class:`Report`; ``str(report)`` is, per compile id:
 - a collective table (graph, op, axis, group, bytes, estimated us) and totals;
 
 then the graph breaks and the recompile reasons (in placement and mesh words,
-see :mod:`dynamo_vars.guards`).
-
-Every compile also logs, through ``torch._logging.trace_structured``, the
-artifacts ``dtcompile_placements``, ``dtcompile_<kind>_graph`` and
-``dtcompile_<kind>_collectives`` (JSON), which ``tlparse`` shows under the
-compile id, and which ``dtcompile-report`` (``tools/report.py``) turns into HTML.
+see :mod:`dynamo_vars.guards`).  It sits above the backend: it builds one.
+The per-graph pieces and the ``TORCH_TRACE`` artifacts are in
+:mod:`dtcompile.artifacts`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-if TYPE_CHECKING:
-    from dtcompile.compiler import CompiledGraph
+from dtcompile.artifacts import collective_table, pass_lines, region_lines
+from dtcompile.compiler import backend as make_backend
+from dtcompile.records import CompiledGraph
 
-__all__ = ["Report", "collectives_json", "emit_artifacts", "explain", "format_compiled_graph"]
-
-
-def collectives_json(record: CompiledGraph) -> dict[str, Any]:
-    """The collectives of one AOT graph with their estimated times, and totals, and its
-    ``local_map`` regions (as the passes saw them, before lowering inlined them), as JSON data."""
-    items = []
-    for node in record.graph.graph.nodes:
-        info = node.meta.get("dtcompile_collective")
-        if info is None:
-            continue
-        items.append(
-            {
-                "node": info.node,
-                "op": info.op,
-                "axis": info.axis,
-                "group_size": info.group_size,
-                "shape": list(info.shape),
-                "dtype": str(info.dtype).removeprefix("torch."),
-                "bytes": info.bytes,
-                "estimated_us": round(node.meta.get("dtcompile_cost_us", 0.0), 3),
-            }
-        )
-    return {
-        "compile_id": record.compile_id,
-        "kind": record.kind,
-        "cost_profile": record.info.profile.name,
-        "passes": [
-            {
-                "name": p.name,
-                "ran": p.ran,
-                "nodes": [p.nodes_before, p.nodes_after],
-                "collectives": [p.collectives_before, p.collectives_after],
-                "decisions": list(p.decisions),
-            }
-            for p in record.passes
-        ],
-        "regions": [
-            {
-                "node": r.node,
-                "name": r.spec.name,
-                "spec": str(r.spec),
-                "ops": r.ops,
-                "collectives": list(r.collectives),
-            }
-            for r in record.regions
-        ],
-        "collectives": items,
-        "totals": {
-            "count": len(items),
-            "bytes": sum(c["bytes"] for c in items),
-            "estimated_us": round(sum(c["estimated_us"] for c in items), 3),
-        },
-    }
+__all__ = ["Report", "backward_from_sum", "explain"]
 
 
-def emit_artifacts(record: CompiledGraph) -> None:
-    """Log one AOT graph's annotations as ``TORCH_TRACE`` artifacts (no-ops without TORCH_TRACE)."""
-    trace = torch._logging.trace_structured
+def backward_from_sum(out: Any) -> None:
+    """Backward from the sum of every output that requires grad (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
 
-    def artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
-        trace("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
-
-    artifact("dtcompile_placements", "string", record.info.format)
-    artifact(f"dtcompile_{record.kind}_graph", "string", record.annotated)
-    artifact(f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record)))
-    if record.regions:
-        artifact(f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions)
-
-
-def _collective_table(records: list[CompiledGraph]) -> list[str]:
-    lines = [f"{'graph':<14} {'op':<15} {'axis':<6} {'group':>5} {'bytes':>10} {'est. us':>9}"]
-    totals: dict[str, list[float]] = {}
-    for record in records:
-        data = collectives_json(record)
-        for c in data["collectives"]:
-            graph = f"{record.compile_id} {record.kind}"
-            lines.append(f"{graph:<14} {c['op']:<15} {c['axis']:<6} {c['group_size']:>5} {c['bytes']:>10} {c['estimated_us']:>9.1f}")
-        total = totals.setdefault(record.kind, [0, 0, 0.0])
-        total[0] += data["totals"]["count"]
-        total[1] += data["totals"]["bytes"]
-        total[2] += data["totals"]["estimated_us"]
-    for kind, (count, num_bytes, us) in totals.items():
-        lines.append(f"total {kind}: {count} collectives, {num_bytes} B per rank, ~{us:.1f} us")
-    return lines
-
-
-def format_compiled_graph(record: CompiledGraph) -> str:
-    """The report section of one AOT graph (used by the ``report=True`` option)."""
-    profile = record.info.profile
-    return "\n".join(
-        [
-            f"== dtcompile {record.compile_id} {record.kind} (cost profile {profile.name}) ==",
-            "-- DTensor placements (Dynamo graph) --",
-            record.info.format(),
-            f"-- {record.kind} graph --",
-            record.annotated(),
-            *_region_lines(record, "-- local_map regions (one op each until lowering) --"),
-            "-- passes --",
-            *_pass_lines(record),
-            "-- collectives --",
-            *_collective_table([record]),
-        ]
-    )
-
-
-def _region_lines(record: CompiledGraph, title: str) -> list[str]:
-    return [title, *map(str, record.regions)] if record.regions else []
-
-
-def _pass_lines(record: CompiledGraph) -> list[str]:
-    lines = []
-    for p in record.passes:
-        summary = f"nodes {p.nodes_before} -> {p.nodes_after}, collectives {p.collectives_before} -> {p.collectives_after}"
-        lines.append(f"{p.name}: " + (summary if p.ran else "switched off"))
-        lines += [f"  {decision}" for decision in p.decisions]
-    return lines
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if leaves:
+        sum((t.to_local() if isinstance(t, DTensor) else t).float().sum() for t in leaves).backward()
 
 
 @dataclass(frozen=True)
@@ -174,9 +65,9 @@ class Report:
             for record in records:
                 if aot_graphs:
                     lines += [f"-- {record.kind} graph --", record.annotated()]
-                lines += _region_lines(record, f"-- local_map regions of the {record.kind} graph (one op each until lowering) --")
-                lines += [f"-- passes on the {record.kind} graph --", *_pass_lines(record)]
-        lines += ["== collectives ==", *_collective_table(list(self.graphs))]
+                lines += region_lines(record, f"-- local_map regions of the {record.kind} graph (one op each until lowering) --")
+                lines += [f"-- passes on the {record.kind} graph --", *pass_lines(record)]
+        lines += ["== collectives ==", *collective_table(list(self.graphs))]
         lines.append("== graph breaks ==")
         lines += [f"- {reason}" for reason in self.graph_breaks] or ["none"]
         lines.append("== recompiles ==")
@@ -202,11 +93,8 @@ def explain(
 
     ``depyf_dir``: also dump Dynamo's transformed bytecode, decompiled by depyf, and
     the graphs' code there (``dtcompile-report --depyf DIR`` puts it beside the HTML)."""
-    import dtcompile
-    from dtcompile.testing.asserts import backward_from_sum
-
     options.setdefault("inductor", False)
-    backend = dtcompile.backend(**options)
+    backend = make_backend(**options)
     compiled = torch.compile(fn, backend=backend)
     torch._dynamo.reset()
 

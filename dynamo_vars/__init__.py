@@ -1,6 +1,7 @@
 """dynamo_vars: Dynamo support for DeviceMesh, Placement, ProcessGroup and the DTensor API.
 
-Installed automatically when the ``dtcompile`` backend is looked up; also
+Nothing happens at import: installed when the ``dtcompile`` backend is looked up
+by name or built with ``dtcompile.backend()``; also
 ``dynamo_vars.install()`` / ``uninstall()``, or ``with dynamo_vars.enabled(): ...``.
 
 One family per module: :mod:`~dynamo_vars.device_mesh`,
@@ -10,6 +11,6 @@ One family per module: :mod:`~dynamo_vars.device_mesh`,
 ``dynamo_vars/_install.py``.
 """
 
-from dynamo_vars._install import enabled, install, is_installed, uninstall
+from dynamo_vars._install import enabled, install, is_installed, on_uninstall, uninstall
 
-__all__ = ["enabled", "install", "is_installed", "uninstall"]
+__all__ = ["enabled", "install", "is_installed", "on_uninstall", "uninstall"]

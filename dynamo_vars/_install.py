@@ -1,33 +1,50 @@
 """The one place where dynamo_vars changes Dynamo, and undoes it.
 
+Nothing happens at import: installing is :func:`install`, which the dtcompile
+backend calls when it is looked up by name or built with ``dtcompile.backend()``.
 Dynamo has no public registry for new variable trackers, so everything
 dynamo_vars adds goes through three well-defined hooks, each applied and
 reverted here and nowhere else:
 
-1. ``VariableBuilder._id_dispatch``: Dynamo's table of objects, by identity, that
-   get their own tracker when first seen.  Each family module lists the
-   functions it handles (``ID_HANDLERS``: function -> ``(builder, value) -> tracker``).
+1. Dynamo's table of objects that get their own tracker when first seen,
+   ``VariableBuilder._id_dispatch()`` (a cached dict): handlers are added to
+   that very dict, the way ``torch.compiler.substitute_in_graph`` registers its
+   polyfills, and removed on uninstall.  A function torch already handles is
+   an error (an upgrade of torch took it over), never silently overridden.
+   Each family module lists its functions (``ID_HANDLERS``: function ->
+   ``(builder, value) -> tracker``).
 2. ``GuardBuilder`` methods: the guards for DTensor specs, meshes and placements
    (``GUARD_BUILDERS``: method name -> replacement ``(original) -> method``).
 3. The opaque-type registry of torch: members added to a registered type
    (``OPAQUE_MEMBERS``: type -> {member: MemberType}).
 
-Installing changes what Dynamo can trace and how guards describe themselves;
-it does not change a graph that already traced (tested in
-``tests/test_dynamo_vars.py``).
+Outside the torch versions dtcompile is tested on
+(:data:`dtcompile.torch_contract.TESTED_TORCH`) nothing is installed: one
+warning says so, and Dynamo stays stock.  Installing changes what Dynamo can
+trace and how guards describe themselves; it does not change a graph that
+already traced.  Callbacks given to :func:`on_uninstall` run when it is undone
+(the named ``dtcompile`` backend forgets itself there, so that the next lookup
+by name installs again).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["enabled", "install", "is_installed", "uninstall"]
+__all__ = ["enabled", "install", "is_installed", "on_uninstall", "uninstall"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _undo: list[Callable[[], None]] = []
+_on_uninstall: list[Callable[[], None]] = []
+_warned_version = False
+
+
+class HandlerClashError(RuntimeError):
+    """torch's Dynamo already handles a function dynamo_vars would handle."""
 
 
 def _families() -> list[Any]:
@@ -40,20 +57,42 @@ def is_installed() -> bool:
     return bool(_undo)
 
 
-def install() -> None:
-    """Install dynamo_vars into Dynamo (idempotent).  ``uninstall()`` undoes it."""
+def install() -> bool:
+    """Install dynamo_vars into Dynamo (idempotent); ``uninstall()`` undoes it.
+
+    Returns whether it is installed: False without ``torch.distributed`` or on
+    a torch outside the tested range (then stock Dynamo stays, with one warning).
+    """
+    global _warned_version
     import torch.distributed as dist
 
+    from dtcompile.torch_contract import TESTED_TORCH, torch_is_supported
+
     if not dist.is_available():
-        return
+        return False
+    if not torch_is_supported():
+        if not _warned_version:
+            import torch
+
+            (low, high) = TESTED_TORCH
+            warnings.warn(
+                f"dtcompile: torch {torch.__version__} is outside the tested range "
+                f">={low[0]}.{low[1]},<{high[0]}.{high[1]}; Dynamo's DTensor support (dynamo_vars) is "
+                "not installed and Dynamo stays stock. Install a tested torch "
+                f"(pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}').",
+                stacklevel=2,
+            )
+            _warned_version = True
+        return False
     with _lock:
         if _undo:
-            return
+            return True
         try:
             _install_locked()
         except BaseException:
             _uninstall_locked()
             raise
+    return True
 
 
 def _install_locked() -> None:
@@ -63,17 +102,17 @@ def _install_locked() -> None:
 
     families = _families()
 
-    handlers: dict[int, Callable[..., Any]] = {}
+    table = VariableBuilder._id_dispatch()
     for family in families:
         for fn, handler in getattr(family, "ID_HANDLERS", dict)().items():
-            handlers[id(fn)] = handler
-    original_id_dispatch = VariableBuilder.__dict__["_id_dispatch"]
-
-    def _id_dispatch(cls: type) -> dict[int, Callable[..., Any]]:
-        return {**original_id_dispatch.__func__(cls), **handlers}
-
-    VariableBuilder._id_dispatch = classmethod(_id_dispatch)
-    _undo.append(lambda: setattr(VariableBuilder, "_id_dispatch", original_id_dispatch))
+            if id(fn) in table:
+                raise HandlerClashError(
+                    f"dynamo_vars: torch's Dynamo already handles {fn.__module__}.{fn.__qualname__} "
+                    f"({family.__name__} handles it too); this torch is newer than dtcompile knows. "
+                    "Use a tested torch, or report it to dtcompile."
+                )
+            table[id(fn)] = handler
+            _undo.append(lambda key=id(fn), handler=handler: _remove_handler(table, key, handler))
 
     for family in families:
         for name, make in getattr(family, "GUARD_BUILDERS", {}).items():
@@ -89,9 +128,18 @@ def _install_locked() -> None:
             _undo.append(lambda info=info, added=added: [info.members.pop(k, None) for k in added])
 
 
+def _remove_handler(table: dict[int, Any], key: int, handler: Any) -> None:
+    if table.get(key) is handler:
+        del table[key]
+
+
 def _uninstall_locked() -> None:
+    was_installed = bool(_undo)
     while _undo:
         _undo.pop()()
+    if was_installed:
+        for callback in list(_on_uninstall):
+            callback()
 
 
 def uninstall() -> None:
@@ -99,6 +147,13 @@ def uninstall() -> None:
     call ``torch._dynamo.reset()`` to drop graphs traced while installed."""
     with _lock:
         _uninstall_locked()
+
+
+def on_uninstall(callback: Callable[[], None]) -> None:
+    """Call ``callback`` each time an installed dynamo_vars is uninstalled (once per registration)."""
+    with _lock:
+        if callback not in _on_uninstall:
+            _on_uninstall.append(callback)
 
 
 @contextlib.contextmanager

@@ -17,12 +17,6 @@ Stock Dynamo traces ``from_local``, ``to_local``, ``redistribute`` and
   eagerly / "mixed torch.Tensor and DTensor").
 - The DTensor input guard reads ``placements of arg x changed: (Shard(dim=0),)
   -> (Replicate(),)`` and also checks the placements' exact types.
-- :func:`clear_sharding_caches`, which the dtcompile backend calls before and
-  after AOTAutograd: AOTAutograd's metadata pass runs DTensor ops on inputs
-  whose mesh is a trace-time fake outside of what DTensor counts as tracing,
-  so the fake lands in DTensor's sharding caches (they compare meshes by
-  ``==``), and a later hit handed it to compiled gradients and even to eager
-  results.
 """
 
 from __future__ import annotations
@@ -38,7 +32,7 @@ from dynamo_vars import guards
 from dynamo_vars._trackers import Handler, fold, polyfill, state_context
 from dynamo_vars.placements import same_placements
 
-__all__ = ["clear_sharding_caches"]
+__all__: list[str] = []
 
 
 # ---------------------------------------------------------------- factories and distribute_tensor
@@ -254,22 +248,6 @@ def _dtensor_spec_guard(original: Any) -> Any:
 
 
 GUARD_BUILDERS = {"DTENSOR_SPEC_MATCH": _dtensor_spec_guard}
-
-
-# ---------------------------------------------------------------- sharding caches
-
-
-def clear_sharding_caches() -> None:
-    """Empty DTensor's sharding-propagation and redistribute-plan caches (this thread's)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
-    # (torch.distributed.tensor.debug._clear_sharding_prop_cache does these two,
-    # but importing that package needs numpy.)
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    clear_redistribute_planner_cache()
-
 
 
 def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:

@@ -24,27 +24,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from dtcompile.notation import describe_mesh, real_object
+
 __all__ = ["describe_mesh", "describe_placements", "explain", "real_object", "source_label"]
 
 # key -> (part -> function(old value, new value) -> str | None).  Entries live as
 # long as the process: one small record per guard built.
 _EXPECTED: dict[int, tuple[Any, dict[str, Callable[[Any, Any], str | None]]]] = {}
 _KEYS = itertools.count()
-
-
-def real_object(obj: Any) -> Any:
-    """The real object behind a ``FakeScriptObject`` (what a trace sees), else ``obj``."""
-    from torch._library.fake_class_registry import FakeScriptObject
-
-    return obj.real_obj if isinstance(obj, FakeScriptObject) else obj
-
-
-def describe_mesh(mesh: Any) -> str:
-    """``DeviceMesh((dp=2, tp=4))``: shape and axis names, the short form of ``repr``."""
-    mesh = real_object(mesh)
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    axes = ", ".join(f"{name}={size}" for name, size in zip(names, mesh.shape))
-    return f"DeviceMesh(({axes}))"
 
 
 def _mesh_identity(mesh: Any) -> tuple[Any, ...]:

@@ -5,13 +5,14 @@ before a backend sees them), and its own local_map HOP, off by default,
 asserts on DTensor inputs, wants ``None`` placements last and the mesh given.
 Here a call to a function made by :func:`hops.local_map` becomes:
 
-1. the call's placements checked against its flat arguments (the same checks,
-   and messages, as eager: :func:`hops.local_map.make_spec`), DTensor
-   arguments redistributed in the graph when ``redistribute_inputs=True``;
-2. the region traced as a subgraph at local shapes: for the trace, each
+1. the call's arguments read by name (:class:`hops.local_map.LocalMapCall`)
+   and its placements checked against its flat arguments (the same checks,
+   and messages, as eager: :func:`hops.local_map.make_spec`);
+2. DTensor arguments redistributed in the graph when ``redistribute_inputs=True``;
+3. the region traced as a subgraph at local shapes: for the trace, each
    DTensor argument's example value is its local shard; closures over plain
    tensors are lifted as operands; side effects are refused;
-3. one ``local_map_region(body, spec, *operands)`` node, whose
+4. one ``local_map_region(body, spec, *operands)`` node, whose
    :class:`~hops.RegionSpec` carries the placements of each operand and output,
    and whose outputs are DTensors placed per ``out_placements``.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from torch._dynamo.variables.higher_order_ops import (
 from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable, ListVariable, TupleVariable
 
-from dynamo_vars.guards import real_object
+from dtcompile.notation import real_object
 
 __all__: list[str] = []
 
@@ -111,8 +113,59 @@ def _local_fake(tx: Any, dtensor: Any) -> torch.Tensor:
         )
 
 
+@dataclass
+class _Call:
+    """What one traced ``local_map`` call knows, filled in step by step by :class:`LocalMapVariable`."""
+
+    func: VariableTracker
+    """The user's region function."""
+    name: str
+    mesh: Any
+    out_placements: Any
+    in_placements: Any
+    in_grad_placements: Any
+    redistribute: bool
+    leaves: list[VariableTracker]
+    """The flat user arguments (pytree order), DTensors redistributed where asked."""
+    values: list[Any]
+    """Their example values (DTensors, fake tensors) or constants."""
+    rebuild: Callable[[list[VariableTracker]], VariableTracker]
+    """Rebuilds the user's argument structure from ``leaves``."""
+    spec: Any = None
+    """The :class:`~hops.RegionSpec` of the call, as checked by ``make_spec``."""
+
+    @property
+    def dtensors(self) -> list[int]:
+        from torch.distributed.tensor import DTensor
+
+        return [i for i, v in enumerate(self.values) if isinstance(v, DTensor)]
+
+    def checked_spec(self, what: str, num_outputs: int | None) -> Any:
+        """The eager checks and messages (``make_spec``), as a refusal that names ``what``."""
+        from hops.local_map import make_spec
+        from hops.spec import LocalMapError
+
+        try:
+            return make_spec(
+                self.name,
+                self.mesh,
+                self.values,
+                self.in_placements,
+                self.in_grad_placements,
+                self.out_placements,
+                num_outputs,
+                self.redistribute,
+            )
+        except LocalMapError as e:
+            _refuse(what, str(e), _fix_hint(str(e)))
+
+
 class LocalMapVariable(WrapHigherOrderVariable):
-    """A call ``local_map(func, ...)(*args)``: see the module docstring."""
+    """A call ``local_map(func, ...)(*args)``: see the module docstring.
+
+    The call's own arguments come first, in the order of
+    :class:`hops.local_map.LocalMapCall` (read by field name), then the user's.
+    """
 
     supports_input_mutation = False
     supports_aliasing = False
@@ -123,166 +176,26 @@ class LocalMapVariable(WrapHigherOrderVariable):
         args: Sequence[VariableTracker],
         kwargs: dict[str, VariableTracker],
     ) -> VariableTracker:
-        from torch.distributed.tensor import DTensor
+        from hops.local_map import LocalMapCall
 
-        from hops.local_map import (
-            LocalMapError,
-            _region_name,
-            check_output_kinds,
-            format_placements,
-            make_spec,
-            parse_placements,
-        )
-
-        func, out_vt, in_vt, grad_vt, mesh_vt, redistribute_vt, check_vt, *user_args = (
-            args
-        )
-        out_placements, in_placements, in_grad_placements = (
-            _constant(v) for v in (out_vt, in_vt, grad_vt)
-        )
-        mesh, redistribute, check = (
-            _constant(v) for v in (mesh_vt, redistribute_vt, check_vt)
-        )
-        leaves: list[VariableTracker] = []
-        rebuild = _flatten(TupleVariable(list(user_args)), leaves)
-        values = [_example(vt) for vt in leaves]
-        dtensors = [i for i, v in enumerate(values) if isinstance(v, DTensor)]
-        if not dtensors:
+        declared = LocalMapCall(*args[: len(LocalMapCall._fields)])
+        user_args = list(args[len(LocalMapCall._fields) :])
+        call = self._read_call(declared, user_args)
+        if not call.dtensors:
             # Eager local_map calls func as it is when no argument is a DTensor.
-            return func.call_function(tx, list(user_args), kwargs)
-        if check:
+            return declared.func.call_function(tx, user_args, kwargs)
+        if _constant(declared.check_placements):
             _refuse(
                 "local_map(check_placements=True) in a compiled region",
                 "check_placements compares each output across all simulated ranks; that needs the values, "
                 "so the call runs eagerly.",
                 "Drop check_placements once the region is checked, or check it in an eager test run.",
             )
-        mesh = (
-            real_object(mesh)
-            if mesh is not None
-            else real_object(values[dtensors[0]].device_mesh)
-        )
-        name = _region_name(
-            getattr(func, "fn", None) or getattr(func, "get_function", lambda: func)()
-        )
-
-        def checked_spec(what: str, num_outputs: int | None) -> Any:
-            """The eager checks and messages (make_spec), as a refusal that names ``what``."""
-            try:
-                return make_spec(
-                    name,
-                    mesh,
-                    values,
-                    in_placements,
-                    in_grad_placements,
-                    out_placements,
-                    num_outputs,
-                    redistribute,
-                )
-            except LocalMapError as e:
-                _refuse(what, str(e), _fix_hint(str(e)))
-
-        spec = checked_spec(
-            "local_map arguments that do not match its placements", None
-        )
-
-        # Redistribute where asked, then trace the body on the local shards.
-        tensor_leaves = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        by_leaf = dict(
-            zip(tensor_leaves, zip(spec.in_placements, spec.in_grad_placements))
-        )
-        for i in dtensors:
-            want = by_leaf[i][0]
-            if want is not None and format_placements(values[i].placements) != want:
-                # Placements are constants to Dynamo (opaque value types): the call
-                # is traced as the user's own x.redistribute(placements=...) would be.
-                leaves[i] = leaves[i].call_method(
-                    tx,
-                    "redistribute",
-                    [],
-                    {"placements": VariableTracker.build(tx, parse_placements(want))},
-                )
-                values[i] = leaves[i].as_proxy().node.meta["example_value"]
-        placement_of = {leaves[i].as_proxy().node: by_leaf[i] for i in tensor_leaves}
-        saved = {}
-        for i in dtensors:
-            node = leaves[i].as_proxy().node
-            saved[node] = node.meta["example_value"]
-            node.meta["example_value"] = _local_fake(tx, values[i])
-            leaves[i].synchronize_attributes(tx)
-        user_args = list(rebuild(leaves).items)
-        try:
-            (p_args, _, example_value, body_r, _, _, output_vts, _) = (
-                self.create_wrapped_node(
-                    tx,
-                    func,
-                    user_args,
-                    kwargs,
-                    "local_map",
-                    subgraph_name="local_map_body",
-                    set_subgraph_inputs="automatic_with_forced_inputs",
-                )
-            )
-        except Unsupported as e:
-            if not any(word in str(e) for word in ("side effect", "mutation")):
-                raise
-            _refuse(
-                "side effect inside a local_map region",
-                f"local_map {name}: the region mutates one of its inputs or Python state outside it "
-                f"({str(e).splitlines()[0]}); a region must be a pure function of its arguments, so that "
-                "it can be one op with a backward of its own.",
-                "Return new tensors instead of writing into inputs (x = x + 1, not x.add_(1)), and keep "
-                "logging and other Python side effects outside the region.",
-            )
-        finally:
-            for i in dtensors:
-                node = leaves[i].as_proxy().node
-                node.meta["example_value"] = saved[node]
-                leaves[i].synchronize_attributes(tx)
-
+        call.spec = call.checked_spec("local_map arguments that do not match its placements", None)
+        placement_of = self._redistribute_inputs(tx, call)
+        p_args, example_value, body_r, output_vts = self._trace_body(tx, call, kwargs)
         operands = list(p_args[1:])
-        in_texts, grad_texts = [], []
-        for proxy in operands:
-            value = proxy.node.meta["example_value"]
-            if proxy.node in placement_of:
-                in_texts.append(placement_of[proxy.node][0])
-                grad_texts.append(placement_of[proxy.node][1])
-            elif isinstance(value, DTensor):
-                _refuse(
-                    "local_map region that closes over a DTensor",
-                    f"the region {name} uses the DTensor {proxy.node.name} without taking it as an argument, "
-                    "so it has no declared placements and would not be unwrapped to its local shard.",
-                    "Pass it as an argument of the region and give its in_placements.",
-                )
-            else:
-                in_texts.append(None)
-                grad_texts.append(None)
-
-        out_leaves: list[VariableTracker] = []
-        _flatten(body_r, out_leaves)
-        checked_spec(
-            "local_map region whose outputs do not match out_placements",
-            len(out_leaves),
-        )
-        out_texts = []
-        for vt in output_vts:
-            index = next(k for k, leaf in enumerate(out_leaves) if leaf is vt)
-            out_texts.append(spec.out_placements[index])
-        try:
-            check_output_kinds(
-                name, [leaf.is_tensor() for leaf in out_leaves], spec.out_placements
-            )
-        except LocalMapError as e:
-            _refuse(
-                "local_map output that does not match out_placements",
-                str(e),
-                _fix_hint(str(e)),
-            )
-        spec = spec._replace(
-            in_placements=tuple(in_texts),
-            in_grad_placements=tuple(grad_texts),
-            out_placements=tuple(out_texts),
-        )
+        spec = self._final_spec(call, operands, placement_of, body_r, output_vts)
         result = _call_function_with_auto_output_flattening(
             tx,
             self.value,
@@ -292,16 +205,155 @@ class LocalMapVariable(WrapHigherOrderVariable):
             body_r,
             output_vts,
         )
-        self._outputs_as_dtensors(tx, output_vts, spec, mesh)
+        self._outputs_as_dtensors(tx, output_vts, spec, call.mesh)
         return result
+
+    @staticmethod
+    def _read_call(declared: Any, user_args: list[VariableTracker]) -> _Call:
+        """Step 1: the call's constants, and the user's arguments flattened as pytree does."""
+        from hops.local_map import region_name
+
+        leaves: list[VariableTracker] = []
+        rebuild = _flatten(TupleVariable(list(user_args)), leaves)
+        values = [_example(vt) for vt in leaves]
+        func = declared.func
+        call = _Call(
+            func=func,
+            name=region_name(getattr(func, "fn", None) or getattr(func, "get_function", lambda: func)()),
+            mesh=None,
+            out_placements=_constant(declared.out_placements),
+            in_placements=_constant(declared.in_placements),
+            in_grad_placements=_constant(declared.in_grad_placements),
+            redistribute=_constant(declared.redistribute_inputs),
+            leaves=leaves,
+            values=values,
+            rebuild=rebuild,
+        )
+        mesh = _constant(declared.device_mesh)
+        if mesh is not None:
+            call.mesh = real_object(mesh)
+        elif call.dtensors:
+            call.mesh = real_object(values[call.dtensors[0]].device_mesh)
+        return call
+
+    @staticmethod
+    def _redistribute_inputs(tx: Any, call: _Call) -> dict[Any, tuple[Any, Any]]:
+        """Step 2: DTensor arguments redistributed in the graph where asked; returns each
+        tensor argument's node -> (its in placements, its gradient placements)."""
+        from hops.spec import format_placements, parse_placements
+
+        tensor_leaves = [i for i, v in enumerate(call.values) if isinstance(v, torch.Tensor)]
+        by_leaf = dict(zip(tensor_leaves, zip(call.spec.in_placements, call.spec.in_grad_placements)))
+        for i in call.dtensors:
+            want = by_leaf[i][0]
+            if want is not None and format_placements(call.values[i].placements) != want:
+                # Placements are constants to Dynamo (opaque value types): the call
+                # is traced as the user's own x.redistribute(placements=...) would be.
+                call.leaves[i] = call.leaves[i].call_method(
+                    tx,
+                    "redistribute",
+                    [],
+                    {"placements": VariableTracker.build(tx, parse_placements(want))},
+                )
+                call.values[i] = call.leaves[i].as_proxy().node.meta["example_value"]
+        return {call.leaves[i].as_proxy().node: by_leaf[i] for i in tensor_leaves}
+
+    def _trace_body(
+        self, tx: Any, call: _Call, kwargs: dict[str, VariableTracker]
+    ) -> tuple[Any, Any, VariableTracker, Sequence[VariableTracker]]:
+        """Step 3: the region traced as a subgraph, each DTensor argument seen as its local shard."""
+        saved = {}
+        for i in call.dtensors:
+            node = call.leaves[i].as_proxy().node
+            saved[node] = node.meta["example_value"]
+            node.meta["example_value"] = _local_fake(tx, call.values[i])
+            call.leaves[i].synchronize_attributes(tx)
+        user_args = list(call.rebuild(call.leaves).items)
+        try:
+            (p_args, _, example_value, body_r, _, _, output_vts, _) = self.create_wrapped_node(
+                tx,
+                call.func,
+                user_args,
+                kwargs,
+                "local_map",
+                subgraph_name="local_map_body",
+                set_subgraph_inputs="automatic_with_forced_inputs",
+            )
+        except Unsupported as e:
+            if not any(word in str(e) for word in ("side effect", "mutation")):
+                raise
+            _refuse(
+                "side effect inside a local_map region",
+                f"local_map {call.name}: the region mutates one of its inputs or Python state outside it "
+                f"({str(e).splitlines()[0]}); a region must be a pure function of its arguments, so that "
+                "it can be one op with a backward of its own.",
+                "Return new tensors instead of writing into inputs (x = x + 1, not x.add_(1)), and keep "
+                "logging and other Python side effects outside the region.",
+            )
+        finally:
+            for i in call.dtensors:
+                node = call.leaves[i].as_proxy().node
+                node.meta["example_value"] = saved[node]
+                call.leaves[i].synchronize_attributes(tx)
+        return p_args, example_value, body_r, output_vts
+
+    @staticmethod
+    def _final_spec(
+        call: _Call,
+        operands: Sequence[Any],
+        placement_of: dict[Any, tuple[Any, Any]],
+        body_r: VariableTracker,
+        output_vts: Sequence[VariableTracker],
+    ) -> Any:
+        """Step 4: the spec of the traced region: one entry per operand (lifted closures
+        included, without placements) and per output, checked against ``out_placements``."""
+        from torch.distributed.tensor import DTensor
+
+        from hops.region_op import check_output_kinds
+        from hops.spec import LocalMapError
+
+        in_texts, grad_texts = [], []
+        for proxy in operands:
+            value = proxy.node.meta["example_value"]
+            if proxy.node in placement_of:
+                in_texts.append(placement_of[proxy.node][0])
+                grad_texts.append(placement_of[proxy.node][1])
+            elif isinstance(value, DTensor):
+                _refuse(
+                    "local_map region that closes over a DTensor",
+                    f"the region {call.name} uses the DTensor {proxy.node.name} without taking it as an argument, "
+                    "so it has no declared placements and would not be unwrapped to its local shard.",
+                    "Pass it as an argument of the region and give its in_placements.",
+                )
+            else:
+                in_texts.append(None)
+                grad_texts.append(None)
+
+        out_leaves: list[VariableTracker] = []
+        _flatten(body_r, out_leaves)
+        call.checked_spec("local_map region whose outputs do not match out_placements", len(out_leaves))
+        out_texts = []
+        for vt in output_vts:
+            index = next(k for k, leaf in enumerate(out_leaves) if leaf is vt)
+            out_texts.append(call.spec.out_placements[index])
+        try:
+            check_output_kinds(call.name, [leaf.is_tensor() for leaf in out_leaves], call.spec.out_placements)
+        except LocalMapError as e:
+            _refuse("local_map output that does not match out_placements", str(e), _fix_hint(str(e)))
+        return call.spec._replace(
+            in_placements=tuple(in_texts),
+            in_grad_placements=tuple(grad_texts),
+            out_placements=tuple(out_texts),
+        )
 
     @staticmethod
     def _outputs_as_dtensors(
         tx: Any, output_vts: Sequence[VariableTracker], spec: Any, mesh: Any
     ) -> None:
+        """Step 5: the region's outputs, DTensors placed per ``out_placements``."""
         from torch.distributed.tensor import DTensor
 
-        from hops.local_map import parse_placements
+        from hops.spec import parse_placements
 
         hop_node = None
         wrapped = []
@@ -332,7 +384,7 @@ def _fix_hint(message: str) -> str:
 def _handler(builder: Any, value: Any) -> VariableTracker:
     from torch._dynamo.guards import GuardBuilder
 
-    from hops.local_map import local_map_region
+    from hops.region_op import local_map_region
 
     builder.install_guards(GuardBuilder.CLOSURE_MATCH)
     return LocalMapVariable(local_map_region, source=builder.source)

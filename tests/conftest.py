@@ -1,6 +1,6 @@
 """Fixtures for the project's tests, built on the ``dtcompile`` pytest plugin's worlds.
 
-``fake_world`` and ``simulated_world`` come from ``dtcompile.testing.plugin``
+``fake_world`` and ``simulated_world`` come from ``dtcompile_tools.pytest_plugin``
 (the same fixtures users get); the ones here only name the meshes the tests use.
 """
 

@@ -82,11 +82,11 @@ def test_stock_torch_fails_exactly_the_pinned_idioms():
         import json, warnings
         warnings.simplefilter("ignore")
         import dynamo_vars
-        import dynamo_vars.dtensor_api
+        import dtcompile.sharding_cache
         from dtcompile._testing.idioms import IDIOMS, check_idiom
         # Stock as users run it: nothing empties DTensor's sharding caches (our worlds
         # and backend do), so a fake mesh cached by one program reaches the next.
-        dynamo_vars.dtensor_api.clear_sharding_caches = lambda: None
+        dtcompile.sharding_cache.clear_sharding_caches = lambda: None
         with dynamo_vars.enabled(False):
             results = [check_idiom(item, "aot_eager") for item in IDIOMS]
         print(json.dumps({r.name: r.error for r in results if not r.ok}))

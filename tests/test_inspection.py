@@ -25,7 +25,7 @@ from dtcompile.cost_model import (
     get_profile,
     register_profile,
 )
-from tools import report as report_tool
+from dtcompile_tools import report as report_tool
 
 # ---------------------------------------------------------------- cost model
 

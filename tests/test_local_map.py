@@ -858,7 +858,7 @@ def test_spec_text_round_trips():
 def test_regions_are_counted_and_named_in_what_dtcompile_logs(fake_world, caplog):
     import logging
 
-    from dtcompile.report import collectives_json, format_compiled_graph
+    from dtcompile.artifacts import collectives_json, format_compiled_graph
 
     case = REGION_CASES["region_with_collective"]
     with caplog.at_level(logging.INFO, logger="dtcompile.compiler"):

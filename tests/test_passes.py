@@ -7,9 +7,18 @@ import torch
 from expecttest import assert_expected_inline
 
 import dtcompile
+from dtcompile.annotations import DynamoGraphInfo
+from dtcompile.cost_model import get_profile
+from dtcompile.passes import PassContext
+from dtcompile.records import Action
 from dtcompile._testing.cases import CASES
 from dtcompile.testing import assert_matches_eager, collective_schedule, threaded_world
 
+
+
+def pass_context(config, kind="forward"):
+    """What run_passes gives a pass, for a hand-built graph (no Dynamo graph behind it)."""
+    return PassContext(kind=kind, config=config, info=DynamoGraphInfo("test", {}, get_profile(config.cost_profile)))
 
 def _fsdp_schedule(fake_world, **options) -> tuple[str, list[str]]:
     case = CASES["fsdp_mlp"]
@@ -17,7 +26,7 @@ def _fsdp_schedule(fake_world, **options) -> tuple[str, list[str]]:
     _, parallel, x = case.build(mesh)
     backend = dtcompile.backend(inductor=False, **options)
     schedule = collective_schedule(parallel, case.local_input(x, mesh), backend=backend)
-    decisions = [f"{r.kind}: {d}" for r in backend.records for p in r.passes if p.name == "bucketing" for d in p.decisions]
+    decisions = [f"{r.kind}: {d}" for r in backend.records for p in r.passes if p.name == "bucketing" for d in map(str, p.decisions)]
     return str(schedule), decisions
 
 
@@ -60,7 +69,7 @@ def test_bucketing_leaves_dependent_collectives_alone_and_says_why(fake_world):
     backend = dtcompile.backend(inductor=False, disable_passes={"async_tp"})
     schedule = collective_schedule(parallel, x, backend=backend)
     assert "forward total: 5 collectives, 20480 B per rank" in str(schedule)
-    decisions = {d for r in backend.records for p in r.passes if p.name == "bucketing" for d in p.decisions}
+    decisions = {d for r in backend.records for p in r.passes if p.name == "bucketing" for d in map(str, p.decisions)}
     assert "all_gather_into_tensor_1: starts a new bucket: its input is computed after a bucketed result is used (they depend on each other)" in decisions
 
 
@@ -93,7 +102,7 @@ def test_async_tp_fuses_every_gather_matmul_and_matmul_scatter_pair(fake_world):
     schedule, records = _block_backend_records(fake_world(4, (4,), ("tp",)))
     fused = [c.op for c in (*schedule.forward, *schedule.backward) if c.fused]
     assert fused == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter", "all_gather", "all_gather"]
-    decisions = [f"{r.kind}: {d}" for r in records if r.compile_id == "1/0" for p in r.passes if p.name == "async_tp" for d in p.decisions]
+    decisions = [f"{r.kind}: {d}" for r in records if r.compile_id == "1/0" for p in r.passes if p.name == "async_tp" for d in map(str, p.decisions)]
     assert_expected_inline("\n".join(decisions), """\
 forward: fused all_gather(dim 1) + 3 matmul(s): all_gather_into_tensor -> mm, mm_1, mm_2
 forward: fused matmul + reduce_scatter(dim 1): mm_3 -> reduce_scatter_tensor
@@ -107,7 +116,7 @@ backward: reduce_scatter_tensor_3: not fused: its input comes from aten.add.Tens
 
 def test_overlap_sinks_waits_and_fills_windows_in_the_block_backward(fake_world):
     _, records = _block_backend_records(fake_world(4, (4,), ("tp",)), disable_passes={"async_tp"})
-    moves = [f"{r.kind}: {d}" for r in records for p in r.passes if p.name == "overlap" for d in p.decisions]
+    moves = [f"{r.kind}: {d}" for r in records for p in r.passes if p.name == "overlap" for d in map(str, p.decisions)]
     assert any(m.startswith("backward: wait_tensor") and "node(s) later, before" in m for m in moves), moves
     # the input-gradient reduce-scatters get the weight-gradient work moved under them
     assert any(m.startswith("backward: reduce_scatter") and "independent node(s) moved after it" in m for m in moves), moves
@@ -141,18 +150,20 @@ def test_overlap_on_a_hand_built_graph(fake_world):
     from dtcompile.passes.overlap import reorder_for_overlap
 
     fake_world(4)
-    gm = reorder_for_overlap(_hand_built_graph(), [], dtcompile.DTCompileConfig(inductor=False))
+    ctx = pass_context(dtcompile.DTCompileConfig(inductor=False))
+    gm = reorder_for_overlap(_hand_built_graph(), [], ctx)
     order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
     assert order == ["mul", "all_reduce", "mul", "mul", "mul", "wait_tensor", "add"]
-    assert_expected_inline("\n".join(gm.meta["dtcompile_decisions"]["overlap"]), """\
+    assert_expected_inline("\n".join(map(str, ctx.outcomes)), """\
 wait_tensor_default: waits 1 node(s) later, before add_tensor
 all_reduce_default: issued 2 node(s) earlier, after mul_tensor""")
     # Under a 16 B budget the collective stays; the independent compute before it
     # moves after it instead (issuing it no earlier holds no buffer longer).
-    gm = reorder_for_overlap(_hand_built_graph(), [], dtcompile.DTCompileConfig(inductor=False, overlap_memory_budget_bytes=16))
+    ctx = pass_context(dtcompile.DTCompileConfig(inductor=False, overlap_memory_budget_bytes=16))
+    gm = reorder_for_overlap(_hand_built_graph(), [], ctx)
     order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
     assert order == ["mul", "all_reduce", "mul", "mul", "mul", "wait_tensor", "add"]
-    decisions = gm.meta["dtcompile_decisions"]["overlap"]
+    decisions = [str(o) for o in ctx.outcomes]
     assert "all_reduce_default: not issued earlier: 32 B in flight would pass overlap_memory_budget_bytes" in decisions
     assert decisions[-1] == "all_reduce_default: 2 independent node(s) moved after it, to run under it"
 
@@ -164,7 +175,7 @@ def _overlap(fn, *args) -> tuple[list[str], str]:
     backend = dtcompile.backend(inductor=False, cost_profile="cpu_gloo")
     torch.compile(fn, backend=backend, fullgraph=True)(*args)
     (record,) = backend.records
-    return [d for p in record.passes if p.name == "overlap" for d in p.decisions], record.with_regions
+    return [str(d) for p in record.passes if p.name == "overlap" for d in p.decisions], record.with_regions
 
 
 def _matmul(y, w):
@@ -227,10 +238,12 @@ def test_cost_model_plays_a_region_as_its_inlined_body(fake_world):
     import torch.distributed._functional_collectives as funcol
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dtcompile.cost_model import get_profile, node_time_us, simulate
-    from dtcompile.regions import inline_regions, is_region
+    from dtcompile.cost_model import get_profile
+    from dtcompile.simulate import node_time_us, simulate
+    from dtcompile.lowering import inline_regions
+    from dtcompile.regions import is_region
     from hops import keep_regions
-    from hops.local_map import local_map_region
+    from hops.region_op import local_map_region
 
     mesh = fake_world(4)
 
@@ -328,8 +341,10 @@ def test_async_tp_leaves_a_gather_that_is_a_graph_output(fake_world):
         x.meta["val"] = torch.empty(2, 8)
         gather.meta["val"] = torch.ops._c10d_functional.all_gather_into_tensor.default(x.meta["val"], 4, "0")
         wait.meta["val"] = torch.empty(8, 8)
-    gm = fuse_async_tp(fx.GraphModule(torch.nn.Module(), graph), [x.meta["val"]], dtcompile.DTCompileConfig())
-    assert gm.meta["dtcompile_decisions"]["async_tp"] == [
+    ctx = pass_context(dtcompile.DTCompileConfig())
+    gm = fuse_async_tp(fx.GraphModule(torch.nn.Module(), graph), [x.meta["val"]], ctx)
+    assert [o.action for o in ctx.outcomes] == [Action.SKIPPED]
+    assert [str(o) for o in ctx.outcomes] == [
         "all_gather_into_tensor_default: not fused: no matmul consumes the gathered tensor as its left operand"
     ]
 
@@ -355,9 +370,10 @@ def test_async_tp_fuses_a_gather_into_addmm(fake_world):
             node.meta["val"] = value
         for node in [gather, wait, flat, out]:
             node.meta["val"] = node.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args])
-    gm = fuse_async_tp(fx.GraphModule(torch.nn.Module(), graph), inputs, dtcompile.DTCompileConfig())
+    ctx = pass_context(dtcompile.DTCompileConfig())
+    gm = fuse_async_tp(fx.GraphModule(torch.nn.Module(), graph), inputs, ctx)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert targets == ["dtcompile.fused_all_gather_matmul.default", "<built-in function getitem>", "<built-in function getitem>", "aten.reshape.default", "aten.add.Tensor"]
-    assert gm.meta["dtcompile_decisions"]["async_tp"] == [
+    assert [str(o) for o in ctx.outcomes] == [
         "fused all_gather(dim 0) + 1 matmul(s): all_gather_into_tensor_default -> addmm_default"
     ]

@@ -64,7 +64,7 @@ backward total: 0 collectives, 0 B per rank"""
 
 def test_plugin_is_registered_and_fixtures_enter_worlds(fake_world):
     entry_points = importlib.metadata.entry_points(group="pytest11")
-    assert "dtcompile.testing.plugin" in {ep.value for ep in entry_points}
+    assert "dtcompile_tools.pytest_plugin" in {ep.value for ep in entry_points}
     mesh = fake_world(8, (2, 4), ("dp", "tp"))
     assert dist.get_world_size() == 8 and mesh.mesh_dim_names == ("dp", "tp")
     assert mesh["tp"].size() == 4

@@ -1,13 +1,14 @@
 """The ordered list of FX passes dtcompile runs on every AOT graph.
 
-Every pass has one contract, ``(gm, example_inputs, config) -> gm``, a unique
-name by which ``DTCompileConfig.disable_passes`` switches it off, and logs what
-it changed.  They run on the forward and backward graphs after AOTAutograd's
-partitioner and before lowering; ``gm.meta["dtcompile_graph_kind"]`` says which
-graph it is (``forward``, ``backward`` or ``inference``) and
-``gm.meta["dtcompile_mesh_axes"]`` maps process-group names to mesh axis names,
-``gm.meta["dtcompile_graph_info"]`` is the Dynamo graph's
-:class:`~dtcompile.annotations.DynamoGraphInfo`.
+Every pass has one contract, ``(gm, example_inputs, ctx) -> gm``: ``ctx`` is a
+:class:`~dtcompile.passes.context.PassContext` (the graph's kind, the
+backend's config, the Dynamo graph's placement info, and ``ctx.record`` for
+its decisions, typed :class:`~dtcompile.records.Outcome` values).  Each has a
+unique name by which ``DTCompileConfig.disable_passes`` switches it off;
+:func:`run_passes` times it, checks that it returned a ``GraphModule``, logs
+its decisions, and with ``trace_pass_graphs`` logs the graph before and after
+it to ``TORCH_TRACE``.  They run on the forward and backward graphs after
+AOTAutograd's partitioner and before lowering.
 
 Where each pass lives:
 
@@ -29,9 +30,10 @@ Where each pass lives:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import fx
 
@@ -39,35 +41,21 @@ from dtcompile.collectives import is_collective
 from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
 from dtcompile.passes.bucketing import bucket_collectives
+from dtcompile.passes.context import PassContext
 from dtcompile.passes.overlap import reorder_for_overlap
+from dtcompile.records import PassRecord
 
-if TYPE_CHECKING:
-    from dtcompile.config import DTCompileConfig
-
-__all__ = ["PASSES", "GraphPass", "PassRecord", "run_passes"]
+__all__ = ["PASSES", "GraphPass", "PassContext", "run_passes"]
 
 log = logging.getLogger(__name__)
+
+PassFn = Callable[[fx.GraphModule, Sequence[Any], PassContext], fx.GraphModule]
 
 
 @dataclass(frozen=True)
 class GraphPass:
     name: str
-    fn: Callable[[fx.GraphModule, Sequence[Any], DTCompileConfig], fx.GraphModule]
-
-
-@dataclass(frozen=True)
-class PassRecord:
-    """What one pass did to one graph."""
-
-    name: str
-    ran: bool
-    """False when the pass was switched off by name."""
-    nodes_before: int
-    nodes_after: int
-    collectives_before: int
-    collectives_after: int
-    decisions: tuple[str, ...] = ()
-    """What the pass did, and what it left alone and why, one line each."""
+    fn: PassFn
 
 
 # Rewrites first, then ``annotate``: it describes the graph that is lowered.
@@ -83,23 +71,45 @@ def _num_collectives(gm: fx.GraphModule) -> int:
     return sum(1 for node in gm.graph.nodes if is_collective(node))
 
 
+def _trace_graph(ctx: PassContext, when: str, name: str, gm: fx.GraphModule) -> None:
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"dtcompile_{ctx.kind}_{when}_{name}", "encoding": "string"},
+        payload_fn=lambda: gm.print_readable(print_output=False),
+    )
+
+
 def run_passes(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], config: DTCompileConfig
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    ctx: PassContext,
+    passes: Sequence[GraphPass] = PASSES,
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
-    """Runs :data:`PASSES` in order, skipping those in ``config.disable_passes``."""
+    """Runs ``passes`` (default :data:`PASSES`) in order, skipping those in ``ctx.config.disable_passes``."""
     records = []
-    kind = gm.meta.get("dtcompile_graph_kind", "graph")
-    for graph_pass in PASSES:
+    for graph_pass in passes:
         nodes = len(gm.graph.nodes)
         collectives = _num_collectives(gm)
-        if graph_pass.name in config.disable_passes:
-            log.debug("%s: pass %s switched off", kind, graph_pass.name)
-            records.append(
-                PassRecord(graph_pass.name, False, nodes, nodes, collectives, collectives)
-            )
+        if graph_pass.name in ctx.config.disable_passes:
+            log.debug("%s: pass %s switched off", ctx.kind, graph_pass.name)
+            records.append(PassRecord(graph_pass.name, False, nodes, nodes, collectives, collectives))
             continue
-        gm = graph_pass.fn(gm, example_inputs, config)
-        decisions = gm.meta.get("dtcompile_decisions", {}).get(graph_pass.name, [])
+        if ctx.config.trace_pass_graphs:
+            _trace_graph(ctx, "before", graph_pass.name, gm)
+        ctx.outcomes = []
+        start = time.perf_counter()
+        result = graph_pass.fn(gm, example_inputs, ctx)
+        seconds = time.perf_counter() - start
+        if not isinstance(result, fx.GraphModule):
+            raise TypeError(
+                f"dtcompile: pass {graph_pass.name} returned {type(result).__name__}, not the "
+                "fx.GraphModule every pass must return"
+            )
+        gm = result
+        if ctx.config.trace_pass_graphs:
+            _trace_graph(ctx, "after", graph_pass.name, gm)
         record = PassRecord(
             graph_pass.name,
             True,
@@ -107,18 +117,21 @@ def run_passes(
             len(gm.graph.nodes),
             collectives,
             _num_collectives(gm),
-            tuple(decisions),
+            tuple(ctx.outcomes),
+            seconds,
         )
-        for decision in decisions:
-            log.info("%s: %s: %s", kind, graph_pass.name, decision)
+        for outcome in record.decisions:
+            log.info("%s: %s: %s", ctx.kind, graph_pass.name, outcome)
         log.info(
-            "%s: pass %s: nodes %d -> %d, collectives %d -> %d",
-            kind,
+            "%s: pass %s: nodes %d -> %d, collectives %d -> %d, %.1f ms",
+            ctx.kind,
             record.name,
             record.nodes_before,
             record.nodes_after,
             record.collectives_before,
             record.collectives_after,
+            seconds * 1e3,
         )
         records.append(record)
+    ctx.outcomes = []
     return gm, records

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["first_use_index", "record_decision", "refresh_metadata", "single_wait"]
+__all__ = ["first_use_index", "refresh_metadata", "single_wait"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -24,11 +24,6 @@ def single_wait(collective: fx.Node) -> fx.Node | None:
 def first_use_index(node: fx.Node, index: dict[fx.Node, int]) -> int:
     """Position of the first node that uses ``node`` (the end of the graph if none)."""
     return min((index[u] for u in node.users), default=len(index))
-
-
-def record_decision(gm: fx.GraphModule, pass_name: str, text: str) -> None:
-    """Remember what a pass did or skipped, and why; ``run_passes`` puts it in the pass's record."""
-    gm.meta.setdefault("dtcompile_decisions", {}).setdefault(pass_name, []).append(text)
 
 
 def refresh_metadata(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

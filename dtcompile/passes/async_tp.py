@@ -29,7 +29,9 @@ import torch
 from torch import fx
 
 import dtcompile.ops  # noqa: F401 - registers the dtcompile:: ops
-from dtcompile.passes._graph import record_decision, refresh_metadata, single_wait
+from dtcompile.passes._graph import refresh_metadata, single_wait
+from dtcompile.passes.context import PassContext
+from dtcompile.records import Action, Outcome
 
 __all__ = ["fuse_async_tp"]
 
@@ -118,20 +120,20 @@ def _hoist_before(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> 
     return True
 
 
-def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int]) -> str:
+def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int]) -> Outcome:
     wait = single_wait(ag)
     if wait is None:
-        return "not fused: the all-gather has no single wait"
+        return Outcome.skipped(ag.name, "not fused: the all-gather has no single wait")
     found = _gathered(wait)
     if found is None:
-        return "not fused: the gathered tensor is rearranged in a way the pass does not know"
+        return Outcome.skipped(ag.name, "not fused: the gathered tensor is rearranged in a way the pass does not know")
     gathered, gather_dim = found
     consumers = _matmul_consumers(gathered)
     if not consumers:
-        return "not fused: no matmul consumes the gathered tensor as its left operand"
+        return Outcome.skipped(ag.name, "not fused: no matmul consumes the gathered tensor as its left operand")
     ready = [b for _, b in consumers if _hoist_before(b, wait, order)]
     if len(ready) != len(consumers):
-        return "not fused: a matmul's right operand is computed after the all-gather"
+        return Outcome.skipped(ag.name, "not fused: a matmul's right operand is computed after the all-gather")
     graph = gm.graph
     shard, _, group = ag.args
     with graph.inserting_before(wait):
@@ -149,33 +151,33 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int])
         mm.replace_all_uses_with(flat)
         graph.erase_node(mm)
     _erase_unused([gathered, *_between(wait, gathered), wait, ag])
-    return f"fused all_gather(dim {gather_dim}) + {len(consumers)} matmul(s): {ag.name} -> {', '.join(mm.name for mm, _ in consumers)}"
+    return Outcome(Action.FUSED, f"fused all_gather(dim {gather_dim}) + {len(consumers)} matmul(s): {ag.name} -> {', '.join(mm.name for mm, _ in consumers)}")
 
 
-def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> str:
+def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> Outcome:
     wait = single_wait(rs)
     if wait is None:
-        return "not fused: the reduce-scatter has no single wait"
+        return Outcome.skipped(rs.name, "not fused: the reduce-scatter has no single wait")
     source, reduce_op, _, group = rs.args
     scatter_dim, produced = 0, source
     if source.target is aten.cat.default and (source.args[1] if len(source.args) > 1 else 0) == 0:
         getitems = list(source.args[0])
         splits = {g.args[0] for g in getitems if g.target is operator.getitem}
         if len(splits) != 1:
-            return "not fused: the reduce-scatter input is not a split of one tensor"
+            return Outcome.skipped(rs.name, "not fused: the reduce-scatter input is not a split of one tensor")
         (split,) = splits
         if split.target is not aten.split.Tensor or len(split.users) != len(getitems):
-            return "not fused: the reduce-scatter input is not a split of one tensor"
+            return Outcome.skipped(rs.name, "not fused: the reduce-scatter input is not a split of one tensor")
         produced = split.args[0]
         scatter_dim = (split.args[2] if len(split.args) > 2 else 0) % produced.meta["val"].dim()
         if len(produced.users) != 1:
-            return f"not fused: {produced.name} has {len(produced.users)} users"
+            return Outcome.skipped(rs.name, f"not fused: {produced.name} has {len(produced.users)} users")
     view = produced
     mm = view.args[0] if view.target in _VIEWS else view
     if mm.target is not aten.mm.default:
-        return f"not fused: its input comes from {mm.target} ({mm.name}), not from one matmul"
+        return Outcome.skipped(rs.name, f"not fused: its input comes from {mm.target} ({mm.name}), not from one matmul")
     if len(mm.users) != 1:
-        return f"matmul->reduce-scatter not fused: the matmul output has {len(mm.users)} users"
+        return Outcome.skipped(rs.name, f"matmul->reduce-scatter not fused: the matmul output has {len(mm.users)} users")
     graph = gm.graph
     out_shape = list(view.meta["val"].shape)
     with graph.inserting_before(wait):
@@ -187,7 +189,7 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> str:
         result = graph.call_function(aten.reshape.default, (fused, list(wait.meta["val"].shape)))
     wait.replace_all_uses_with(result)
     _erase_unused([wait, rs, source, *(source.all_input_nodes if source is not produced else ()), produced, view, mm])
-    return f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}"
+    return Outcome(Action.FUSED, f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}")
 
 
 def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
@@ -217,23 +219,22 @@ def _erase_unused(nodes: list[fx.Node]) -> None:
                 progress = True
 
 
-def fuse_async_tp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule:
+def fuse_async_tp(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
     graph = gm.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     changed = False
     for node in list(graph.nodes):
         if node.target is c10d.all_gather_into_tensor.default:
-            decision = _fuse_all_gather(gm, node, order)
+            outcome = _fuse_all_gather(gm, node, order)
         elif node.target is c10d.reduce_scatter_tensor.default:
-            decision = _fuse_reduce_scatter(gm, node)
+            outcome = _fuse_reduce_scatter(gm, node)
         else:
             continue
-        fused = decision.startswith("fused")
-        if fused:
+        if outcome.action is Action.FUSED:
             changed = True
             refresh_metadata(gm, example_inputs)  # the next match reads the new nodes' values
-        record_decision(gm, "async_tp", decision if fused else f"{node.name}: {decision}")
+        ctx.record(outcome)
     if changed:
         graph.eliminate_dead_code()
         graph.lint()

@@ -30,10 +30,10 @@ from torch import fx
 
 from dtcompile.passes._graph import (
     first_use_index,
-    record_decision,
     refresh_metadata,
     single_wait,
 )
+from dtcompile.passes.context import PassContext
 
 __all__ = ["bucket_collectives"]
 
@@ -88,7 +88,7 @@ def _key(node: fx.Node) -> tuple[Any, ...]:
     return (kind, group, None, value.dtype, reduce_op)
 
 
-def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule:
+def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
     graph = gm.graph
     index = {node: i for i, node in enumerate(graph.nodes)}
@@ -100,7 +100,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], config
         wait = single_wait(node)
         source = node.args[0]
         if wait is None or not isinstance(source, fx.Node) or "val" not in source.meta:
-            record_decision(gm, "bucketing", f"{node.name}: not bucketed: not a single collective + wait")
+            ctx.skipped(node.name, "not bucketed: not a single collective + wait")
             continue
         value = source.meta["val"]
         num_bytes = value.numel() * value.element_size()
@@ -110,7 +110,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], config
         key = _key(node)
         bucket = open_buckets.get(key)
         if bucket is not None:
-            fits = member.num_bytes + bucket.num_bytes <= config.bucket_cap_bytes
+            fits = member.num_bytes + bucket.num_bytes <= ctx.config.bucket_cap_bytes
             independent = max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use)
             if fits and independent:
                 bucket.members.append(member)
@@ -118,7 +118,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], config
             why = "the bucket would pass bucket_cap_bytes" if not fits else (
                 "its input is computed after a bucketed result is used (they depend on each other)"
             )
-            record_decision(gm, "bucketing", f"{node.name}: starts a new bucket: {why}")
+            ctx.skipped(node.name, f"starts a new bucket: {why}")
             closed.append(bucket)
         open_buckets[key] = _Bucket(key, [member])
     closed += open_buckets.values()
@@ -129,7 +129,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], config
         _rewrite(gm, bucket, order[bucket.ready])
         names = ", ".join(m.node.name for m in bucket.members)
         kind = bucket.key[0]
-        record_decision(gm, "bucketing", f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)")
+        ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)")
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

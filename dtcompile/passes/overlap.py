@@ -19,8 +19,8 @@ After AOTAutograd every functional collective is followed at once by its
 The graph computes the same values (only the order of independent nodes
 changes).  Fused collective-matmuls (``async_tp``) are left where they are:
 they overlap inside.  A ``local_map`` region is one node here: its estimate is
-its body's (:func:`dtcompile.cost_model.region_timeline`), and one that issues
-collectives is not moved, nor compute across it.  :func:`dtcompile.cost_model.simulate` estimates what is
+its body's (:func:`dtcompile.simulate.region_timeline`), and one that issues
+collectives is not moved, nor compute across it.  :func:`dtcompile.simulate.simulate` estimates what is
 gained; every move, and every move refused, is recorded.
 """
 
@@ -33,8 +33,10 @@ import torch
 from torch import fx
 
 from dtcompile.collectives import collective_info
-from dtcompile.passes._graph import record_decision
+from dtcompile.cost_model import collective_time_us
+from dtcompile.passes.context import PassContext
 from dtcompile.regions import issues_collectives
+from dtcompile.simulate import node_time_us
 
 __all__ = ["reorder_for_overlap"]
 
@@ -45,7 +47,7 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
-def _sink_waits(gm: fx.GraphModule) -> int:
+def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
     moved = 0
     for wait in [n for n in gm.graph.nodes if n.target is _WAIT]:
         order = _order(gm.graph)
@@ -57,11 +59,11 @@ def _sink_waits(gm: fx.GraphModule) -> int:
         if distance > 0:
             first.prepend(wait)
             moved += 1
-            record_decision(gm, "overlap", f"{wait.name}: waits {distance} node(s) later, before {first.name}")
+            ctx.moved(wait.name, f"waits {distance} node(s) later, before {first.name}")
     return moved
 
 
-def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: int) -> int:
+def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: int, ctx: PassContext) -> int:
     moved = 0
     for node in list(gm.graph.nodes):
         info = infos.get(node)
@@ -75,13 +77,11 @@ def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: in
             continue
         in_flight = _bytes_in_flight(gm.graph, infos, order, order[anchor]) + info.bytes
         if in_flight > budget:
-            record_decision(
-                gm, "overlap", f"{node.name}: not issued earlier: {in_flight} B in flight would pass overlap_memory_budget_bytes"
-            )
+            ctx.skipped(node.name, f"not issued earlier: {in_flight} B in flight would pass overlap_memory_budget_bytes")
             continue
         anchor.append(node)
         moved += 1
-        record_decision(gm, "overlap", f"{node.name}: issued {distance} node(s) earlier, after {anchor.name}")
+        ctx.moved(node.name, f"issued {distance} node(s) earlier, after {anchor.name}")
     return moved
 
 
@@ -111,8 +111,8 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions: set[fx.Node], profile: Any) -> int:
-    from dtcompile.cost_model import collective_time_us, node_time_us
+def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions: set[fx.Node], ctx: PassContext) -> int:
+    profile = ctx.profile
 
     moved = 0
     for node in list(gm.graph.nodes):
@@ -145,19 +145,17 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions
             anchor = candidate
         if candidates:
             moved += len(candidates)
-            record_decision(gm, "overlap", f"{node.name}: {len(candidates)} independent node(s) moved after it, to run under it")
+            ctx.moved(node.name, f"{len(candidates)} independent node(s) moved after it, to run under it")
     return moved
 
 
-def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule:
+def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
-    from dtcompile.cost_model import get_profile
-
     # Described once: moving nodes changes no collective (nor what a region issues).
     infos = {node: info for node in gm.graph.nodes if (info := collective_info(node)) is not None}
     talking_regions = {node for node in gm.graph.nodes if issues_collectives(node)}
-    moved = _sink_waits(gm) + _hoist_collectives(gm, infos, config.overlap_memory_budget_bytes)
-    moved += _fill_windows(gm, infos, talking_regions, get_profile(config.cost_profile))
+    moved = _sink_waits(gm, ctx) + _hoist_collectives(gm, infos, ctx.config.overlap_memory_budget_bytes, ctx)
+    moved += _fill_windows(gm, infos, talking_regions, ctx)
     if moved:
         gm.graph.lint()
         gm.recompile()

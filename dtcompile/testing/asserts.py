@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from dtcompile.report import backward_from_sum
 from dtcompile.testing.worlds import run_threaded, wait_for_eager_on_every_rank
 
 __all__ = [
@@ -55,15 +56,6 @@ def run_step(fn: Callable[..., Any], args: Sequence[Any], backward: bool = True,
             grads[f"grad of {_clean_name(name)}"] = tensor.grad
             tensor.grad = None
     return Step(outputs, grads)
-
-
-def backward_from_sum(out: Any) -> None:
-    """Backward from the sum of every output that requires grad (a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if leaves:
-        sum((t.to_local() if isinstance(t, DTensor) else t).float().sum() for t in leaves).backward()
 
 
 def _clean_name(name: str) -> str:

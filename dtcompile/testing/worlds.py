@@ -90,7 +90,7 @@ def fake_world(
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dynamo_vars.dtensor_api import clear_sharding_caches
+    from dtcompile.sharding_cache import clear_sharding_caches
 
     if dist.is_initialized():
         raise RuntimeError(

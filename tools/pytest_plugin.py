@@ -1,5 +1,9 @@
 """The ``dtcompile`` pytest plugin (entry point ``pytest11``): fixtures, nothing autouse.
 
+Loading it imports neither torch nor dtcompile: they are imported when a test
+asks for one of its fixtures, so an unrelated project's pytest run in an
+environment with dtcompile installed starts as fast as without it.
+
 - ``fake_world``: a function ``fake_world(world_size, mesh_shape=None,
   mesh_dim_names=None, *, rank=0) -> DeviceMesh`` that enters
   :func:`dtcompile.testing.fake_world` for the rest of the test;
@@ -24,7 +28,7 @@ import pytest
 def _world_fixture(enter: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     import torch
 
-    from dynamo_vars.dtensor_api import clear_sharding_caches
+    from dtcompile.sharding_cache import clear_sharding_caches
 
     stack = contextlib.ExitStack()
     torch._dynamo.reset()

@@ -1,0 +1,140 @@
+"""Per-graph output of the backend: the text section of one compiled graph, and its TORCH_TRACE artifacts.
+
+Every compile logs, through ``torch._logging.trace_structured``, the artifacts
+``dtcompile_placements``, ``dtcompile_<kind>_graph``,
+``dtcompile_<kind>_collectives`` (JSON) and ``dtcompile_<kind>_regions``,
+which ``tlparse`` shows under the compile id and ``dtcompile-report``
+(:mod:`dtcompile_tools.report`) turns into HTML; ``report=True`` prints
+:func:`format_compiled_graph` as each graph compiles.  :mod:`dtcompile.report`
+builds the whole-program report on the same pieces.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dtcompile.records import CompiledGraph
+
+__all__ = ["collective_table", "collectives_json", "emit_artifacts", "format_compiled_graph", "pass_lines", "region_lines"]
+
+
+def collectives_json(record: CompiledGraph) -> dict[str, Any]:
+    """The collectives of one AOT graph with their estimated times, and totals, and its
+    ``local_map`` regions (as the passes saw them, before lowering inlined them), as JSON data."""
+    items = []
+    for node in record.graph.graph.nodes:
+        info = node.meta.get("dtcompile_collective")
+        if info is None:
+            continue
+        items.append(
+            {
+                "node": info.node,
+                "op": info.op,
+                "axis": info.axis,
+                "group_size": info.group_size,
+                "shape": list(info.shape),
+                "dtype": str(info.dtype).removeprefix("torch."),
+                "bytes": info.bytes,
+                "estimated_us": round(node.meta.get("dtcompile_cost_us", 0.0), 3),
+            }
+        )
+    return {
+        "compile_id": record.compile_id,
+        "kind": record.kind,
+        "cost_profile": record.info.profile.name,
+        "passes": [
+            {
+                "name": p.name,
+                "ran": p.ran,
+                "nodes": [p.nodes_before, p.nodes_after],
+                "collectives": [p.collectives_before, p.collectives_after],
+                "decisions": [str(d) for d in p.decisions],
+                "outcomes": [{"action": d.action.value, "node": d.node, "text": d.text} for d in p.decisions],
+                "seconds": p.seconds,
+            }
+            for p in record.passes
+        ],
+        "regions": [
+            {
+                "node": r.node,
+                "name": r.spec.name,
+                "spec": str(r.spec),
+                "ops": r.ops,
+                "collectives": list(r.collectives),
+            }
+            for r in record.regions
+        ],
+        "collectives": items,
+        "totals": {
+            "count": len(items),
+            "bytes": sum(c["bytes"] for c in items),
+            "estimated_us": round(sum(c["estimated_us"] for c in items), 3),
+        },
+    }
+
+
+def emit_artifacts(record: CompiledGraph) -> None:
+    """Log one AOT graph's annotations as ``TORCH_TRACE`` artifacts (no-ops without TORCH_TRACE)."""
+    trace = torch._logging.trace_structured
+
+    def artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
+        trace("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
+
+    artifact("dtcompile_placements", "string", record.info.format)
+    artifact(f"dtcompile_{record.kind}_graph", "string", record.annotated)
+    artifact(f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record)))
+    if record.regions:
+        artifact(f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions)
+
+
+def collective_table(records: list[CompiledGraph]) -> list[str]:
+    lines = [f"{'graph':<14} {'op':<15} {'axis':<6} {'group':>5} {'bytes':>10} {'est. us':>9}"]
+    totals: dict[str, list[float]] = {}
+    for record in records:
+        data = collectives_json(record)
+        for c in data["collectives"]:
+            graph = f"{record.compile_id} {record.kind}"
+            lines.append(f"{graph:<14} {c['op']:<15} {c['axis']:<6} {c['group_size']:>5} {c['bytes']:>10} {c['estimated_us']:>9.1f}")
+        total = totals.setdefault(record.kind, [0, 0, 0.0])
+        total[0] += data["totals"]["count"]
+        total[1] += data["totals"]["bytes"]
+        total[2] += data["totals"]["estimated_us"]
+    for kind, (count, num_bytes, us) in totals.items():
+        lines.append(f"total {kind}: {count} collectives, {num_bytes} B per rank, ~{us:.1f} us")
+    return lines
+
+
+def format_compiled_graph(record: CompiledGraph) -> str:
+    """The report section of one AOT graph (used by the ``report=True`` option)."""
+    profile = record.info.profile
+    return "\n".join(
+        [
+            f"== dtcompile {record.compile_id} {record.kind} (cost profile {profile.name}) ==",
+            "-- DTensor placements (Dynamo graph) --",
+            record.info.format(),
+            f"-- {record.kind} graph --",
+            record.annotated(),
+            *region_lines(record, "-- local_map regions (one op each until lowering) --"),
+            "-- passes --",
+            *pass_lines(record),
+            "-- collectives --",
+            *collective_table([record]),
+        ]
+    )
+
+
+def region_lines(record: CompiledGraph, title: str) -> list[str]:
+    return [title, *map(str, record.regions)] if record.regions else []
+
+
+def pass_lines(record: CompiledGraph) -> list[str]:
+    lines = []
+    for p in record.passes:
+        summary = f"nodes {p.nodes_before} -> {p.nodes_after}, collectives {p.collectives_before} -> {p.collectives_after}"
+        lines.append(f"{p.name}: " + (summary if p.ran else "switched off"))
+        lines += [f"  {decision}" for decision in p.decisions]
+    return lines

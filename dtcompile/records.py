@@ -1,0 +1,99 @@
+"""What dtcompile did with each graph: typed pass outcomes, pass records, compiled-graph records.
+
+The passes report each decision as an :class:`Outcome` (what kind of change,
+which node, why); :func:`dtcompile.passes.run_passes` gathers them into one
+:class:`PassRecord` per pass; the backend keeps one :class:`CompiledGraph` per
+AOT graph it compiled (``backend.records``), which the reports read.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
+from dtcompile.collectives import CollectiveInfo
+from dtcompile.regions import RegionInfo
+
+__all__ = ["Action", "CompiledGraph", "Outcome", "PassRecord"]
+
+
+class Action(enum.Enum):
+    """What a pass did at one place of the graph."""
+
+    FUSED = "fused"
+    """Collective and compute became one fused op (``async_tp``)."""
+    BUCKETED = "bucketed"
+    """Several collectives became one (``bucketing``)."""
+    MOVED = "moved"
+    """Nodes were reordered (``overlap``)."""
+    SKIPPED = "skipped"
+    """The pass left a candidate as it was; the outcome says why."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One decision of a pass: ``str()`` is the line the log and the reports show."""
+
+    action: Action
+    text: str
+    """What was done, or for :attr:`Action.SKIPPED` why not."""
+    node: str | None = None
+    """The node the decision is about, when there is one."""
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.text}" if self.node else self.text
+
+    @classmethod
+    def skipped(cls, node: str, reason: str) -> Outcome:
+        return cls(Action.SKIPPED, reason, node)
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did to one graph."""
+
+    name: str
+    ran: bool
+    """False when the pass was switched off by name."""
+    nodes_before: int
+    nodes_after: int
+    collectives_before: int
+    collectives_after: int
+    decisions: tuple[Outcome, ...] = ()
+    """What the pass did, and what it left alone and why, one outcome each."""
+    seconds: float = 0.0
+    """Wall time the pass took."""
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What dtcompile did with one AOT graph (forward, backward or inference)."""
+
+    compile_id: str
+    """Dynamo's compile id, e.g. ``"0/0"`` (frame 0, first compile)."""
+    kind: str
+    """``forward``, ``backward`` or ``inference``."""
+    graph: fx.GraphModule
+    """The graph after the passes and with its regions inlined, as handed to lowering."""
+    collectives: tuple[CollectiveInfo, ...]
+    passes: tuple[PassRecord, ...]
+    info: DynamoGraphInfo
+    """The Dynamo graph it came from: placements, and collectives charged to its nodes."""
+    regions: tuple[RegionInfo, ...] = ()
+    """The ``local_map`` regions the passes saw as one op each (inlined at lowering)."""
+    with_regions: str = ""
+    """The graph as the passes left it, regions as one op (:func:`~dtcompile.regions.format_with_regions`);
+    empty when it has none."""
+    lowering: Mapping[str, Any] = field(default_factory=dict)
+    """How it was lowered: ``{}`` without Inductor, else the Inductor settings this
+    backend asked for (from ``inductor_config``, ``options=`` and ``mode=``) as
+    ``torch._inductor.config`` read them while Inductor compiled this graph."""
+
+    def annotated(self) -> str:
+        """The graph one line per call node with its annotation (see :mod:`dtcompile.annotations`)."""
+        return format_aot_graph(self.graph)

@@ -1,0 +1,97 @@
+"""Which torch dtcompile is written for, and the private torch names it relies on.
+
+dtcompile reaches into ~40 private names of torch (Dynamo's variable builder
+and guard builder, the HOP tracing helpers, DTensor's sharding caches...).
+Their contract is not public, so it is fenced:
+
+- :data:`TESTED_TORCH` is the range of torch versions the package is tested
+  on (``pyproject.toml`` pins the same range);
+  :func:`torch_is_supported` says whether the running torch is in it, and
+  ``dynamo_vars.install()`` leaves stock Dynamo alone with one warning outside it;
+- :data:`PRIVATE_NAMES` lists every private name used, with the parameters
+  dtcompile passes; ``tests/test_torch_contract.py`` asserts each still exists
+  with that signature, so an upgrade that moves one fails in one readable test
+  instead of silently (a guard that no longer explains itself, a region whose
+  backward is paired wrongly).
+
+Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PRIVATE_NAMES", "TESTED_TORCH", "torch_is_supported"]
+
+TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
+"""``[low, high)``: the torch (major, minor) versions dtcompile is tested on."""
+
+
+def torch_is_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the running torch's) is in :data:`TESTED_TORCH`."""
+    from torch.torch_version import TorchVersion
+
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    low, high = TESTED_TORCH
+    # TorchVersion compares as a version (2.13.0+cpu >= (2, 13)), not as a string.
+    parsed = TorchVersion(version)
+    return parsed >= low and parsed < high
+
+
+# (module, attribute path, parameter names the call sites rely on; None: not a
+# callable we call, only its existence matters).  Kept in the order of the
+# layers that use them.
+PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # dtcompile.notation, dynamo_vars.guards
+    ("torch._library.fake_class_registry", "FakeScriptObject", None),
+    # dtcompile.sharding_cache
+    ("torch._C", "_clear_DTensor_sharding_propagator_cache", None),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", ()),
+    ("torch.distributed.tensor._dispatch", "OpDispatcher", None),
+    # hops
+    ("torch._ops", "HigherOrderOperator.py_impl", ("self", "k")),
+    ("torch._ops", "HigherOrderOperator.py_functionalize_impl", ("self", "fn")),
+    ("torch._higher_order_ops.utils", "reenter_make_fx", ("fn",)),
+    ("torch._higher_order_ops.utils", "register_fake", ("hop", "fn", "skip_cache")),
+    ("torch._higher_order_ops.utils", "unique_graph_id", ("proxy_mode", "prefix")),
+    ("torch._higher_order_ops.utils", "redirect_to_mode", ("hop", "mode")),
+    ("torch.utils.checkpoint", "_CachingTorchDispatchMode", None),
+    ("torch.utils.checkpoint", "_CachedTorchDispatchMode", None),
+    ("torch._C", "_AutoDispatchBelowAutograd", None),
+    ("torch._dispatch.python", "suspend_functionalization", ()),
+    ("torch._subclasses.functional_tensor", "disable_functional_mode", ()),
+    ("torch._functorch.partitioners", "default_partition", ("joint_module", "_joint_inputs", "num_fwd_outputs")),
+    ("torch._guards", "detect_fake_mode", ("inputs",)),
+    ("torch.distributed._local_tensor", "LocalTensor", None),
+    ("torch.distributed._local_tensor", "LocalTensorMode", None),
+    # dynamo_vars
+    ("torch._dynamo.variables.builder", "VariableBuilder._id_dispatch", ()),
+    ("torch._dynamo.guards", "GuardBuilder.DTENSOR_SPEC_MATCH", ("self", "guard")),
+    ("torch._dynamo.guards", "GuardBuilder.CLOSURE_MATCH", ("self", "guard")),
+    ("torch._dynamo.guards", "check_dtensor_spec", None),
+    ("torch._dynamo.guards", "extract_dtensor_spec", None),
+    ("torch._dynamo.guards", "check_opaque_obj", None),
+    ("torch._dynamo.guards", "extract_opaque_obj", None),
+    ("torch._library.opaque_object", "_resolve_opaque_type_info", ("cls",)),
+    ("torch._library.opaque_object", "MemberType", None),
+    ("torch._dynamo.exc", "unimplemented", ("gb_type", "context", "explanation", "hints")),
+    ("torch._dynamo.variables.higher_order_ops", "WrapHigherOrderVariable.create_wrapped_node", None),
+    ("torch._dynamo.variables.higher_order_ops", "_call_function_with_auto_output_flattening", None),
+    ("torch._dynamo.variables.lazy", "LazyVariableTracker.realize_all", None),
+    ("torch._dynamo.variables.base", "ValueMutationNew", None),
+    ("torch._dynamo.backends.registry", "_COMPILER_FNS", None),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", None),
+    ("torch.distributed.device_mesh", "_mesh_resources", None),
+    # the backend
+    ("torch._inductor.compile_fx", "compile_fx", ("model_", "example_inputs_", "inner_compile", "config_patches")),
+    ("torch._inductor.compile_fx", "compile_fx_inner", ("gm", "example_inputs")),
+    ("torch._inductor.compile_fx", "select_decomp_table", ()),
+    ("torch._functorch.partitioners", "min_cut_rematerialization_partition", ("joint_module", "_joint_inputs", "compiler")),
+    ("torch._functorch.aot_autograd", "make_boxed_func", ("f",)),
+    ("torch._functorch.config", "enable_autograd_cache", None),
+    ("torch._guards", "CompileContext.current_compile_id", ()),
+    ("torch._logging", "trace_structured", ("name", "metadata_fn", "payload_fn")),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group", ("group_name",)),
+    ("torch.distributed._symmetric_memory", "enable_symm_mem_for_group", ("group_name",)),
+)
