@@ -275,22 +275,30 @@ def backend(**options: Any) -> DTCompileBackend:
 
 
 _named: DTCompileBackend | None = None
+_entry_point: Any = None
 
 
 def _forget_named() -> None:
-    """After ``dynamo_vars.uninstall()``: torch forgets the name, so its next lookup installs again."""
+    """After ``dynamo_vars.uninstall()``: torch forgets the name (and gets its entry point
+    back, which its registry replaced by None), so its next lookup installs again."""
     from torch._dynamo.backends import registry
 
     if _named is not None and registry._COMPILER_FNS.get("dtcompile") is _named:
         del registry._COMPILER_FNS["dtcompile"]
+        if _entry_point is not None:
+            registry._BACKENDS["dtcompile"] = _entry_point
 
 
 def named_backend() -> DTCompileBackend:
     """What ``torch.compile(backend="dtcompile")`` resolves to: one default backend per
     process, which installs :mod:`dynamo_vars` each time torch looks the name up."""
-    global _named
+    global _named, _entry_point
+    from torch._dynamo.backends import registry
+
     if _named is None:
         _named = DTCompileBackend(DTCompileConfig())
+    # Called while torch loads the entry point, before its registry forgets it.
+    _entry_point = registry._BACKENDS.get("dtcompile") or _entry_point
     dynamo_vars.install()
     dynamo_vars.on_uninstall(_forget_named)
     return _named

@@ -14,6 +14,7 @@ from torch import fx
 from dtcompile.annotations import DynamoGraphInfo, charge_collective
 from dtcompile.collectives import collective_info
 from dtcompile.regions import RegionInfo, is_region, region_body
+from hops.region_op import region_call_id
 from hops.spec import RegionSpec
 
 __all__ = ["inline_regions"]
@@ -87,7 +88,7 @@ def inline_regions(
         if not body_attr.users:
             gm.graph.erase_node(body_attr)
             delattr(gm, body_attr.target)
-        inlined.append(RegionInfo(node.name, spec, ops, tuple(collectives)))
+        inlined.append(RegionInfo(node.name, spec, ops, tuple(collectives), region_call_id(node)))
     if inlined:
         gm.graph.lint()
         gm.recompile()

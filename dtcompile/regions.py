@@ -38,6 +38,8 @@ class RegionInfo:
     """Call nodes in its body."""
     collectives: tuple[str, ...]
     """The collectives its body issues (``all_reduce[tp] x4 ...``)."""
+    call: int | None = None
+    """The id pairing a forward region with its backward (:func:`hops.region_op.region_call_id`)."""
 
     def __str__(self) -> str:
         inner = f"; issues {', '.join(self.collectives)}" if self.collectives else ""

@@ -81,6 +81,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._dynamo.variables.lazy", "LazyVariableTracker.realize_all", None),
     ("torch._dynamo.variables.base", "ValueMutationNew", None),
     ("torch._dynamo.backends.registry", "_COMPILER_FNS", None),
+    ("torch._dynamo.backends.registry", "_BACKENDS", None),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", None),
     ("torch.distributed.device_mesh", "_mesh_resources", None),
     # the backend
@@ -92,6 +93,6 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._functorch.config", "enable_autograd_cache", None),
     ("torch._guards", "CompileContext.current_compile_id", ()),
     ("torch._logging", "trace_structured", ("name", "metadata_fn", "payload_fn")),
-    ("torch.distributed.distributed_c10d", "_resolve_process_group", ("group_name",)),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a builtin: no signature
     ("torch.distributed._symmetric_memory", "enable_symm_mem_for_group", ("group_name",)),
 )

@@ -6,7 +6,7 @@ formulas functorch cannot transform), functionalizes it, and splits it with
 the default partitioner into a forward graph (outputs, then what the backward
 saves) and a backward graph (saved values and output gradients in, input
 gradients out).  Inside :func:`hops.keep_regions` (one dtcompile compile) the
-result is cached per (body code, spec, operand metadata), so N identical layers
+result is cached per (body structure, spec, operand metadata), so N identical layers
 trace their region once.
 """
 
@@ -179,6 +179,11 @@ def _prepare_for_partition(
         node.name = node.target = (
             f"primals_{i + 1}" if i < num_primals else f"tangents_{i - num_primals + 1}"
         )
+    for node in gm.graph.nodes:
+        # A region under activation checkpointing is saved or recomputed as one op by the
+        # outer graph; tags that leaked into its own joint would split it wrongly.
+        for key in ("recompute", "ac_graph_id", "partitioner_tag"):
+            node.meta.pop(key, None)
     outputs = gm.graph.find_nodes(op="output")[0].args[0][:num_outputs]
     needed = set()
     stack = [n for n in outputs if isinstance(n, torch.fx.Node)]
@@ -208,6 +213,31 @@ def _operand_key(x: Any) -> Any:
     return ("value", str(x))
 
 
+def _structure(body: torch.fx.GraphModule) -> tuple[Any, ...]:
+    """The body's graph up to names: each node's op, target and arguments (nodes by position).
+
+    Dynamo names a body's placeholders after the caller's variables (``l_ws_0_``,
+    ``l_ws_1_``), so identical layers differ by name only; this key does not.
+    """
+    index: dict[torch.fx.Node, int] = {}
+    nodes = []
+    for i, node in enumerate(body.graph.nodes):
+        index[node] = i
+
+        def arg(a: Any) -> Any:
+            return ("node", index[a]) if isinstance(a, torch.fx.Node) else repr(a)
+
+        nodes.append(
+            (
+                node.op,
+                "" if node.op == "placeholder" else str(node.target),
+                torch.fx.node.map_aggregate(node.args, arg),
+                torch.fx.node.map_aggregate(dict(node.kwargs), arg),
+            )
+        )
+    return tuple(repr(n) for n in nodes)
+
+
 def joint_graphs(
     body: Callable[..., Any],
     spec: RegionSpec | str,
@@ -217,13 +247,13 @@ def joint_graphs(
     """The region's partitioned forward and backward (see the module docstring).
 
     With a ``cache`` (the one :func:`hops.keep_regions` opens per compile) a
-    body that is a traced ``GraphModule`` is looked up by its code, the spec
+    body that is a traced ``GraphModule`` is looked up by its structure, the spec
     and the operands' metadata: identical layers share one trace.  A plain
     Python body is traced each call (its code says nothing of its closure).
     """
     if cache is None or not isinstance(body, torch.fx.GraphModule):
         return _trace_joint(body, spec, operands)
-    key = (body.code, str(spec), tuple(_operand_key(x) for x in operands))
+    key = (_structure(body), str(spec), tuple(_operand_key(x) for x in operands))
     joint = cache.get(key)
     if joint is None:
         joint = cache[key] = _trace_joint(body, spec, operands)

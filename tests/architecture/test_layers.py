@@ -1,0 +1,196 @@
+"""The house's layers only point down, and no module imports itself in a circle.
+
+The layer order (the README's layout section says the same), bottom first;
+a module may import modules of its own layer or below, never above:
+
+0. base -- ``dtcompile.notation``, ``dtcompile.sharding_cache``, ``dtcompile.torch_contract``
+1. ``hops`` -- the ``local_map`` region op
+2. ``dynamo_vars`` -- Dynamo support
+3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
+   ``annotations``, ``ops``
+4. ``dtcompile.records``
+5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``
+6. the backend -- ``dtcompile.compiler``
+7. ``dtcompile.report`` (``explain``)
+8. the package face -- ``dtcompile`` (``__init__``)
+9. ``dtcompile.testing``
+10. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile_tools``
+
+Every import counts for the layers, also one inside a function or under
+``TYPE_CHECKING``; circles are looked for among the imports that run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dtcompile.notation", "dtcompile.sharding_cache", "dtcompile.torch_contract"),
+    ("hops",),
+    ("dynamo_vars",),
+    (
+        "dtcompile.collectives",
+        "dtcompile.cost_model",
+        "dtcompile.regions",
+        "dtcompile.simulate",
+        "dtcompile.annotations",
+        "dtcompile.ops",
+    ),
+    ("dtcompile.records",),
+    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts"),
+    ("dtcompile.compiler",),
+    ("dtcompile.report",),
+    ("dtcompile",),
+    ("dtcompile.testing",),
+    ("dtcompile._testing", "dtcompile.demo", "dtcompile_tools"),
+)
+
+# Source folder -> installed package name.
+PACKAGES = {"dtcompile": "dtcompile", "dynamo_vars": "dynamo_vars", "hops": "hops", "tools": "dtcompile_tools"}
+OURS = tuple(PACKAGES.values())
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module``: that of the longest prefix listed in :data:`LAYERS`."""
+    best, best_len = None, -1
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best_len:
+                best, best_len = index, len(name)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS and to the README's layout")
+    return best
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports(module: str, source: str, known: set[str]) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, runs)`` for every import of ours in ``source``;
+    ``runs`` is False under ``if TYPE_CHECKING:``."""
+    found: list[tuple[str, int, bool]] = []
+
+    def add(name: str, line: int, runs: bool) -> None:
+        if name.split(".")[0] in OURS:
+            # ``from pkg import name`` imports pkg.name when that is a module.
+            found.append((name, line, runs))
+
+    def visit(node: ast.AST, runs: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.body:
+                visit(child, False)
+            for child in node.orelse:
+                visit(child, runs)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno, runs)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                add(full if full in known else node.module, node.lineno, runs)
+        for child in ast.iter_child_nodes(node):
+            visit(child, runs)
+
+    visit(ast.parse(source), True)
+    return found
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    """Upward imports and import circles among ``sources`` (module name -> source text)."""
+    known = set(sources)
+    problems = []
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for module, source in sources.items():
+        for imported, line, runs in imports(module, source, known):
+            if imported not in known:
+                imported = next((k for k in sorted(known, key=len, reverse=True) if imported.startswith(k + ".")), imported)
+            if imported == module or imported not in known:
+                continue
+            if layer_of(imported) > layer_of(module):
+                problems.append(
+                    f"{module}:{line} imports {imported}, a higher layer "
+                    f"({layer_of(module)} -> {layer_of(imported)})"
+                )
+            if runs:
+                graph[module].add(imported)
+    # Circles: depth-first search for back edges.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                problems.append("import circle: " + " -> ".join(cycle))
+            elif nxt not in state:
+                dfs(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            dfs(node)
+    return problems
+
+
+def test_every_module_is_in_a_layer():
+    for module in modules():
+        layer_of(module)
+
+
+def test_layers_only_point_down_and_there_are_no_import_circles():
+    sources = {name: path.read_text() for name, path in modules().items()}
+    assert violations(sources) == []
+
+
+@pytest.mark.parametrize(
+    "sources, expected",
+    [
+        (
+            {"hops.spec": "from dtcompile.compiler import backend\n", "dtcompile.compiler": ""},
+            "hops.spec:1 imports dtcompile.compiler, a higher layer (1 -> 6)",
+        ),
+        (
+            {"dtcompile.cost_model": "def f():\n    from dtcompile.report import explain\n", "dtcompile.report": ""},
+            "dtcompile.cost_model:2 imports dtcompile.report, a higher layer (3 -> 7)",
+        ),
+        (
+            {"dtcompile.regions": "import dtcompile.simulate\n", "dtcompile.simulate": "from dtcompile import regions\n"},
+            "import circle: dtcompile.regions -> dtcompile.simulate -> dtcompile.regions",
+        ),
+    ],
+    ids=["upward", "upward-inside-a-function", "circle"],
+)
+def test_the_check_fails_on_an_upward_import_and_on_a_circle(sources, expected):
+    assert expected in violations(sources)
+
+
+def test_type_checking_imports_are_no_circle():
+    sources = {
+        "dtcompile.passes.context": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtcompile.config import C\n",
+        "dtcompile.config": "def f():\n    from dtcompile.passes.context import X\n",
+    }
+    assert violations(sources) == []
