@@ -1,13 +1,27 @@
-"""Fixtures for the project's tests, built on the ``dtcompile`` pytest plugin's worlds.
+"""Fixtures for the project's tests, built on the ``dtcompile`` pytest plugin's worlds, and the tiers.
 
 ``fake_world`` and ``simulated_world`` come from ``dtcompile_tools.pytest_plugin``
 (the same fixtures users get); the ones here only name the meshes the tests use.
+
+Tiers (markers, registered in pyproject.toml): a test whose name says ``gloo``
+runs real gloo ranks and gets the ``gloo`` marker; one whose id says
+``inductor`` lowers with Inductor and gets ``inductor``; tests that start a
+fresh interpreter carry ``subprocess`` themselves.  The fast tier is
+``pytest -m "not gloo and not inductor and not subprocess"``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "gloo" in item.name:
+            item.add_marker(pytest.mark.gloo)
+        if "inductor" in item.nodeid.split("::", 1)[-1]:
+            item.add_marker(pytest.mark.inductor)
 
 
 @pytest.fixture(autouse=True)

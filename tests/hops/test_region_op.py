@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -13,7 +12,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import dtcompile
 import hops.joint
 from hops import local_map, local_map_region
-from hops.region_op import region_call_id
 
 
 def _layer(a, w):

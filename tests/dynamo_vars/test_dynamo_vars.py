@@ -72,6 +72,7 @@ def test_idiom_compiles_fullgraph_and_matches_eager(item):
     assert (result.num_frames, result.num_graph_breaks) == (1, 0)
 
 
+@pytest.mark.subprocess
 def test_stock_torch_fails_exactly_the_pinned_idioms():
     """The same corpus with stock aot_eager and dynamo_vars uninstalled: the gain, made visible.
 

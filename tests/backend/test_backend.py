@@ -16,6 +16,7 @@ from dtcompile.config import DTCompileConfig
 from dtcompile.passes import PASSES
 
 
+@pytest.mark.subprocess
 def test_entry_point_works_in_fresh_process_without_import():
     script = textwrap.dedent(
         """

@@ -7,13 +7,12 @@ import torch
 from expecttest import assert_expected_inline
 
 import dtcompile
+from dtcompile._testing.cases import CASES
 from dtcompile.annotations import DynamoGraphInfo
 from dtcompile.cost_model import get_profile
 from dtcompile.passes import PassContext
 from dtcompile.records import Action
-from dtcompile._testing.cases import CASES
 from dtcompile.testing import assert_matches_eager, collective_schedule, threaded_world
-
 
 
 def pass_context(config, kind="forward"):
@@ -239,9 +238,9 @@ def test_cost_model_plays_a_region_as_its_inlined_body(fake_world):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from dtcompile.cost_model import get_profile
-    from dtcompile.simulate import node_time_us, simulate
     from dtcompile.lowering import inline_regions
     from dtcompile.regions import is_region
+    from dtcompile.simulate import node_time_us, simulate
     from hops import keep_regions
     from hops.region_op import local_map_region
 
@@ -344,6 +343,7 @@ def test_async_tp_leaves_a_gather_that_is_a_graph_output(fake_world):
     ctx = pass_context(dtcompile.DTCompileConfig())
     gm = fuse_async_tp(fx.GraphModule(torch.nn.Module(), graph), [x.meta["val"]], ctx)
     assert [o.action for o in ctx.outcomes] == [Action.SKIPPED]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [gather.target, wait.target]
     assert [str(o) for o in ctx.outcomes] == [
         "all_gather_into_tensor_default: not fused: no matmul consumes the gathered tensor as its left operand"
     ]

@@ -409,6 +409,7 @@ def test_artifacts_are_in_the_trace(trace_dir):
         assert name in names
 
 
+@pytest.mark.subprocess
 def test_tlparse_shows_the_dtcompile_artifacts(trace_dir, tmp_path):
     tlparse = shutil.which("tlparse")
     assert tlparse is not None, "tlparse is a test dependency (pip install -e '.[test]')"
@@ -481,6 +482,7 @@ def test_report_tool_refuses_a_missing_or_malformed_trace(tmp_path, capsys):
     assert "dedicated_log_torch_trace_rank_0_x.log:1: not a TORCH_TRACE log line: 'hello'" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_report_command_is_installed(trace_dir, tmp_path):
     command = shutil.which("dtcompile-report")
     assert command is not None
@@ -497,6 +499,7 @@ _CHROMIUM_FLAGS = [
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (Debian package 'chromium'; .ci/run installs it)")
+@pytest.mark.subprocess
 def test_report_renders_in_headless_chromium(trace_dir, tmp_path):
     assert report_tool.main([str(trace_dir), "-o", str(tmp_path)]) == 0
     url = (tmp_path / "index.html").as_uri()

@@ -1,0 +1,33 @@
+"""What ``pip install`` puts in place: the import names, the entry points, the console script."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+import pytest
+
+import dtcompile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_distribution_installs_no_package_called_tools():
+    files = importlib.metadata.files("dtcompile") or []
+    top = {f.parts[0] for f in files if f.suffix == ".py"}
+    assert "tools" not in top
+    assert {"dtcompile", "dynamo_vars", "hops", "dtcompile_tools"} <= top or not top  # editable installs list no files
+
+
+def test_entry_points_and_script_name_our_modules():
+    eps = importlib.metadata.entry_points()
+    assert {e.value for e in eps.select(group="torch_dynamo_backends", name="dtcompile")} == {"dtcompile.compiler:dtcompile"}
+    assert {e.value for e in eps.select(group="pytest11", name="dtcompile")} == {"dtcompile_tools.pytest_plugin"}
+    assert {e.value for e in eps.select(group="console_scripts", name="dtcompile-report")} == {"dtcompile_tools.report:main"}
+
+
+@pytest.mark.skipif(os.environ.get("DTCOMPILE_TEST_INSTALLED") != "1", reason="CI sets DTCOMPILE_TEST_INSTALLED=1 after a non-editable install")
+def test_ci_tests_the_installed_wheel_not_the_source_tree():
+    path = Path(dtcompile.__file__).resolve()
+    assert ROOT not in path.parents, f"dtcompile was imported from the source tree ({path}), not from the installed wheel"
