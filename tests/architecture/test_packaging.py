@@ -30,4 +30,9 @@ def test_entry_points_and_script_name_our_modules():
 @pytest.mark.skipif(os.environ.get("DTCOMPILE_TEST_INSTALLED") != "1", reason="CI sets DTCOMPILE_TEST_INSTALLED=1 after a non-editable install")
 def test_ci_tests_the_installed_wheel_not_the_source_tree():
     path = Path(dtcompile.__file__).resolve()
-    assert ROOT not in path.parents, f"dtcompile was imported from the source tree ({path}), not from the installed wheel"
+    assert path.parent != ROOT / "dtcompile" and "site-packages" in path.parts, (
+        f"dtcompile was imported from the source tree ({path}), not from the installed wheel"
+    )
+    import dtcompile_tools
+
+    assert "site-packages" in Path(dtcompile_tools.__file__).resolve().parts
