@@ -6,8 +6,9 @@
 Tiers (markers, registered in pyproject.toml): a test whose name says ``gloo``
 runs real gloo ranks and gets the ``gloo`` marker; one whose id says
 ``inductor`` lowers with Inductor and gets ``inductor``; tests that start a
-fresh interpreter carry ``subprocess`` themselves.  The fast tier is
-``pytest -m "not gloo and not inductor and not subprocess"``.
+fresh interpreter carry ``subprocess`` themselves, and those that compile a
+whole shared model on threaded ranks (or pin one whole) ``models``.  The fast
+tier is ``pytest -m "not gloo and not inductor and not subprocess and not models"``.
 """
 
 from __future__ import annotations

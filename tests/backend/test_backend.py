@@ -130,6 +130,7 @@ def test_compiler_settings_change_only_inside_the_call():
     assert (functorch_config.enable_autograd_cache, inductor_config.max_fusion_size) == before
 
 
+@pytest.mark.models
 def test_demo_checks_numerics_and_prints_the_schedule(capsys):
     from dtcompile import demo
 

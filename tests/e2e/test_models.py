@@ -49,6 +49,7 @@ forward total: 1 collectives, 256 B per rank
 backward total: 0 collectives, 0 B per rank""")
 
 
+@pytest.mark.models
 def test_tp_sp_block_schedule(world4):
     mesh = CASES["tp_sp_block"].mesh(4)
     _compile_steps("tp_sp_block", mesh, dtcompile.backend())
@@ -85,6 +86,7 @@ forward total: 1 collectives, 4288 B per rank
 backward total: 3 collectives, 4288 B per rank""")
 
 
+@pytest.mark.models
 def test_2d_block_schedule(world8):
     mesh = CASES["block_2d"].mesh(8)
     _compile_steps("block_2d", mesh, dtcompile.backend())

@@ -80,6 +80,7 @@ def _builder(case_name: str):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case_name", CASES)
+@pytest.mark.models
 def test_threaded_ranks_compiled_matches_eager(case_name, mode):
     """Every rank a thread that compiles its own program; eager vs the reference is
     checked on LocalTensorMode and on gloo below."""

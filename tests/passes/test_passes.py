@@ -74,6 +74,7 @@ def test_bucketing_leaves_dependent_collectives_alone_and_says_why(fake_world):
 
 @pytest.mark.parametrize("case_name", ["tp_sp_block", "fsdp_mlp", "block_2d"])
 @pytest.mark.parametrize("disabled", ["", "async_tp", "bucketing", "overlap"], ids=["all_passes", "no_async_tp", "no_bucketing", "no_overlap"])
+@pytest.mark.models
 def test_passes_keep_numerics(case_name, disabled):
     case = CASES[case_name]
 
