@@ -2,7 +2,7 @@
 
 Reads the structured logs that ``TORCH_TRACE=TRACE_DIR`` writes (one file per
 rank), keeps what dtcompile logged (``dtcompile_*`` artifacts, see
-:mod:`dtcompile.report`) and what Dynamo logged about graph breaks and
+:mod:`dtcompile.artifacts`) and what Dynamo logged about graph breaks and
 recompiles, and writes ``OUT/index.html``: per compile id the DTensor
 placements, the annotated forward and backward graphs and the collective
 schedule; communication bytes and estimated time per step; a check that every
