@@ -7,40 +7,82 @@
   scatter_dim, group_name) -> Tensor``: ``(A @ B).view(out_shape)``,
   reduce-scattered along ``scatter_dim``.
 
-Where symmetric memory is available (CUDA, NCCL) they call torch's fused
-kernels, ``symm_mem::fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``,
-enabling symmetric memory for the group on first use.  Elsewhere (CPU, gloo,
-the fake process group) they run decomposed: all-gather then matmul, matmul then
-reduce-scatter, with the functional collectives.  Same values, runs everywhere,
-overlaps nothing.
+Where symmetric memory is available (CUDA tensors on an NCCL group) they call
+torch's fused kernels, ``symm_mem::fused_all_gather_matmul`` /
+``fused_matmul_reduce_scatter``, enabling symmetric memory for the group on
+first use (and allocating its workspace, so that a machine that cannot map
+symmetric memory is found out there).  Elsewhere (CPU, gloo, the fake process
+group), or when enabling fails, they run decomposed: all-gather then matmul,
+matmul then reduce-scatter, with the functional collectives.  Same values, runs
+everywhere, overlaps nothing.  Why a group runs decomposed is logged once per
+group (``logging.getLogger("dtcompile.ops")``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 __all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter", "symmetric_memory_available"]
+
+log = logging.getLogger(__name__)
+_c10d = torch.ops._c10d_functional
 
 
 @functools.cache
 def _enable_symm_mem(group_name: str) -> bool:
-    try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    """Enables symmetric memory for the group once; on failure logs why, once, and returns False."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-        enable_symm_mem_for_group(group_name)
-    except Exception:  # noqa: BLE001 - any failure means: use the decomposed path
+    backend = str(dist.get_backend(c10d._resolve_process_group(group_name)))
+    if "nccl" not in backend:
+        # The fake and gloo groups have no peers' memory to map (a fake group's
+        # store holds nothing, so a rendezvous there would never complete).
+        log.info(
+            "symmetric memory is not used for process group %r: its backend is %r, not nccl; "
+            "the fused collective-matmul ops run decomposed",
+            group_name,
+            backend,
+        )
+        return False
+    try:
+        # Importing it defines the symm_mem::fused_* ops (in Python).
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        missing = [
+            name
+            for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+            if not hasattr(torch.ops.symm_mem, name)
+        ]
+        if missing:
+            raise RuntimeError(f"this torch has no symm_mem::{', '.join(missing)}")
+        with warnings.catch_warnings():
+            # Deprecated (a no-op need) in newer torch, required by older ones.
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+        # The workspace the fused kernels use: a rendezvous of the group's ranks,
+        # where a device that cannot map symmetric memory fails.
+        symm_mem.get_symm_mem_workspace(group_name, min_size=1)
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the decomposed path
+        log.warning(
+            "symmetric memory could not be enabled for process group %r (%s: %s); "
+            "the fused collective-matmul ops run decomposed (all-gather then matmul, "
+            "matmul then reduce-scatter)",
+            group_name,
+            type(exc).__name__,
+            exc,
+        )
         return False
     return True
 
 
 def symmetric_memory_available(tensor: torch.Tensor, group_name: str) -> bool:
     """Whether torch's symmetric-memory fused kernels can run for ``tensor`` on ``group_name``."""
-    if not tensor.is_cuda or not hasattr(torch.ops, "symm_mem"):
-        return False
-    if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+    if not tensor.is_cuda:
         return False
     return _enable_symm_mem(group_name)
 
@@ -57,9 +99,17 @@ def fused_all_gather_matmul(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     if symmetric_memory_available(a_shard, group_name):
         a, outs = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_A=True)
-        return a, list(outs)
+        # The kernel gathers on dim 0 and moves the dim back: for gather_dim > 0 its
+        # results are not contiguous, but this op's fake (what Inductor plans
+        # with) and its decomposed path are.
+        return a.contiguous(), [out.contiguous() for out in outs]
     # Decomposed: gather, then multiply (the same values; no overlap without symmetric memory).
-    gathered = funcol.wait_tensor(funcol.all_gather_single(a_shard.contiguous(), gather_dim, group_name))
+    # The raw functional ops: funcol's eager wrappers (AsyncCollectiveTensor) cost
+    # CPU time that, at the start of a graph, the GPU waits for.
+    size = _group_size(group_name)
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(a_shard.contiguous(), size, group_name))
+    if gather_dim != 0:  # the ranks' shards are stacked on dim 0
+        gathered = torch.cat(gathered.chunk(size), dim=gather_dim)
     return gathered, [torch.matmul(gathered, b) for b in bs]
 
 
@@ -76,10 +126,25 @@ def fused_matmul_reduce_scatter(
     a: torch.Tensor, b: torch.Tensor, out_shape: list[int], reduce_op: str, scatter_dim: int, group_name: str
 ) -> torch.Tensor:
     if symmetric_memory_available(a, group_name):
-        a_nd = a.view([*out_shape[:-1], a.shape[-1]])
-        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a_nd, b, reduce_op, scatter_dim, group_name)
-    out = torch.matmul(a, b).view(out_shape)
-    return funcol.wait_tensor(funcol.reduce_scatter_single(out, reduce_op, scatter_dim, group_name))
+        a_nd = a.reshape([*out_shape[:-1], a.shape[-1]])
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a_nd, b, reduce_op, scatter_dim, group_name).contiguous()
+    # Decomposed: multiply, then reduce-scatter.  The collective wants each rank's
+    # chunk (of ``scatter_dim``) as one block of rows: for a leading dim, reorder
+    # the rows of ``a`` (K wide) rather than the product's (N wide, as wide or
+    # wider in a TP block).
+    size = _group_size(group_name)
+    shape = list(out_shape)
+    dim = scatter_dim % len(shape)
+    if size > 1 and 0 < dim < len(shape) - 1:
+        a = a.reshape(*shape[:dim], size, shape[dim] // size, *shape[dim + 1 : -1], a.shape[-1])
+        product = torch.matmul(a.movedim(dim, 0).reshape(-1, a.shape[-1]), b)
+    elif size > 1 and dim == len(shape) - 1:  # the product's columns
+        product = torch.cat(torch.matmul(a, b).view(shape).chunk(size, dim=dim))
+    else:
+        product = torch.matmul(a, b)
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(product, reduce_op.lower(), size, group_name))
+    shape[dim] //= size
+    return out.view(shape)
 
 
 @fused_matmul_reduce_scatter.register_fake
