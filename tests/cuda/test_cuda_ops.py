@@ -18,6 +18,10 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
+
+import dtcompile
+from dtcompile import ops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -26,11 +30,6 @@ pytestmark = [
         reason="needs a CUDA GPU (the cuda tier runs on a GPU machine)",
     ),
 ]
-
-import torch.distributed as dist
-
-import dtcompile
-from dtcompile import ops
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 """Largest error allowed, relative to the reference's largest magnitude."""
