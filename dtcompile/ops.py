@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-__all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter", "symmetric_memory_available"]
+__all__ = ["decomposed_on", "fused_all_gather_matmul", "fused_matmul_reduce_scatter", "symmetric_memory_available"]
 
 log = logging.getLogger(__name__)
 _c10d = torch.ops._c10d_functional
@@ -78,6 +78,26 @@ def _enable_symm_mem(group_name: str) -> bool:
         )
         return False
     return True
+
+
+def decomposed_on(device_type: str, group_name: str) -> str | None:
+    """Why the fused ops would run decomposed on a CUDA device over ``group_name``, or None.
+
+    At compile time (no rendezvous): on CUDA the fused kernels need an NCCL
+    group; on another group (the fake process group, gloo) the ops would run
+    decomposed, which on a GPU only adds host time and overlaps nothing.  CPU
+    graphs always run decomposed (there is no fused CPU kernel) and are not
+    asked about: the decomposition is what CPU tests and gloo runs exercise.
+    """
+    if device_type != "cuda":
+        return None
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    backend = str(dist.get_backend(c10d._resolve_process_group(group_name)))
+    if "nccl" in backend:
+        return None
+    return f"group {group_name} is a {backend} group: on cuda the fused kernels need nccl (symmetric memory)"
 
 
 def symmetric_memory_available(tensor: torch.Tensor, group_name: str) -> bool:

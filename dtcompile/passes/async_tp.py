@@ -14,7 +14,11 @@ AOTAutograd (as in torch's ``micro_pipeline_tp.py``):
   becomes ``dtcompile::fused_matmul_reduce_scatter``, when every intermediate
   has that one user.
 
-What the pass leaves, it records with the reason.  The fused ops are in
+On CUDA a pair is fused only over an NCCL group, where the fused op takes
+torch's symmetric-memory kernel: over another group (the fake process group)
+the op would run decomposed, adding host time and overlapping nothing
+(:func:`dtcompile.ops.decomposed_on`).  CPU graphs are fused and run the
+decomposition.  What the pass leaves, it records with the reason.  The fused ops are in
 :mod:`dtcompile.ops` (symmetric-memory kernels on CUDA, a decomposed
 implementation elsewhere).
 """
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 
-import dtcompile.ops  # noqa: F401 - registers the dtcompile:: ops
+from dtcompile.ops import decomposed_on  # importing it registers the dtcompile:: ops
 from dtcompile.passes._graph import refresh_metadata, single_wait
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
@@ -134,8 +138,11 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int])
     ready = [b for _, b in consumers if _hoist_before(b, wait, order)]
     if len(ready) != len(consumers):
         return Outcome.skipped(ag.name, "not fused: a matmul's right operand is computed after the all-gather")
-    graph = gm.graph
     shard, _, group = ag.args
+    why = decomposed_on(shard.meta["val"].device.type, group)
+    if why is not None:
+        return Outcome.skipped(ag.name, f"not fused: {why}")
+    graph = gm.graph
     with graph.inserting_before(wait):
         fused = graph.call_function(torch.ops.dtcompile.fused_all_gather_matmul.default, (shard, [b for _, b in consumers], gather_dim, group))
         fused.meta.update({k: ag.meta[k] for k in ("from_node", "seq_nr") if ag.meta.get(k)})
@@ -159,6 +166,9 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> Outcome:
     if wait is None:
         return Outcome.skipped(rs.name, "not fused: the reduce-scatter has no single wait")
     source, reduce_op, _, group = rs.args
+    why = decomposed_on(source.meta["val"].device.type, group)
+    if why is not None:
+        return Outcome.skipped(rs.name, f"not fused: {why}")
     scatter_dim, produced = 0, source
     if source.target is aten.cat.default and (source.args[1] if len(source.args) > 1 else 0) == 0:
         getitems = list(source.args[0])
