@@ -85,7 +85,7 @@ COMPAT = _compat_older_torch()
 import dtcompile
 import dynamo_vars
 from dtcompile import ops
-from dtcompile._testing.models import BlockArgs, build_block
+from dtcompile._testing.models import BlockArgs, SequenceParallelMLP, build_block
 from dtcompile.cost_model import get_profile
 from dtcompile.simulate import node_time_us, simulate
 
@@ -220,67 +220,10 @@ def _symm_mem_probe(group: str) -> None:
         print(f"  {name:<52} {desc}")
 
 
-class _GatherTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group_name, size):
-        ctx.group_name, ctx.size = group_name, size
-        c10d = torch.ops._c10d_functional
-        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, size, group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        c10d = torch.ops._c10d_functional
-        return (
-            c10d.wait_tensor(
-                c10d.reduce_scatter_tensor(
-                    grad.contiguous(), "sum", ctx.size, ctx.group_name
-                )
-            ),
-            None,
-            None,
-        )
-
-
-class _ScatterTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group_name, size):
-        ctx.group_name, ctx.size = group_name, size
-        c10d = torch.ops._c10d_functional
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", size, group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        c10d = torch.ops._c10d_functional
-        return (
-            c10d.wait_tensor(
-                c10d.all_gather_into_tensor(grad.contiguous(), ctx.size, ctx.group_name)
-            ),
-            None,
-            None,
-        )
-
-
-class _SequenceParallelMLP(torch.nn.Module):
-    def __init__(
-        self, group_name: str, dim: int, hidden: int, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.group_name = group_name
-        self.w1 = torch.nn.Parameter(
-            _randn(dim, hidden, dtype=dtype, seed=11) / dim**0.5
-        )
-        self.w2 = torch.nn.Parameter(
-            _randn(hidden, dim, dtype=dtype, seed=12) / hidden**0.5
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = dist.get_world_size()
-        h = torch.relu(_GatherTokens.apply(x, self.group_name, size) @ self.w1)
-        return _ScatterTokens.apply(h @ self.w2, self.group_name, size)
-
-
 def _training_step_errors(group: str, dtype: torch.dtype) -> tuple[float, float, str]:
-    model = _SequenceParallelMLP(group, 1024, 4096, dtype)
+    model = SequenceParallelMLP(
+        group, _randn(1024, 4096, dtype=dtype, seed=11) / 1024**0.5, _randn(4096, 1024, dtype=dtype, seed=12) / 4096**0.5
+    )
     x = _randn(2048, 1024, dtype=dtype, seed=13).requires_grad_()
     x_ref, w1, w2 = (
         t.detach().clone().requires_grad_() for t in (x, model.w1, model.w2)

@@ -32,6 +32,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,7 @@ from hops import local_map
 
 __all__ = [
     "MLP",
+    "SequenceParallelMLP",
     "Block",
     "BlockArgs",
     "RMSNorm",
@@ -399,3 +401,52 @@ def build_block_2d(
     """Returns ``(reference, parallel, global_input)``; ``batch`` rows per ``dp`` rank."""
     shape = (mesh.size(0) * batch, seq, args.dim)
     return _build(lambda: Block(args), parallelize_block_2d, mesh, shape, seed)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Sequence parallel: all-gather the token shards (dim 0); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+        ctx.group_name, ctx.size = group_name, size
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, size, group_name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        c10d = torch.ops._c10d_functional
+        scattered = c10d.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.size, ctx.group_name)
+        return c10d.wait_tensor(scattered), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Reduce-scatter partial sums to token shards (dim 0); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+        ctx.group_name, ctx.size = group_name, size
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", size, group_name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        c10d = torch.ops._c10d_functional
+        gathered = c10d.all_gather_into_tensor(grad.contiguous(), ctx.size, ctx.group_name)
+        return c10d.wait_tensor(gathered), None, None
+
+
+class SequenceParallelMLP(nn.Module):
+    """gather -> matmul -> relu -> matmul -> reduce-scatter on token shards, with the
+    functional collectives on ``group_name`` directly (no DTensor): the pattern the
+    ``async_tp`` pass fuses, forward and backward (``tests/cuda``, ``benchmarks/cuda_check.py``)."""
+
+    def __init__(self, group_name: str, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.group_name = group_name
+        self.w1 = nn.Parameter(w1)
+        self.w2 = nn.Parameter(w2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = torch.distributed.get_world_size()
+        h = torch.relu(_GatherTokens.apply(x, self.group_name, size) @ self.w1)
+        return _ScatterTokens.apply(h @ self.w2, self.group_name, size)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import dtcompile
 from dtcompile import ops
+from dtcompile._testing.models import SequenceParallelMLP
 
 pytestmark = [
     pytest.mark.cuda,
@@ -241,76 +242,13 @@ def test_fused_ops_compiled_by_inductor_equal_matmul(group_name, dtype):
     assert _relative_error(scattered, reference) < TOLERANCE[dtype]
 
 
-class _GatherTokens(torch.autograd.Function):
-    """Sequence parallel: all-gather the token shards (dim 0); backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx, x, group_name, size):
-        ctx.group_name, ctx.size = group_name, size
-        c10d = torch.ops._c10d_functional
-        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, size, group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        c10d = torch.ops._c10d_functional
-        return (
-            c10d.wait_tensor(
-                c10d.reduce_scatter_tensor(
-                    grad.contiguous(), "sum", ctx.size, ctx.group_name
-                )
-            ),
-            None,
-            None,
-        )
-
-
-class _ScatterTokens(torch.autograd.Function):
-    """Reduce-scatter partial sums to token shards (dim 0); backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group_name, size):
-        ctx.group_name, ctx.size = group_name, size
-        c10d = torch.ops._c10d_functional
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", size, group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        c10d = torch.ops._c10d_functional
-        return (
-            c10d.wait_tensor(
-                c10d.all_gather_into_tensor(grad.contiguous(), ctx.size, ctx.group_name)
-            ),
-            None,
-            None,
-        )
-
-
-class _SequenceParallelMLP(torch.nn.Module):
-    """gather -> matmul -> relu -> matmul -> reduce-scatter, on token shards."""
-
-    def __init__(
-        self, group_name: str, dim: int, hidden: int, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.group_name = group_name
-        self.w1 = torch.nn.Parameter(
-            _randn(dim, hidden, dtype=dtype, seed=11) / dim**0.5
-        )
-        self.w2 = torch.nn.Parameter(
-            _randn(hidden, dim, dtype=dtype, seed=12) / hidden**0.5
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = dist.get_world_size()
-        h = torch.relu(_GatherTokens.apply(x, self.group_name, size) @ self.w1)
-        return _ScatterTokens.apply(h @ self.w2, self.group_name, size)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_training_step_compiled_by_dtcompile_runs_the_fused_ops_and_equals_matmul(
     group_name, symm_mem_calls, dtype
 ):
-    model = _SequenceParallelMLP(group_name, 256, 512, dtype)
+    model = SequenceParallelMLP(
+        group_name, _randn(256, 512, dtype=dtype, seed=11) / 256**0.5, _randn(512, 256, dtype=dtype, seed=12) / 512**0.5
+    )
     x = _randn(128, 256, dtype=dtype, seed=13).requires_grad_()
     # Plain reference: one rank, so the gather and the scatter are the identity.
     x_ref, w1, w2 = (
