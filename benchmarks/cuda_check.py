@@ -31,8 +31,9 @@ profile; the matmul TFLOP/s and memory GB/s the measurements imply.
 
 On a torch older than 2.13 (the GPU machines' 2.11) the script first lets
 dtcompile import there (:func:`_compat_older_torch`): HOP fakes registered
-without 2.13's ``skip_cache``, and ``dynamo_vars`` (whose guards need 2.13's
-Dynamo) left out, so stock Dynamo traces; it says so.
+without 2.13's ``skip_cache``.  ``dynamo_vars`` (whose guards need 2.13's
+Dynamo) stays out by its own version fence, with one warning, so stock Dynamo
+traces there.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ def _compat_older_torch() -> list[str]:
 COMPAT = _compat_older_torch()
 
 import dtcompile
-import dynamo_vars
 from dtcompile import ops
 from dtcompile._testing.models import BlockArgs, SequenceParallelMLP, build_block
 from dtcompile.cost_model import get_profile
@@ -101,8 +101,6 @@ CONFIGS: dict[str, frozenset[str] | None] = {
     "dtcompile, no passes": frozenset({"async_tp", "bucketing", "overlap"}),
 }
 """Backends of part 2: stock Inductor, or dtcompile with these passes switched off (``--ablate``: all)."""
-_STOCK_DYNAMO = False
-"""Set once dtcompile with dynamo_vars failed to trace the block (another torch than 2.13)."""
 
 
 def _environment() -> None:
@@ -367,36 +365,12 @@ def _step(fn, params: list[torch.nn.Parameter], x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _dtcompile_backend(disabled: frozenset[str]) -> object:
-    if _STOCK_DYNAMO:
-        return dtcompile.DTCompileBackend(
-            dtcompile.DTCompileConfig(disable_passes=disabled)
-        )
-    return dtcompile.backend(disable_passes=disabled)
-
-
 def _first_step(
     name: str, parallel: torch.nn.Module, params: list, x: torch.Tensor
 ) -> tuple[object, object, float]:
     """(backend, compiled module, seconds of the first step, which compiles)."""
-    global _STOCK_DYNAMO
     disabled = CONFIGS[name]
-    backend = "inductor" if disabled is None else _dtcompile_backend(disabled)
-    fn = torch.compile(parallel, backend=backend, fullgraph=True)
-    try:
-        with torch.compiler.config.patch(force_disable_caches=True):
-            return backend, fn, _step(fn, params, x)
-    except Exception:
-        if disabled is None or not dynamo_vars.is_installed():
-            raise
-    # dynamo_vars is written against torch 2.13's Dynamo: on another torch, trace
-    # with stock Dynamo (the passes do not need dynamo_vars for this model).
-    print(
-        f"dtcompile with dynamo_vars failed:\n{traceback.format_exc(limit=-3)}retrying with stock Dynamo tracing"
-    )
-    dynamo_vars.uninstall()
-    _STOCK_DYNAMO = True
-    backend = _dtcompile_backend(disabled)
+    backend = "inductor" if disabled is None else dtcompile.backend(disable_passes=disabled)
     fn = torch.compile(parallel, backend=backend, fullgraph=True)
     with torch.compiler.config.patch(force_disable_caches=True):
         return backend, fn, _step(fn, params, x)

@@ -225,7 +225,7 @@ class DTCompileBackend:
         config: DTCompileConfig,
         lowering: Mapping[str, Any],
     ) -> fx.GraphModule:
-        ctx = PassContext(kind=kind, config=config, info=info, example_inputs=example_inputs)
+        ctx = PassContext(kind=kind, config=config, info=info)
         gm, passes = run_passes(gm, example_inputs, ctx)
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
         regions = inline_regions(gm, info, kind)

@@ -220,13 +220,13 @@ def _structure(body: torch.fx.GraphModule) -> tuple[Any, ...]:
     ``l_ws_1_``), so identical layers differ by name only; this key does not.
     """
     index: dict[torch.fx.Node, int] = {}
+
+    def arg(a: Any) -> Any:
+        return ("node", index[a]) if isinstance(a, torch.fx.Node) else repr(a)
+
     nodes = []
     for i, node in enumerate(body.graph.nodes):
         index[node] = i
-
-        def arg(a: Any) -> Any:
-            return ("node", index[a]) if isinstance(a, torch.fx.Node) else repr(a)
-
         nodes.append(
             (
                 node.op,

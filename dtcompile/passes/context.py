@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dtcompile.records import Action, Outcome
 
@@ -30,7 +29,6 @@ class PassContext:
     config: DTCompileConfig
     info: DynamoGraphInfo
     """The Dynamo graph this AOT graph came from: placements, mesh axes, cost profile."""
-    example_inputs: Sequence[Any] = ()
     outcomes: list[Outcome] = field(default_factory=list)
     """The current pass's decisions (``run_passes`` takes them after each pass)."""
 
