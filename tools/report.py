@@ -11,12 +11,17 @@ hang a real job); graph breaks and recompile reasons.  No scripts, no network:
 the file opens anywhere.
 
 The log format: a line ``<glog prefix>] {json metadata}`` starts an entry; the
-payload follows on lines that begin with a tab.
+payload follows on lines that begin with a tab, and the metadata's
+``has_payload`` is the payload's md5.  A log whose program was killed ends
+mid-entry: that last entry is left out, with a warning naming file:line, and
+the rest is reported.  A trace with no dtcompile artifacts (a program compiled
+with another backend) is refused: there would be nothing to report.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import html
 import json
 import re
@@ -57,6 +62,8 @@ class RankTrace:
 @dataclass
 class Trace:
     ranks: dict[int, RankTrace]
+    warnings: list[str] = field(default_factory=list)
+    """What was left out and why (a log cut off mid-entry), each naming file:line."""
 
 
 def _compile_id(meta: dict[str, Any]) -> str:
@@ -66,23 +73,63 @@ def _compile_id(meta: dict[str, Any]) -> str:
     return cid + (f"_{meta['attempt']}" if meta.get("attempt") else "")
 
 
-def _entries(path: Path) -> list[tuple[dict[str, Any], str]]:
-    entries: list[tuple[dict[str, Any], list[str]]] = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+def _entry_name(meta: dict[str, Any]) -> str:
+    artifact = meta.get("artifact")
+    return f"artifact {artifact.get('name', '?')}" if isinstance(artifact, dict) else f"entry {next(iter(meta), '?')}"
+
+
+def _entries(path: Path, warnings: list[str]) -> list[tuple[int, dict[str, Any], str]]:
+    """The entries of one log, each as (line number, metadata, payload).
+
+    Only the end of a log can be incomplete (its program was killed while
+    writing): a last line without its newline, or a last entry whose payload
+    does not match the md5 in its ``has_payload``.  That entry is left out and
+    a warning added to ``warnings``; anything else malformed is a TraceError.
+    """
+    # Split on "\n" only, from bytes: torch writes a payload one "\n"-separated line
+    # at a time and hashes it, so no other line break may split or change it.
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    # A complete log ends with a newline, so with "" here; else its last line is cut off.
+    partial_last_line = lines[-1] != ""
+    if not partial_last_line:
+        lines.pop()
+    entries: list[tuple[int, dict[str, Any], list[str]]] = []
+    for number, line in enumerate(lines, start=1):
         if line.startswith("\t"):
             if not entries:
                 raise TraceError(f"{path}:{number}: a payload line before any log entry; is this a TORCH_TRACE log?")
-            entries[-1][1].append(line[1:])
+            entries[-1][2].append(line[1:])
             continue
         match = _ENTRY.match(line)
-        if match is None:
-            raise TraceError(f"{path}:{number}: not a TORCH_TRACE log line: {line[:80]!r}")
-        try:
-            meta = json.loads(match.group(1))
-        except json.JSONDecodeError as err:
-            raise TraceError(f"{path}:{number}: malformed JSON metadata ({err.msg})") from None
-        entries.append((meta, []))
-    return [(meta, "\n".join(payload)) for meta, payload in entries]
+        problem = None if match else f"not a TORCH_TRACE log line: {line[:80]!r}"
+        if match:
+            try:
+                entries.append((number, json.loads(match.group(1)), []))
+            except json.JSONDecodeError as err:
+                problem = f"malformed JSON metadata ({err.msg})"
+        if problem is None:
+            continue
+        if partial_last_line and number == len(lines):
+            warnings.append(f"{path}:{number}: the log ends in the middle of this line (was the program killed?); left it out")
+            break
+        raise TraceError(f"{path}:{number}: {problem}")
+    if entries:
+        number, meta, payload = entries[-1]
+        digest = hashlib.md5("\n".join(payload).encode(), usedforsecurity=False).hexdigest()
+        if "has_payload" in meta and digest != meta["has_payload"]:
+            warnings.append(
+                f"{path}:{number}: the log ends inside this entry's payload ({_entry_name(meta)}; "
+                "was the program killed?); left the entry out"
+            )
+            entries.pop()
+    return [(number, meta, "\n".join(payload)) for number, meta, payload in entries]
+
+
+def _json_payload(file: Path, number: int, name: str, payload: str) -> Any:
+    try:
+        return json.loads(payload)
+    except json.JSONDecodeError as err:
+        raise TraceError(f"{file}:{number}: the payload of artifact {name} is not valid JSON ({err.msg})") from None
 
 
 def read_trace(trace_dir: str | Path) -> Trace:
@@ -97,10 +144,11 @@ def read_trace(trace_dir: str | Path) -> Trace:
             "run the program with TORCH_TRACE set to this directory"
         )
     ranks: dict[int, RankTrace] = {}
+    warnings: list[str] = []
     for file in files:
         rank = int(_RANK_FILE.search(file.name).group(1))
         trace = ranks.setdefault(rank, RankTrace(rank))
-        for meta, payload in _entries(file):
+        for number, meta, payload in _entries(file, warnings):
             artifact = meta.get("artifact")
             if not artifact:
                 continue
@@ -110,16 +158,16 @@ def read_trace(trace_dir: str | Path) -> Trace:
             elif name.startswith("dtcompile_") and name.endswith("_graph"):
                 trace.compiles[cid].graphs[name.removeprefix("dtcompile_").removesuffix("_graph")] = payload
             elif name.startswith("dtcompile_") and name.endswith("_collectives"):
-                data = json.loads(payload)
+                data = _json_payload(file, number, name, payload)
                 trace.compiles[cid].collectives[data["kind"]] = data
             elif name == "dynamo_graph_break_reason":
                 # "Graph break in user code at file:line", the reason, Dynamo's explanation.
                 trace.graph_breaks.append(f"{cid}: " + "\n".join(payload.splitlines()[:6]).strip())
             elif name == "recompile_reasons":
                 # Labelled json, written as text: one "<compile id>: reason" per line.
-                reasons = json.loads(payload) if payload.startswith("[") else payload.splitlines()
+                reasons = _json_payload(file, number, name, payload) if payload.startswith("[") else payload.splitlines()
                 trace.recompiles += [f"{cid}: recompiled because {r}" for r in reasons if r.strip()]
-    return Trace(ranks)
+    return Trace(ranks, warnings)
 
 
 def _schedule_key(record: CompileRecord) -> list[tuple[Any, ...]]:
@@ -176,6 +224,10 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
     lead = trace.ranks[ranks[0]]
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"]
     parts.append(f"<h1>{html.escape(title)}</h1><p>ranks: {', '.join(map(str, ranks))}; compile ids: {len(lead.compiles)}</p>")
+    if trace.warnings:
+        parts.append('<section id="warnings"><h2>Left out of this report</h2><ul>')
+        parts += [f'<li class="bad">{html.escape(w)}</li>' for w in trace.warnings]
+        parts.append("</ul></section>")
 
     parts.append('<section id="summary"><h2>Communication per step</h2>')
     rows = []
@@ -260,14 +312,33 @@ def main(argv: list[str] | None = None) -> int:
         "its decompiled code is copied to OUT/depyf and listed in the report",
     )
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(
+            f"-o {out}: is a file; -o names the directory that index.html is written into: "
+            "pass a directory (it is created if missing)"
+        )
     try:
         trace = read_trace(args.trace_dir)
         depyf_files = _depyf_files(args.depyf) if args.depyf else None
     except TraceError as err:
         print(f"dtcompile-report: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    for warning in trace.warnings:
+        print(f"dtcompile-report: warning: {warning}", file=sys.stderr)
+    if not any(rank.compiles for rank in trace.ranks.values()):
+        print(
+            f"dtcompile-report: {args.trace_dir}: no dtcompile artifacts (dtcompile_placements, "
+            "dtcompile_<kind>_graph, dtcompile_<kind>_collectives) in the trace: the program was not "
+            'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
+            "and run it again with TORCH_TRACE set",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"-o {out}: cannot create the directory ({err.strerror or err}); pass a directory that can be created")
     if depyf_files is not None:
         (out / "depyf").mkdir(exist_ok=True)
         for name in depyf_files:

@@ -1,0 +1,118 @@
+"""dtcompile-report on traces users bring: cut off by a killed job, from another backend, a bad -o."""
+
+from __future__ import annotations
+
+import html
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dtcompile_tools import report as report_tool
+
+# Each trace comes from a fresh interpreter with TORCH_TRACE set.
+pytestmark = pytest.mark.subprocess
+
+_PROGRAM = textwrap.dedent(
+    """
+    import sys, torch, dtcompile
+    from dtcompile._testing.cases import CASES
+    from dtcompile.testing import fake_world
+    with fake_world(4, (4,), ("tp",)) as mesh:
+        _, parallel, x = CASES["tp_mlp"].build(mesh)
+        backend = dtcompile.backend(inductor=False) if sys.argv[1] == "dtcompile" else sys.argv[1]
+        torch.compile(parallel, backend=backend)(x).sum().backward()
+    """
+)
+
+
+def _trace(directory: Path, backend: str) -> Path:
+    env = {**os.environ, "TORCH_TRACE": str(directory)}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, backend], env=env, check=False, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dtcompile_trace(tmp_path_factory) -> Path:
+    """The TP MLP compiled with dtcompile (no Inductor), forward and backward."""
+    return _trace(tmp_path_factory.mktemp("dtcompile_trace"), "dtcompile")
+
+
+@pytest.fixture(scope="module")
+def stock_trace(tmp_path_factory) -> Path:
+    """The same program compiled with stock aot_eager: no dtcompile artifacts."""
+    return _trace(tmp_path_factory.mktemp("stock_trace"), "aot_eager")
+
+
+def _cut(log: Path, into: Path, where: str) -> tuple[Path, int]:
+    """``log`` copied into ``into``, cut inside its dtcompile_backward_collectives entry as a
+    killed job leaves it; returns the copy and that entry's line number."""
+    lines = log.read_text().split("\n")
+    number = next(i for i, line in enumerate(lines, start=1) if '"dtcompile_backward_collectives"' in line)
+    kept = "\n".join(lines[: number - 1]) + "\n"
+    metadata, payload = lines[number - 1], lines[number]
+    assert payload.startswith('\t{"compile_id": "0/0", "kind": "backward"')
+    kept += {
+        "in its metadata line": metadata[: len(metadata) // 2],
+        "after its metadata line": metadata + "\n",
+        "in its payload": metadata + "\n" + payload[: len(payload) // 2],
+    }[where]
+    into.mkdir()
+    cut = into / log.name
+    cut.write_text(kept)
+    return cut, number
+
+
+@pytest.mark.parametrize("where", ["in its metadata line", "after its metadata line", "in its payload"])
+def test_report_of_a_trace_cut_off_mid_entry(dtcompile_trace, tmp_path, capsys, where):
+    (log,) = dtcompile_trace.glob("dedicated_log_torch_trace_rank_0_*.log")
+    cut, number = _cut(log, tmp_path / "cut", where)
+    assert report_tool.main([str(cut.parent), "-o", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    expected = {
+        "in its metadata line": f"{cut}:{number}: the log ends in the middle of this line (was the program killed?); left it out",
+        "after its metadata line": f"{cut}:{number}: the log ends inside this entry's payload "
+        "(artifact dtcompile_backward_collectives; was the program killed?); left the entry out",
+        "in its payload": f"{cut}:{number}: the log ends inside this entry's payload "
+        "(artifact dtcompile_backward_collectives; was the program killed?); left the entry out",
+    }[where]
+    assert err == f"dtcompile-report: warning: {expected}\n"
+    page = (tmp_path / "out" / "index.html").read_text()
+    # What came before the cut is there: the forward all-reduce and the backward graph.
+    assert '<td class="l">forward</td><td class="l">all_reduce</td><td class="l">tp</td>' in page
+    assert "<h3>backward graph</h3>" in page
+    assert f'<section id="warnings"><h2>Left out of this report</h2><ul>\n<li class="bad">{html.escape(expected)}</li>' in page
+
+
+def test_report_out_must_be_a_directory(dtcompile_trace, tmp_path, capsys):
+    existing = tmp_path / "report.html"
+    existing.write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        report_tool.main([str(dtcompile_trace), "-o", str(existing)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dtcompile-report")
+    assert err.endswith(
+        f"dtcompile-report: error: -o {existing}: is a file; -o names the directory that index.html "
+        "is written into: pass a directory (it is created if missing)\n"
+    )
+    assert existing.read_text() == "mine"
+
+
+def test_report_refuses_a_trace_without_dtcompile_artifacts(stock_trace, tmp_path, capsys):
+    assert list(stock_trace.glob("dedicated_log_torch_trace_rank_0_*.log"))
+    out = tmp_path / "out"
+    assert report_tool.main([str(stock_trace), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"dtcompile-report: {stock_trace}: no dtcompile artifacts (dtcompile_placements, "
+        "dtcompile_<kind>_graph, dtcompile_<kind>_collectives) in the trace: the program was not "
+        'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
+        "and run it again with TORCH_TRACE set\n"
+    )
+    assert not out.exists()
