@@ -20,15 +20,18 @@ rank is left waiting when another dies.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -245,6 +248,27 @@ def _gloo_rank_main(
         results.put((rank, False, traceback.format_exc()))
 
 
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    """Refuses, before any rank starts, a function that a spawned rank could not unpickle.
+
+    Functions pickle by module and qualified name, so a lambda or a local
+    function fails; a ``functools.partial`` is checked through to its function.
+    """
+    func = fn
+    while isinstance(func, functools.partial):
+        func = func.func
+    if not isinstance(func, types.FunctionType):
+        return
+    try:
+        pickle.dumps(func)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise TypeError(
+            f"run_gloo: fn {func.__module__}.{func.__qualname__} cannot be pickled, and each rank is a "
+            "process that receives fn pickled (by module and name); pass a module-level function, "
+            "or run a lambda or closure on threads with run_threaded(...)"
+        ) from err
+
+
 def run_gloo(
     world_size: int,
     fn: Callable[..., R],
@@ -254,10 +278,13 @@ def run_gloo(
     """Runs ``fn(rank, *args)`` on ``world_size`` processes with gloo over 127.0.0.1.
 
     ``fn`` and ``args`` must be picklable (a module-level function), and so must
-    its result.  The first rank to fail, or ``timeout`` seconds passing, ends
-    the run: the other ranks are killed and :class:`RankFailure` carries the
-    failing rank's traceback.
+    its result; a lambda or local function is refused with a ``TypeError``
+    before any rank starts.  The first rank to fail, or ``timeout`` seconds
+    passing, ends the run: the other ranks get a short grace period to report,
+    those still running then are killed, and :class:`RankFailure` carries the
+    failing ranks' tracebacks.
     """
+    _check_picklable(fn)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -271,12 +298,13 @@ def run_gloo(
     ]
     for proc in procs:
         proc.start()
+    # Every rank ends up in exactly one of these, or is still running when the run ends.
     outputs: dict[int, Any] = {}
-    failures: list[tuple[int, str]] = []
+    failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     # After the first failure, wait briefly for the other ranks' reports: the rank
     # that failed first is often not the first to report (its peers see the
-    # connection drop at once).
+    # connection drop at once), and a peer busy outside a collective never reports.
     grace_until = float("inf")
     try:
         while len(outputs) + len(failures) < world_size and time.monotonic() < grace_until:
@@ -284,21 +312,21 @@ def run_gloo(
                 rank, ok, payload = results.get(timeout=0.5)
             except queue.Empty:
                 # A rank that crashed (signal, os._exit) never reports: look at exit codes.
-                failures = [
-                    (rank, f"exited with code {proc.exitcode} before returning a result")
-                    for rank, proc in enumerate(procs)
-                    if proc.exitcode not in (None, 0) and rank not in outputs
-                ]
+                # A rank that reported has exit code 0 or is in outputs/failures already.
+                for rank, proc in enumerate(procs):
+                    if proc.exitcode not in (None, 0) and rank not in outputs and rank not in failures:
+                        failures[rank] = f"exited with code {proc.exitcode} before returning a result"
+                        grace_until = min(grace_until, time.monotonic() + _FAILURE_GRACE_S)
                 if not failures and time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outputs))
-                    failures = [(r, f"no result within {timeout} s") for r in missing]
-                if failures:
-                    break
+                    for r in range(world_size):
+                        if r not in outputs:
+                            failures[r] = f"no result within {timeout} s"
                 continue
             if ok:
                 outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
-                failures.append((rank, payload))
+                # A report replaces an exit code seen first: the traceback says more.
+                failures[rank] = payload
                 grace_until = min(grace_until, time.monotonic() + _FAILURE_GRACE_S)
     finally:
         for proc in procs:
@@ -308,5 +336,9 @@ def run_gloo(
                 proc.join()
         results.close()
     if failures:
-        raise _failure("run_gloo", failures)
+        what = "run_gloo"
+        stopped = sorted(set(range(world_size)) - outputs.keys() - failures.keys())
+        if stopped:
+            what += f" (rank(s) {stopped} still running, stopped)"
+        raise _failure(what, list(failures.items()))
     return [outputs[rank] for rank in range(world_size)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
 import time
 
@@ -27,6 +29,13 @@ def _raise_on_rank_one(rank: int) -> None:
 def _exit_on_rank_one(rank: int) -> None:
     if rank == 1:
         os._exit(3)
+    dist.barrier()
+
+
+def _raise_on_rank_one_while_rank_zero_computes(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    time.sleep(30)  # busy outside any collective: it never sees rank 1 go
     dist.barrier()
 
 
@@ -59,6 +68,35 @@ def test_gloo_rank_that_dies_is_reported_without_hanging():
     with pytest.raises(RankFailure, match="exited with code 3 before returning a result"):
         run_gloo(2, _exit_on_rank_one, timeout=120)
     assert time.monotonic() - start < 60
+
+
+def test_gloo_failure_is_reported_while_a_peer_is_busy_outside_a_collective():
+    """Rank 1's report arrives, then rank 1 exits cleanly while rank 0 computes:
+    the run ends after the grace period with rank 1's traceback, rank 0 stopped."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        run_gloo(2, _raise_on_rank_one_while_rank_zero_computes, timeout=120)
+    message = str(err.value)
+    assert message.startswith("run_gloo (rank(s) [0] still running, stopped): rank(s) [1] failed\n--- rank 1 ---\n")
+    assert "ValueError: rank one is broken" in message
+    assert time.monotonic() - start < 25
+
+
+def test_process_ranks_refuse_a_function_they_cannot_pickle():
+    def local_fn(rank: int) -> int:
+        return rank
+
+    with pytest.raises(TypeError) as err:
+        run_gloo(2, lambda rank: rank)
+    lambda_name = f"{__name__}.test_process_ranks_refuse_a_function_they_cannot_pickle.<locals>.<lambda>"
+    assert str(err.value) == (
+        f"run_gloo: fn {lambda_name} cannot be pickled, and each rank is a process "
+        "that receives fn pickled (by module and name); pass a module-level function, "
+        "or run a lambda or closure on threads with run_threaded(...)"
+    )
+    with pytest.raises(TypeError, match=r"fn \S+<locals>\.local_fn cannot be pickled"):
+        run_gloo(2, functools.partial(local_fn))
+    assert multiprocessing.active_children() == []
 
 
 def test_fake_world_cleans_up_and_refuses_nesting():
