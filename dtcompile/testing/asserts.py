@@ -172,11 +172,28 @@ def _eager_and_compiled(fn: Any, args: Sequence[Any], backward: bool, backend: A
     return eager, result
 
 
+def _check_built(build: Callable[..., Any], built: Any) -> tuple[Any, Sequence[Any]]:
+    """``built`` if it is what a builder returns, ``(fn_or_module, args)``; else a TypeError."""
+    if isinstance(built, (tuple, list)) and len(built) == 2 and isinstance(built[1], (tuple, list)):
+        return built[0], built[1]
+    if isinstance(built, (tuple, list)):
+        found = "(" + ", ".join(type(item).__name__ for item in built) + ("," if len(built) == 1 else "") + ")"
+    else:
+        found = type(built).__name__
+    name = getattr(build, "__qualname__", type(build).__name__)
+    if getattr(build, "__module__", None):
+        name = f"{build.__module__}.{name}"
+    raise TypeError(
+        f"assert_matches_eager: the builder {name} returned {found}; it must return "
+        "(fn_or_module, args) with args a tuple of fn's arguments, e.g. `return model, (x,)`"
+    )
+
+
 def _threaded_rank(rank: int, world: ThreadedWorld, build: Callable[..., Any], backward: bool, backend: Any) -> tuple[Step, Step]:
     from dtcompile.testing.worlds import _mesh
 
     mesh = _mesh(world.world_size, world.mesh_shape, world.mesh_dim_names)
-    fn, args = build(mesh)
+    fn, args = _check_built(build, build(mesh))
     eager, compiled = _eager_and_compiled(fn, args, backward, backend if backend is not None else _default_backend())
 
     def plain(step: Step) -> Step:

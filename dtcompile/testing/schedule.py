@@ -81,11 +81,23 @@ def collective_schedule(
             f"got {backend!r}; the schedule is read from what dtcompile records"
         )
     torch._dynamo.reset()
-    start = len(backend.records)
+    # backend.records is bounded: once full, each new record drops the oldest, so
+    # neither its length nor a position in it marks where this call began.  A record
+    # of this call is one that was not there before; `earlier` keeps those alive, so
+    # no new record can reuse one of their ids.
+    earlier = list(backend.records)
+    known = {id(record) for record in earlier}
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
     if backward:
         backward_from_sum(out)
-    records = list(backend.records)[start:]
+    records = [record for record in backend.records if id(record) not in known]
+    if len(records) >= backend.records.maxlen:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise RuntimeError(
+            f"collective_schedule: {name} compiled {len(records)} or more graphs, as many as "
+            f"backend.records keeps ({backend.records.maxlen}), so the first may be lost; "
+            "schedule a smaller program, or one that does not recompile"
+        )
     forward, backward_items = [], []
     for record in records:
         items = backward_items if record.kind == "backward" else forward

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtcompile.testing import (
+    RankFailure,
     assert_matches_eager,
     assert_no_graph_breaks,
     assert_no_recompiles,
@@ -93,6 +94,20 @@ def test_collective_schedule_wants_a_dtcompile_backend(fake_world):
     mesh = fake_world(4, (4,), ("tp",))
     with pytest.raises(TypeError, match="backend must be 'dtcompile' or a dtcompile.backend"):
         collective_schedule(_tp_mlp(mesh), torch.randn(4, 16), backend="inductor")
+
+
+def test_collective_schedule_on_a_backend_whose_records_are_full(fake_world):
+    """The backend keeps its newest records only (a bounded deque): once it holds
+    as many as it keeps, the schedule must still be this call's graphs."""
+    import dtcompile
+
+    mesh = fake_world(4, (4,), ("tp",))
+    backend = dtcompile.backend(inductor=False)
+    collective_schedule(_tp_mlp(mesh), torch.randn(4, 16), backend=backend)
+    backend.records.extend([backend.records[-1]] * backend.records.maxlen)
+    assert len(backend.records) == backend.records.maxlen
+    schedule = collective_schedule(_tp_mlp(mesh), torch.randn(4, 16), backend=backend)
+    assert_expected_inline(str(schedule), TP_MLP_SCHEDULE)
 
 
 def test_fake_world_checks_the_mesh_shape():
@@ -176,6 +191,24 @@ def test_threaded_eager_steps_end_before_any_rank_compiles():
 def test_matches_eager_refuses_args_with_a_threaded_world():
     with pytest.raises(TypeError, match=r"pass a builder fn\(mesh\) -> \(fn_or_module, args\)"):
         assert_matches_eager(_redistribute, torch.ones(1), world=threaded_world(2))
+
+
+def _build_returning_a_bare_tensor(mesh):
+    x = DTensor.from_local(torch.ones(8, 4), mesh, [Replicate()], run_check=False)
+    return _DoubledWhenCompiling(), x  # should be (module, (x,))
+
+
+def test_matches_eager_names_a_builder_that_returns_the_wrong_shape():
+    with pytest.raises(RankFailure) as err:
+        assert_matches_eager(_build_returning_a_bare_tensor, world=threaded_world(2))
+    message = str(err.value)
+    assert message.startswith("run_threaded: rank(s) [0, 1] failed\n")
+    assert (
+        "TypeError: assert_matches_eager: the builder test_testing._build_returning_a_bare_tensor "
+        "returned (_DoubledWhenCompiling, DTensor); it must return (fn_or_module, args) with args "
+        "a tuple of fn's arguments, e.g. `return model, (x,)`"
+    ) in message
+    assert "positional argument" not in message
 
 
 # ---------------------------------------------------------------- graph breaks and recompiles
