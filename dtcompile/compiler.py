@@ -50,6 +50,7 @@ from dtcompile.passes import PassContext, run_passes
 from dtcompile.records import CompiledGraph
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.sharding_cache import fresh_sharding_caches
+from dynamo_vars.dtensor_state import loss_parallel_backward
 from hops import keep_regions
 
 __all__ = ["DTCompileBackend", "backend", "named_backend"]
@@ -113,6 +114,51 @@ def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
     return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
 
 
+def _split_constant_outputs(gm: fx.GraphModule) -> dict[int, Any]:
+    """Takes the Python objects a Dynamo graph returns as constants out of its outputs.
+
+    A placement made inside the compiled code (``Shard(1)``, or the placements
+    of a DTensor built by a factory) is a constant in the graph's output tuple.
+    AOTAutograd traces with fake objects and would return its fake
+    (``FakeScriptObject``) in the real one's place; the graph returns ``None``
+    there instead and :func:`_with_constant_outputs` puts the real object back.
+    """
+    (output,) = (node for node in gm.graph.nodes if node.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)):
+        return {}
+    constants = {i: v for i, v in enumerate(values) if v is not None and not isinstance(v, fx.Node)}
+    if constants:
+        output.args = (type(values)(None if i in constants else v for i, v in enumerate(values)),)
+        gm.recompile()
+    return constants
+
+
+def _with_constant_outputs(compiled: Callable[..., Any], constants: dict[int, Any]) -> Callable[..., Any]:
+    """``compiled`` with the constants :func:`_split_constant_outputs` took out back in place."""
+    if not constants:
+        return compiled
+
+    def put_back(outputs: Sequence[Any]) -> list[Any]:
+        outputs = list(outputs)
+        for i, value in constants.items():
+            outputs[i] = value
+        return outputs
+
+    if getattr(compiled, "_boxed_call", False):
+
+        def run_boxed(args: list[Any]) -> list[Any]:
+            return put_back(compiled(args))
+
+        run_boxed._boxed_call = True  # type: ignore[attr-defined]
+        return run_boxed
+
+    def run(*args: Any) -> list[Any]:
+        return put_back(compiled(*args))
+
+    return run
+
+
 class DTCompileBackend:
     """The compiler function ``torch.compile`` calls; made by :func:`backend`.
 
@@ -150,21 +196,29 @@ class DTCompileBackend:
             mesh_axes(gm, example_inputs),
             get_profile(config.cost_profile),
         )
+        constants = _split_constant_outputs(gm)
         # The AOTAutograd cache keys on the Dynamo graph and global configs, not on
         # this backend's options and passes: a hit could return a graph compiled
         # without them.  Inductor's per-graph FX cache (keyed on the graph after
         # our passes) stays on.
-        with functorch_config.patch(enable_autograd_cache=False), fresh_sharding_caches(), keep_regions():
+        with (
+            functorch_config.patch(enable_autograd_cache=False),
+            fresh_sharding_caches(),
+            keep_regions(),
+            loss_parallel_backward(gm),
+        ):
             if config.inductor:
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(
+                compiled = compile_fx(
                     gm,
                     example_inputs,
                     inner_compile=functools.partial(self._inductor_inner_compile, info, config),
                     config_patches=dict(config.inductor_config) or None,
                 )
-            return self._aot_without_inductor(gm, example_inputs, info, config)
+            else:
+                compiled = self._aot_without_inductor(gm, example_inputs, info, config)
+        return _with_constant_outputs(compiled, constants)
 
     def _inductor_inner_compile(
         self,

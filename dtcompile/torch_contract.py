@@ -80,6 +80,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._dynamo.variables.higher_order_ops", "_call_function_with_auto_output_flattening", None),
     ("torch._dynamo.variables.lazy", "LazyVariableTracker.realize_all", None),
     ("torch._dynamo.variables.base", "ValueMutationNew", None),
+    ("torch._dynamo.variables.tensor", "TensorVariable.call_method", ("self", "tx", "name", "args", "kwargs")),
+    ("torch.fx.experimental.symbolic_shapes", "ShapeEnv.ignore_fresh_unbacked_symbols", ("self",)),
     ("torch._dynamo.backends.registry", "_COMPILER_FNS", None),
     ("torch._dynamo.backends.registry", "_BACKENDS", None),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", None),

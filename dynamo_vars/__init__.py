@@ -6,7 +6,7 @@ by name or built with ``dtcompile.backend()``; also
 
 One family per module: :mod:`~dynamo_vars.device_mesh`,
 :mod:`~dynamo_vars.placements`, :mod:`~dynamo_vars.process_groups`,
-:mod:`~dynamo_vars.dtensor_api`; readable guard failures in
+:mod:`~dynamo_vars.dtensor_api`, :mod:`~dynamo_vars.dtensor_state`; readable guard failures in
 :mod:`~dynamo_vars.guards`; every change to Dynamo is made (and undone) in
 ``dynamo_vars/_install.py``.
 """

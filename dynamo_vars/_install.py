@@ -17,6 +17,9 @@ reverted here and nowhere else:
    (``GUARD_BUILDERS``: method name -> replacement ``(original) -> method``).
 3. The opaque-type registry of torch: members added to a registered type
    (``OPAQUE_MEMBERS``: type -> {member: MemberType}).
+4. Methods of Dynamo's variable trackers, wrapped, never rewritten: the
+   wrapper adds a context around the original (``VARIABLE_METHODS``:
+   ``(tracker class, method name)`` -> replacement ``(original) -> method``).
 
 Outside the torch versions dtcompile is tested on
 (:data:`dtcompile.torch_contract.TESTED_TORCH`) nothing is installed: one
@@ -48,9 +51,9 @@ class HandlerClashError(RuntimeError):
 
 
 def _families() -> list[Any]:
-    from dynamo_vars import device_mesh, dtensor_api, local_map, placements, process_groups
+    from dynamo_vars import device_mesh, dtensor_api, dtensor_state, local_map, placements, process_groups
 
-    return [device_mesh, placements, process_groups, dtensor_api, local_map]
+    return [device_mesh, placements, process_groups, dtensor_api, dtensor_state, local_map]
 
 
 def is_installed() -> bool:
@@ -126,6 +129,13 @@ def _install_locked() -> None:
             added = {k: v for k, v in members.items() if k not in info.members}
             info.members.update(added)
             _undo.append(lambda info=info, added=added: [info.members.pop(k, None) for k in added])
+
+
+    for family in families:
+        for (cls, name), make in getattr(family, "VARIABLE_METHODS", dict)().items():
+            original = cls.__dict__[name]
+            setattr(cls, name, make(original))
+            _undo.append(lambda cls=cls, name=name, original=original: setattr(cls, name, original))
 
 
 def _remove_handler(table: dict[int, Any], key: int, handler: Any) -> None:

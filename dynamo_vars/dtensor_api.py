@@ -11,10 +11,14 @@ Stock Dynamo traces ``from_local``, ``to_local``, ``redistribute`` and
 - ``compute_local_shape_and_global_offset`` is folded at trace time: its
   inputs (shape, mesh, placements) are constants and its result depends on
   them only (stock: data-dependent ``.item()`` on ``_StridedShard`` offsets).
-- ``implicit_replication()`` and ``loss_parallel()`` become contexts that set
-  their DTensor state both while Dynamo traces and, through calls kept in the
-  graph, while AOTAutograd re-traces (stock: the whole frame silently runs
-  eagerly / "mixed torch.Tensor and DTensor").
+- ``implicit_replication()`` and ``loss_parallel()``: :mod:`dynamo_vars.dtensor_state`.
+- ``redistribute`` and ``full_tensor`` calls, which Dynamo keeps as one call
+  each and runs on fake tensors to learn the result, ignore the unbacked
+  sizes DTensor's own code makes and drops on the way (stock: a
+  ``_StridedShard`` gathered to ``Replicate()`` fails with
+  ``PendingUnbackedSymbolNotFound``, from ``.tolist()`` on the fake shard
+  offsets in ``_StridedShard.local_shard_size_and_offset``).  A result's shape
+  follows from the target placements alone, never from data.
 - The DTensor input guard reads ``placements of arg x changed: (Shard(dim=0),)
   -> (Replicate(),)`` and also checks the placements' exact types.
 """
@@ -26,16 +30,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.fx.node import has_side_effect
 
 from dynamo_vars import guards
-from dynamo_vars._trackers import Handler, fold, polyfill, state_context
+from dynamo_vars._trackers import Handler, fold, polyfill
 from dynamo_vars.placements import same_placements
 
 __all__: list[str] = []
-
-
-# ---------------------------------------------------------------- factories and distribute_tensor
 
 
 def _local_shape(size: Any, mesh: Any, placements: Sequence[Any]) -> tuple[int, ...]:
@@ -166,46 +166,6 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ran
     return replicated.redistribute(mesh, placements)
 
 
-# ---------------------------------------------------------------- implicit_replication, loss_parallel
-
-
-@has_side_effect
-def set_implicit_replication(enabled: bool) -> None:
-    """Graph call that turns DTensor's implicit replication on or off (kept by DCE)."""
-    torch._C._set_dtensor_allow_implicit_replication(enabled)
-
-
-def _implicit_replication_enabled() -> bool:
-    return torch._C._get_dtensor_allow_implicit_replication()
-
-
-def _loss_ops() -> tuple[dict[Any, Any], dict[Any, Any]]:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel.loss import customized_loss_ops
-
-    return customized_loss_ops, DTensor._op_dispatcher._custom_op_handlers
-
-
-def _loss_parallel_enabled() -> bool:
-    loss_ops, handlers = _loss_ops()
-    return all(handlers.get(op) is fn for op, fn in loss_ops.items())
-
-
-@has_side_effect
-def set_loss_parallel(enabled: bool) -> None:
-    """Graph call that installs or removes ``loss_parallel``'s DTensor op handlers (kept by DCE)."""
-    loss_ops, handlers = _loss_ops()
-    if enabled:
-        handlers.update(loss_ops)
-    else:
-        for op, fn in loss_ops.items():
-            if handlers.get(op) is fn:
-                del handlers[op]
-
-
-# ---------------------------------------------------------------- the DTensor input guard
-
-
 def _dtensor_spec_guard(original: Any) -> Any:
     from torch._dynamo.guards import check_dtensor_spec, extract_dtensor_spec
 
@@ -250,11 +210,40 @@ def _dtensor_spec_guard(original: Any) -> Any:
 GUARD_BUILDERS = {"DTENSOR_SPEC_MATCH": _dtensor_spec_guard}
 
 
+# DTensor methods whose result's shape is a function of the mesh and placements only.
+_SPEC_SHAPED_METHODS = frozenset({"redistribute", "full_tensor"})
+
+
+def _dtensor_method_call(original: Any) -> Any:
+    @functools.wraps(original)
+    def call_method(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
+        shape_env = tx.fake_mode.shape_env if tx.fake_mode is not None else None
+        if name in _SPEC_SHAPED_METHODS and shape_env is not None and _is_dtensor(self):
+            with shape_env.ignore_fresh_unbacked_symbols():
+                return original(self, tx, name, args, kwargs)
+        return original(self, tx, name, args, kwargs)
+
+    return call_method
+
+
+def _is_dtensor(variable: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    try:
+        return issubclass(variable.python_type(), DTensor)
+    except NotImplementedError:
+        return False
+
+
+def VARIABLE_METHODS() -> dict[tuple[type, str], Callable[[Any], Any]]:
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    return {(TensorVariable, "call_method"): _dtensor_method_call}
+
+
 def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:
     import torch.distributed.tensor as dtensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.experimental import implicit_replication
-    from torch.distributed.tensor.parallel import loss_parallel
 
     return {
         dtensor.ones: polyfill(ones),
@@ -266,6 +255,4 @@ def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:
         dtensor.distribute_tensor: polyfill(distribute_tensor),
         compute_local_shape_and_global_offset: fold,
         _check_requires_grad: fold,
-        implicit_replication: state_context(set_implicit_replication, _implicit_replication_enabled, True),
-        loss_parallel: state_context(set_loss_parallel, _loss_parallel_enabled, True),
     }
