@@ -20,6 +20,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from dtcompile.sizes import nbytes_hint, shape_hint
+
 __all__ = ["CollectiveInfo", "axis_name", "collective_info", "graph_collectives", "is_collective", "mesh_axes"]
 
 
@@ -166,8 +168,8 @@ def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> Col
     vals = _moved_values(node, opname, count_output)
     if not vals or any(not isinstance(v, torch.Tensor) for v in vals):
         raise AssertionError(f"collective {node.name} has no tensor metadata")
-    shape = tuple(int(s) for s in vals[0].shape) if len(vals) == 1 else (len(vals),)
-    num_bytes = sum(int(v.numel()) * v.element_size() for v in vals)
+    shape = shape_hint(vals[0]) if len(vals) == 1 else (len(vals),)
+    num_bytes = sum(nbytes_hint(v) for v in vals)
     group_size, group_span = _group_size_and_span(group_name)
     return CollectiveInfo(
         node=node.name,

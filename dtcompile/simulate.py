@@ -20,6 +20,7 @@ import torch
 from dtcompile.collectives import collective_info
 from dtcompile.cost_model import HardwareProfile, collective_time_us
 from dtcompile.regions import is_region, region_body
+from dtcompile.sizes import hint, nbytes_hint, numel_hint
 
 __all__ = ["Timeline", "node_time_us", "region_timeline", "simulate"]
 
@@ -59,19 +60,19 @@ def node_time_us(node: Any, profile: HardwareProfile) -> float:
     if target.namespace == "dtcompile":
         if name == "fused_all_gather_matmul":
             gathered, outs = node.meta["val"]
-            return sum(_flops_time_us(2 * o.numel() * gathered.shape[-1], profile) for o in outs)
+            return sum(_flops_time_us(2 * numel_hint(o) * hint(gathered.shape[-1]), profile) for o in outs)
         if name == "fused_matmul_reduce_scatter":
             a, out_shape = node.args[0].meta["val"], node.args[2]
-            return _flops_time_us(2 * math.prod(out_shape) * a.shape[-1], profile)
+            return _flops_time_us(2 * math.prod(hint(s) for s in out_shape) * hint(a.shape[-1]), profile)
     if name in _FREE or target.namespace == "_c10d_functional":
         return 0.0
     out = _tensors(node.meta.get("val"))
     if name in ("mm", "addmm", "bmm", "baddbmm") and out:
         a = node.args[1] if name in ("addmm", "baddbmm") else node.args[0]
-        k = a.meta["val"].shape[-1]
-        return _flops_time_us(2 * out[0].numel() * k, profile)
-    moved = sum(t.numel() * t.element_size() for t in out)
-    moved += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+        k = hint(a.meta["val"].shape[-1])
+        return _flops_time_us(2 * numel_hint(out[0]) * k, profile)
+    moved = sum(nbytes_hint(t) for t in out)
+    moved += sum(nbytes_hint(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
     return moved / (profile.memory_gbps * 1e9) * 1e6
 
 

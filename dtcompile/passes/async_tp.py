@@ -36,6 +36,7 @@ from dtcompile.ops import decomposed_on  # importing it registers the dtcompile:
 from dtcompile.passes._graph import refresh_metadata, single_wait
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
+from dtcompile.sizes import is_symbolic
 
 __all__ = ["fuse_async_tp"]
 
@@ -124,10 +125,15 @@ def _hoist_before(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> 
     return True
 
 
+_SYMBOLIC = "its shape is symbolic (dynamic shapes), and the fused op is built for one shape"
+
+
 def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int]) -> Outcome:
     wait = single_wait(ag)
     if wait is None:
         return Outcome.skipped(ag.name, "not fused: the all-gather has no single wait")
+    if is_symbolic(wait.meta["val"]):
+        return Outcome.skipped(ag.name, f"not fused: {_SYMBOLIC}")
     found = _gathered(wait)
     if found is None:
         return Outcome.skipped(ag.name, "not fused: the gathered tensor is rearranged in a way the pass does not know")
@@ -165,6 +171,8 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> Outcome:
     wait = single_wait(rs)
     if wait is None:
         return Outcome.skipped(rs.name, "not fused: the reduce-scatter has no single wait")
+    if is_symbolic(rs.args[0].meta["val"]):
+        return Outcome.skipped(rs.name, f"not fused: {_SYMBOLIC}")
     source, reduce_op, _, group = rs.args
     why = decomposed_on(source.meta["val"].device.type, group)
     if why is not None:

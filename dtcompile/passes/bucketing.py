@@ -34,6 +34,7 @@ from dtcompile.passes._graph import (
     single_wait,
 )
 from dtcompile.passes.context import PassContext
+from dtcompile.sizes import is_symbolic
 
 __all__ = ["bucket_collectives"]
 
@@ -103,6 +104,9 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
             ctx.skipped(node.name, "not bucketed: not a single collective + wait")
             continue
         value = source.meta["val"]
+        if is_symbolic(value):
+            ctx.skipped(node.name, "not bucketed: its shape is symbolic (dynamic shapes); a bucket is built for one shape")
+            continue
         num_bytes = value.numel() * value.element_size()
         if _BUCKETABLE[node.target] == "all_gather":
             num_bytes *= node.args[1]  # the gathered buffer, as CollectiveInfo counts it
