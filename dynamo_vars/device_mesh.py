@@ -10,6 +10,12 @@ are evaluated on the real mesh at trace time and guarded through the mesh's
 - ``init_device_mesh`` and ``DeviceMesh(...)`` inside a compiled region: a
   structured graph break that says to build the mesh outside (building one
   communicates);
+- ``mesh[...]._flatten(name)`` on a mesh made in the compiled code (a
+  submesh): stock runs ``_flatten`` on the fake mesh and fails ("Please
+  convert all Tensors to FakeTensors first").  Flattening makes a process
+  group, as eager does at that point: it runs on the real mesh while Dynamo
+  traces (every rank traces the same code), after which the traced call only
+  reads the flattened mesh back;
 - the mesh guard reports a failure as ``mesh changed: DeviceMesh((tp=4)) ->
   DeviceMesh((dp=2, tp=2)) (arg m)`` instead of ``___check_opaque_guard_fn_<id>``.
 """
@@ -51,6 +57,30 @@ def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:
             _BUILD_OUTSIDE,
         ),
     }
+
+
+def _flatten_on_the_real_mesh(original: Any) -> Any:
+    @functools.wraps(original)
+    def call_method(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
+        if name == "_flatten":
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = self.as_python_constant()
+            if isinstance(mesh, DeviceMesh):
+                const_args = [a.as_python_constant() for a in args]
+                const_kwargs = {k: v.as_python_constant() for k, v in kwargs.items()}
+                with unset_fake_temporarily():
+                    mesh._flatten(*const_args, **const_kwargs)
+        return original(self, tx, name, args, kwargs)
+
+    return call_method
+
+
+def VARIABLE_METHODS() -> dict[tuple[type, str], Callable[[Any], Any]]:
+    from torch._dynamo.variables.script_object import TorchScriptObjectVariable
+
+    return {(TorchScriptObjectVariable, "call_method"): _flatten_on_the_real_mesh}
 
 
 def _mesh_guard(original: Any) -> Any:

@@ -281,11 +281,17 @@ class LocalMapVariable(WrapHigherOrderVariable):
             )
         except Unsupported as e:
             if not any(word in str(e) for word in ("side effect", "mutation")):
-                raise
+                _refuse(
+                    "local_map region that Dynamo cannot trace",
+                    f"local_map {call.name}: {_first_line(e)}. The region is one op or nothing: without "
+                    "fullgraph=True the whole call runs eagerly (this graph break), the code around it compiled.",
+                    "Keep print, data-dependent Python control flow and other untraceable code out of the "
+                    "region, or accept that it runs eagerly.",
+                )
             _refuse(
                 "side effect inside a local_map region",
                 f"local_map {call.name}: the region mutates one of its inputs or Python state outside it "
-                f"({str(e).splitlines()[0]}); a region must be a pure function of its arguments, so that "
+                f"({_first_line(e)}); a region must be a pure function of its arguments, so that "
                 "it can be one op with a backward of its own.",
                 "Return new tensors instead of writing into inputs (x = x + 1, not x.add_(1)), and keep "
                 "logging and other Python side effects outside the region.",
@@ -374,6 +380,13 @@ class LocalMapVariable(WrapHigherOrderVariable):
             hop_node.meta["example_value"] = tuple(wrapped)
             # Named after the region, as its AOT nodes are: reports say "from attention".
             hop_node._rename(spec.name)
+
+
+def _first_line(error: Exception) -> str:
+    """An Unsupported's reason: its first line, or its explanation when the first is only the gb_type."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    explanation = next((line.removeprefix("Explanation: ") for line in lines if line.startswith("Explanation:")), None)
+    return (explanation or (lines[0] if lines else type(error).__name__)).rstrip(".")
 
 
 def _fix_hint(message: str) -> str:

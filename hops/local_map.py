@@ -222,8 +222,14 @@ def local_map(
     return functools.partial(_local_map_call, *call)
 
 
+@torch.compiler.disable
 def _local_map_call(*call_and_args: Any, **kwargs: Any) -> Any:
-    """One call of a function made by :func:`local_map`: its :class:`LocalMapCall`, then the user's arguments."""
+    """One call of a function made by :func:`local_map`: its :class:`LocalMapCall`, then the user's arguments.
+
+    Eager only: in compiled code ``dynamo_vars`` turns a call into one region op.
+    Where it cannot (a graph break in the region under ``fullgraph=False``, or
+    dynamo_vars not installed), the call runs eagerly, never traced line by line.
+    """
     from torch.distributed.tensor import DTensor
 
     call = LocalMapCall(*call_and_args[: len(LocalMapCall._fields)])

@@ -1,0 +1,226 @@
+"""DTensor code written outside this repository, as users write it: each case once
+returned a wrong number, leaked a fake object or crashed where eager works.
+
+Compiled runs are checked against eager on real collectives (threaded ranks,
+or gloo processes where eager itself is not thread-safe) and, where eager is
+not the ground truth, against a single-process reference computed by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.tensor as dtensor
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import dtcompile
+from dtcompile.testing import fake_world, run_gloo, run_threaded
+from dtcompile.testing.worlds import _mesh
+
+BACKEND_OPTIONS = {"inductor": False}
+
+
+def _compiled(fn, **kwargs):
+    return torch.compile(fn, backend=dtcompile.backend(**BACKEND_OPTIONS), fullgraph=True, **kwargs)
+
+
+# ---- a user Partial with its own reduction
+
+
+class PNormPartial(Partial):
+    """A p-norm partial, as gradient-norm clipping code writes it: the reduction is
+    ``(sum_r x_r ** p) ** (1 / p)``.  It does not define ``__eq__``, so it equals
+    ``Partial('sum')`` by ``==``."""
+
+    def __init__(self, p: float = 2.0) -> None:
+        super().__init__("sum")
+        self.p = p
+
+    def _reduce_value(self, tensor, mesh, mesh_dim):
+        powered = super()._reduce_value(tensor.abs().pow(self.p), mesh, mesh_dim)
+        return powered.pow(1.0 / self.p)
+
+
+def _pnorm_rank(rank: int) -> dict[str, torch.Tensor]:
+    mesh = _mesh(2, None, None)
+    x = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+
+    def from_local_then_full(t):
+        return DTensor.from_local(t, mesh, [PNormPartial()], run_check=False).full_tensor()
+
+    def redistribute_input(d):
+        return d.redistribute(mesh, [Replicate()]).to_local()
+
+    # Eager DTensor caches redistribution plans by spec equality: after a
+    # Partial('sum') of this shape, it runs the base class's reduction for the
+    # subclass too.  The compiled code must not depend on that cache.
+    DTensor.from_local(x, mesh, [Partial()], run_check=False).full_tensor()
+    return {
+        "from_local": _compiled(from_local_then_full)(x),
+        "input": _compiled(redistribute_input)(DTensor.from_local(x, mesh, [PNormPartial()], run_check=False)),
+    }
+
+
+def test_a_partial_subclass_reduction_is_its_own_not_the_base_class():
+    reference = (torch.tensor([1.0, 2.0, 3.0]) ** 2 * (1 + 2**2)) ** 0.5
+    for rank, results in enumerate(run_threaded(2, _pnorm_rank)):
+        for how, got in results.items():
+            torch.testing.assert_close(got, reference, msg=f"rank {rank}, {how}")
+
+
+# ---- objects in a compiled function's results
+
+
+def test_placements_made_in_compiled_code_come_back_real():
+    with fake_world(2) as mesh:
+
+        def build(m):
+            a = dtensor.full((4, 4), 2.0, device_mesh=m, placements=[Shard(0)])
+            b = dtensor.ones(4, 4, device_mesh=m, placements=[Replicate()])
+            return a, a.shape, a.placements, b.placements, Shard(1), a.device_mesh
+
+        a, shape, placements_a, placements_b, literal, out_mesh = _compiled(build)(mesh)
+    assert (placements_a, placements_b, literal) == ((Shard(0),), (Replicate(),), Shard(1))
+    assert [type(p) for p in (*placements_a, *placements_b, literal)] == [Shard, Replicate, Shard]
+    assert out_mesh is mesh and a.device_mesh is mesh
+    assert shape == torch.Size([4, 4])
+
+
+# ---- crashes where eager works
+
+
+def _strided_rank(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mesh = _mesh(2, None, None)
+    x = torch.arange(8.0).reshape(4, 2) + 10 * rank
+
+    def gather(t):
+        d = DTensor.from_local(t, mesh, [_StridedShard(0, split_factor=2)], run_check=False)
+        return d.redistribute(mesh, [Replicate()]).to_local()
+
+    return gather(x), _compiled(gather)(x)
+
+
+def test_strided_shard_gathered_to_replicate():
+    for eager, compiled in run_threaded(2, _strided_rank):
+        # split_factor=2 interleaves the ranks' halves: rows 0-1 of rank 0, of rank 1, rows 2-3 of each.
+        assert eager[:, 0].tolist() == [0, 2, 10, 12, 4, 6, 14, 16]
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def _flattened_rank(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mesh = _mesh(4, (2, 2), ("dp", "tp"))
+    x = torch.full((2,), float(rank))
+
+    def all_reduce_over_both(t, m):
+        return funcol.all_reduce(t, "sum", m["dp", "tp"]._flatten("dp_tp"))
+
+    # Compiled first: the flattened mesh does not exist yet (made in the compiled code).
+    compiled = _compiled(all_reduce_over_both)(x, mesh)
+    return all_reduce_over_both(x, mesh), compiled
+
+
+def test_flattened_mesh_as_the_group_of_a_functional_collective():
+    for eager, compiled in run_threaded(4, _flattened_rank):
+        assert eager.tolist() == [6.0, 6.0]
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+# ---- loss_parallel: the forward compiled, the backward under loss_parallel() after it
+
+
+def _loss_inside(logits, target):
+    with loss_parallel():
+        return F.cross_entropy(logits, target)
+
+
+def _loss_parallel_step(mesh, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    full = torch.arange(32.0).reshape(4, 8).sin()
+    target = torch.tensor([1, 7, 0, 4])
+    logits = distribute_tensor(full, mesh, [Shard(-1)], src_data_rank=None).requires_grad_()
+    loss = (_compiled(_loss_inside) if compiled else _loss_inside)(logits, target)
+    with loss_parallel():
+        loss.backward()
+    return loss.full_tensor(), logits.grad.full_tensor()
+
+
+def test_loss_parallel_in_compiled_code_backward_after_it_compiles():
+    """The graph's backward is traced at compile time, after the region ended
+    (it failed: nll_loss_backward got mixed torch.Tensor and DTensor)."""
+    with fake_world(2) as mesh:
+        eager = _loss_parallel_step(mesh, compiled=False)
+        compiled = _loss_parallel_step(mesh, compiled=True)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+
+
+def _loss_parallel_gloo_rank(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    mesh = _mesh(2, None, None)
+    return [_loss_parallel_step(mesh, compiled) for compiled in (False, True)]
+
+
+@pytest.mark.gloo
+def test_loss_parallel_backward_matches_eager_and_reference_on_gloo():
+    # Gloo processes: loss_parallel() flips process-wide DTensor state, which
+    # rank threads would race on.
+    full = torch.arange(32.0).reshape(4, 8).sin().requires_grad_()
+    loss = F.cross_entropy(full, torch.tensor([1, 7, 0, 4]))
+    loss.backward()
+    for rank, (eager, compiled) in enumerate(run_gloo(2, _loss_parallel_gloo_rank, timeout=300)):
+        for what, run in (("eager", eager), ("compiled", compiled)):
+            torch.testing.assert_close(run[0], loss.detach(), msg=f"rank {rank} {what} loss")
+            torch.testing.assert_close(run[1], full.grad, msg=f"rank {rank} {what} grad")
+
+
+# ---- a local_map region Dynamo cannot trace: a graph break, never an internal error
+
+_seen: list[int] = []
+
+
+def _region_prints(t):
+    print("inside the region")
+    return t * 2
+
+
+def _region_appends(t):
+    _seen.append(1)
+    return t * 2
+
+
+def _region_branches_on_data(t):
+    if t.sum() > 0:
+        return t * 2
+    return t * 3
+
+
+@pytest.mark.parametrize("body", [_region_prints, _region_appends, _region_branches_on_data], ids=lambda f: f.__name__)
+def test_an_untraceable_region_runs_eagerly_behind_a_graph_break(body, capsys):
+    from torch._dynamo.utils import counters
+
+    with fake_world(2) as mesh:
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)], src_data_rank=None)
+        region = dtcompile.local_map(body, out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=mesh)
+
+        def step(d):
+            return region(d) + 1
+
+        torch._dynamo.reset()
+        counters.clear()
+        _seen.clear()
+        out = torch.compile(step, backend=dtcompile.backend(**BACKEND_OPTIONS))(x)
+        assert out.to_local().eq(3.0).all() and out.placements == (Shard(0),)
+        # The region's Python ran, once, as eager runs it.
+        if body is _region_prints:
+            assert capsys.readouterr().out.count("inside the region") == 1
+        if body is _region_appends:
+            assert _seen == [1]
+        (reason,) = counters["graph_break"]
+        assert reason.startswith("dtcompile: ")
+        assert f"local_map {body.__name__}:" in reason
+
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=f"local_map {body.__name__}:"):
+            _compiled(step)(x)
