@@ -145,6 +145,17 @@ def run_threaded(
     semantics).  ``torch.compile`` inside ``fn`` compiles once per rank, as on
     real ranks.  Raises :class:`RankFailure` naming the rank(s) that raised or
     did not finish within ``timeout`` seconds.
+
+    Two things are shared by the rank threads and scoped to the world here:
+
+    - Dynamo's cache of compiled code is per code object, and each rank's
+      mesh fails the guards of the code another rank compiled (its process
+      group is another).  Each rank thread's compiles count against the
+      same recompile limit, so the limits are ``world_size`` times Dynamo's
+      for the run: any world size runs, each rank as often as one would alone.
+    - torch looks up a backend name (``backend="dtcompile"``) by check-then-
+      register, which two threads can interleave ("duplicate name"): the name
+      is resolved once before the ranks start.
     """
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
@@ -158,10 +169,17 @@ def run_threaded(
     stopped: list[int] = []
     store = dist.HashStore()
 
+    # Patched config is thread-local: each rank thread applies the world's limits.
+    limits = {
+        "recompile_limit": torch._dynamo.config.recompile_limit * world_size,
+        "accumulated_recompile_limit": torch._dynamo.config.accumulated_recompile_limit * world_size,
+    }
+
     def rank_main(rank: int) -> None:
         dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
         try:
-            results[rank] = fn(rank, *args)
+            with torch._dynamo.config.patch(limits):
+                results[rank] = fn(rank, *args)
         except SystemExit:
             # The threaded group ends ranks waiting in a collective with SystemExit
             # once another rank failed: not a failure of this rank's own.
@@ -173,6 +191,7 @@ def run_threaded(
         finally:
             dist.destroy_process_group()
 
+    _resolve_backend_names()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     threaded._install_threaded_pg()
     try:
@@ -198,6 +217,16 @@ def run_threaded(
             what += f" (rank(s) {sorted(stopped)} stopped waiting for them)"
         raise _failure(what, list(failures.queue))
     return [results[rank] for rank in range(world_size)]
+
+
+def _resolve_backend_names() -> None:
+    """Registers ``backend="dtcompile"`` with torch before rank threads look it up (see run_threaded)."""
+    from torch._dynamo.backends import registry
+    from torch._dynamo.exc import InvalidBackend
+
+    if "dtcompile" not in registry._COMPILER_FNS:
+        with contextlib.suppress(InvalidBackend):  # not installed as a package: no name to race on
+            registry.lookup_backend("dtcompile")
 
 
 def wait_for_eager_on_every_rank() -> None:

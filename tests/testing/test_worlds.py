@@ -106,3 +106,46 @@ def test_fake_world_cleans_up_and_refuses_nesting():
             with fake_world(2):
                 pass
     assert not dist.is_initialized()
+
+
+def _tp_mlp(mesh):
+    from dtcompile._testing.models import build_mlp
+
+    # hidden 128: every rank of a 64-rank world holds a (non-empty) column shard.
+    _, model, x = build_mlp(mesh, hidden=128)
+    return model, (x,)
+
+
+@pytest.mark.parametrize("world_size", [16, pytest.param(64, marks=pytest.mark.models)])
+def test_threaded_worlds_over_eight_ranks_match_eager(world_size):
+    """Each rank thread compiles the shared code for its own mesh: the recompile
+    limit is the world's, not one rank's (it failed with FailOnRecompileLimitHit)."""
+    from dtcompile.testing import assert_matches_eager, threaded_world
+
+    torch._dynamo.reset()
+    assert_matches_eager(_tp_mlp, world=threaded_world(world_size))
+
+
+def _compile_by_name(rank: int) -> float:
+    compiled = torch.compile(lambda t: t * 2 + rank, backend="dtcompile", options={"inductor": False})
+    return compiled(torch.ones(1)).item()
+
+
+def test_rank_threads_look_the_backend_up_by_name(monkeypatch):
+    """torch registers a backend name check-then-act: rank threads racing on the
+    first lookup failed with "duplicate name: dtcompile"."""
+    import dynamo_vars
+    from dynamo_vars import _install
+
+    dynamo_vars.uninstall()  # torch forgets the name: the next lookup loads the entry point
+    real_install = _install.install
+
+    def slow_install():  # a first install that takes a while, as it does in a fresh process
+        time.sleep(0.2)
+        return real_install()
+
+    monkeypatch.setattr(dynamo_vars, "install", slow_install)
+    try:
+        assert run_threaded(4, _compile_by_name) == [2.0, 3.0, 4.0, 5.0]
+    finally:
+        torch._dynamo.reset()
