@@ -185,6 +185,8 @@ class DTCompileBackend:
         from torch._functorch import config as functorch_config
 
         config = self.config
+        if not dynamo_vars.is_installed():
+            warnings.warn(f"dtcompile: this graph was traced with dynamo_vars uninstalled: {_STOCK_TRACING}", stacklevel=2)
         if mode is not None or options:
             config, ignored = config_for(config, mode, options, _devices(example_inputs))
             if ignored:
@@ -325,7 +327,22 @@ def backend(**options: Any) -> DTCompileBackend:
     """
     config = DTCompileConfig.from_options(options)
     dynamo_vars.install()
+    dynamo_vars.on_uninstall(_say_backends_trace_stock)
     return DTCompileBackend(config)
+
+
+_STOCK_TRACING = (
+    "Dynamo traces DTensor code with stock support; where stock falls short you get stock errors "
+    "(e.g. 'Failed to convert args/kwargs to proxy' for DTensor factories, or local_map inlined). "
+    "dynamo_vars.install() (or making a backend with dtcompile.backend()) turns dtcompile's back on."
+)
+
+
+def _say_backends_trace_stock() -> None:
+    warnings.warn(
+        f"dynamo_vars.uninstall(): the dtcompile backends made before are on stock Dynamo now: {_STOCK_TRACING}",
+        stacklevel=3,
+    )
 
 
 _named: DTCompileBackend | None = None

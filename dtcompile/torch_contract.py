@@ -80,6 +80,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._dynamo.variables.higher_order_ops", "_call_function_with_auto_output_flattening", None),
     ("torch._dynamo.variables.lazy", "LazyVariableTracker.realize_all", None),
     ("torch._dynamo.variables.base", "ValueMutationNew", None),
+    ("torch._dynamo.utils", "_get_fake_value_impl", ("node", "tx", "allow_non_graph_fake")),
     ("torch._dynamo.variables.tensor", "TensorVariable.call_method", ("self", "tx", "name", "args", "kwargs")),
     ("torch.fx.experimental.symbolic_shapes", "ShapeEnv.ignore_fresh_unbacked_symbols", ("self",)),
     ("torch._dynamo.variables.script_object", "TorchScriptObjectVariable.call_method", ("self", "tx", "name", "args", "kwargs")),

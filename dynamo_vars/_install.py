@@ -17,9 +17,10 @@ reverted here and nowhere else:
    (``GUARD_BUILDERS``: method name -> replacement ``(original) -> method``).
 3. The opaque-type registry of torch: members added to a registered type
    (``OPAQUE_MEMBERS``: type -> {member: MemberType}).
-4. Methods of Dynamo's variable trackers, wrapped, never rewritten: the
-   wrapper adds a context around the original (``VARIABLE_METHODS``:
-   ``(tracker class, method name)`` -> replacement ``(original) -> method``).
+4. Functions and methods of Dynamo, wrapped, never rewritten: the wrapper
+   adds a context around the original call, or words to its error
+   (``WRAPPED``: ``(class or module, name)`` -> replacement
+   ``(original) -> function``).
 
 Outside the torch versions dtcompile is tested on
 (:data:`dtcompile.torch_contract.TESTED_TORCH`) nothing is installed: one
@@ -132,10 +133,10 @@ def _install_locked() -> None:
 
 
     for family in families:
-        for (cls, name), make in getattr(family, "VARIABLE_METHODS", dict)().items():
-            original = cls.__dict__[name]
-            setattr(cls, name, make(original))
-            _undo.append(lambda cls=cls, name=name, original=original: setattr(cls, name, original))
+        for (owner, name), make in getattr(family, "WRAPPED", dict)().items():
+            original = vars(owner)[name]
+            setattr(owner, name, make(original))
+            _undo.append(lambda owner=owner, name=name, original=original: setattr(owner, name, original))
 
 
 def _remove_handler(table: dict[int, Any], key: int, handler: Any) -> None:

@@ -77,7 +77,7 @@ def _flatten_on_the_real_mesh(original: Any) -> Any:
     return call_method
 
 
-def VARIABLE_METHODS() -> dict[tuple[type, str], Callable[[Any], Any]]:
+def WRAPPED() -> dict[tuple[Any, str], Callable[[Any], Any]]:
     from torch._dynamo.variables.script_object import TorchScriptObjectVariable
 
     return {(TorchScriptObjectVariable, "call_method"): _flatten_on_the_real_mesh}

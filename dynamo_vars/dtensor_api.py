@@ -26,6 +26,7 @@ Stock Dynamo traces ``from_local``, ``to_local``, ``redistribute`` and
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -235,10 +236,53 @@ def _is_dtensor(variable: Any) -> bool:
         return False
 
 
-def VARIABLE_METHODS() -> dict[tuple[type, str], Callable[[Any], Any]]:
+def _explain_dtensor_errors(original: Any) -> Any:
+    """Dynamo's fake run of one node: DTensor's errors get what was wrong and the fix."""
+
+    @functools.wraps(original)
+    def get_fake_value(node: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(node, tx, *args, **kwargs)
+        except Exception as e:
+            advice = _two_meshes_advice(node) if "different meshes" in str(e) else None
+            if advice is None:
+                raise
+            raise type(e)(f"{e}\n\ndtcompile: {advice}") from e.__cause__
+
+    return get_fake_value
+
+
+def _two_meshes_advice(node: Any) -> str | None:
+    from torch.distributed.tensor import DTensor
+
+    operands = [
+        (re.sub(r"^l_(.+)_$", r"\1", arg.name), arg.meta["example_value"])
+        for arg in node.all_input_nodes
+        if isinstance(arg.meta.get("example_value"), DTensor)
+    ]
+    meshes = {}
+    for name, value in operands:
+        meshes.setdefault(guards.describe_mesh(value.device_mesh), []).append(name)
+    if len(meshes) < 2:
+        return None
+    listed = "; ".join(f"{', '.join(names)} on {mesh}" for mesh, names in meshes.items())
+    return (
+        f"{node.target.__name__ if callable(node.target) else node.target} takes DTensors on "
+        f"{len(meshes)} meshes ({listed}), and a DTensor op runs on one mesh. Give every operand "
+        "the same mesh: build them on the parent mesh, one placement per axis (Replicate() on an "
+        "axis a tensor is not split over), or move one with DTensor.from_local(x.to_local(), "
+        "mesh, placements) where its local values are what that mesh's placements say."
+    )
+
+
+def WRAPPED() -> dict[tuple[Any, str], Callable[[Any], Any]]:
+    from torch._dynamo import utils
     from torch._dynamo.variables.tensor import TensorVariable
 
-    return {(TensorVariable, "call_method"): _dtensor_method_call}
+    return {
+        (TensorVariable, "call_method"): _dtensor_method_call,
+        (utils, "_get_fake_value_impl"): _explain_dtensor_errors,
+    }
 
 
 def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._dynamo.exc import Unsupported, unimplemented
+from torch._dynamo.exc import TorchRuntimeError, Unsupported, unimplemented
 from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.higher_order_ops import (
     WrapHigherOrderVariable,
@@ -296,6 +296,10 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 "Return new tensors instead of writing into inputs (x = x + 1, not x.add_(1)), and keep "
                 "logging and other Python side effects outside the region.",
             )
+        except TorchRuntimeError as e:
+            if "mixed torch.Tensor and DTensor" not in str(e):
+                raise
+            _refuse_closed_over_dtensor(call.name, "")
         finally:
             for i in call.dtensors:
                 node = call.leaves[i].as_proxy().node
@@ -325,12 +329,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 in_texts.append(placement_of[proxy.node][0])
                 grad_texts.append(placement_of[proxy.node][1])
             elif isinstance(value, DTensor):
-                _refuse(
-                    "local_map region that closes over a DTensor",
-                    f"the region {call.name} uses the DTensor {proxy.node.name} without taking it as an argument, "
-                    "so it has no declared placements and would not be unwrapped to its local shard.",
-                    "Pass it as an argument of the region and give its in_placements.",
-                )
+                _refuse_closed_over_dtensor(call.name, f" {proxy.node.name}")
             else:
                 in_texts.append(None)
                 grad_texts.append(None)
@@ -380,6 +379,17 @@ class LocalMapVariable(WrapHigherOrderVariable):
             hop_node.meta["example_value"] = tuple(wrapped)
             # Named after the region, as its AOT nodes are: reports say "from attention".
             hop_node._rename(spec.name)
+
+
+def _refuse_closed_over_dtensor(region: str, name: str) -> None:
+    _refuse(
+        "local_map region that closes over a DTensor",
+        f"the region {region} uses the DTensor{name} without taking it as an argument, so it has no "
+        "declared placements and is not unwrapped to its local shard: inside the region it meets local "
+        "tensors (DTensor's \"mixed torch.Tensor and DTensor\").",
+        "Pass it as an argument of the region and give its in_placements (for a weight: Replicate() or "
+        "its Shard), or close over its local shard (w.to_local()) if that is what the region means.",
+    )
 
 
 def _first_line(error: Exception) -> str:

@@ -224,3 +224,60 @@ def test_an_untraceable_region_runs_eagerly_behind_a_graph_break(body, capsys):
         torch._dynamo.reset()
         with pytest.raises(torch._dynamo.exc.Unsupported, match=f"local_map {body.__name__}:"):
             _compiled(step)(x)
+
+
+# ---- messages: what was wrong and the fix
+
+
+def test_dtensors_on_two_meshes_name_both_meshes_and_the_fix():
+    with fake_world(4, (2, 2), ("dp", "tp")) as mesh:
+        x = distribute_tensor(torch.ones(4, 4), mesh["dp"], [Shard(0)], src_data_rank=None)
+        y = distribute_tensor(torch.ones(4, 4), mesh["tp"], [Shard(0)], src_data_rank=None)
+        with pytest.raises(Exception) as err:
+            _compiled(lambda a, b: a + b)(x, y)
+    message = str(err.value)
+    assert "dtcompile: add takes DTensors on 2 meshes (a on DeviceMesh((dp=2)); b on DeviceMesh((tp=2)))" in message
+    assert "Give every operand the same mesh" in message
+
+
+def test_a_region_closing_over_a_dtensor_says_to_pass_it_in():
+    with fake_world(2) as mesh:
+        w = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()], src_data_rank=None)
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)], src_data_rank=None)
+
+        def project(t):
+            return t @ w
+
+        region = dtcompile.local_map(project, out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=mesh)
+        with pytest.raises(torch._dynamo.exc.Unsupported) as err:
+            _compiled(lambda d: region(d))(x)
+    message = str(err.value)
+    assert "dtcompile: local_map region that closes over a DTensor" in message
+    assert "the region project uses the DTensor without taking it as an argument" in message
+    assert "Pass it as an argument of the region and give its in_placements" in message
+
+
+def test_a_backend_used_after_uninstall_says_its_dynamo_support_is_off():
+    import dynamo_vars
+
+    backend = dtcompile.backend(inductor=False)
+    with fake_world(2) as mesh:
+
+        def make(m):
+            return dtensor.ones(4, 4, device_mesh=m, placements=[Shard(0)]).to_local() + 1
+
+        def scale(t):
+            return t * 2
+
+        try:
+            with pytest.warns(UserWarning, match="the dtcompile backends made before are on stock Dynamo now"):
+                dynamo_vars.uninstall()
+            torch._dynamo.reset()
+            with pytest.raises(Exception, match="Failed to convert args/kwargs to proxy"):
+                torch.compile(make, backend=backend, fullgraph=True)(mesh)
+            with pytest.warns(UserWarning, match="this graph was traced with dynamo_vars uninstalled"):
+                torch.compile(scale, backend=backend, fullgraph=True)(torch.ones(2))
+        finally:
+            dynamo_vars.install()
+            torch._dynamo.reset()
+        assert torch.compile(make, backend=backend, fullgraph=True)(mesh).eq(2.0).all()
