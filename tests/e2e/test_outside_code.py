@@ -44,10 +44,14 @@ class PNormPartial(Partial):
         powered = super()._reduce_value(tensor.abs().pow(self.p), mesh, mesh_dim)
         return powered.pow(1.0 / self.p)
 
+    def _reduce_shard_value(self, tensor, mesh, mesh_dim, shard_spec):
+        powered = super()._reduce_shard_value(tensor.abs().pow(self.p), mesh, mesh_dim, shard_spec)
+        return powered.pow(1.0 / self.p)
+
 
 def _pnorm_rank(rank: int) -> dict[str, torch.Tensor]:
     mesh = _mesh(2, None, None)
-    x = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]) * (rank + 1)
 
     def from_local_then_full(t):
         return DTensor.from_local(t, mesh, [PNormPartial()], run_check=False).full_tensor()
@@ -55,18 +59,23 @@ def _pnorm_rank(rank: int) -> dict[str, torch.Tensor]:
     def redistribute_input(d):
         return d.redistribute(mesh, [Replicate()]).to_local()
 
+    def reduce_scatter(t):
+        return DTensor.from_local(t, mesh, [PNormPartial()], run_check=False).redistribute(mesh, [Shard(0)]).full_tensor()
+
     # Eager DTensor caches redistribution plans by spec equality: after a
     # Partial('sum') of this shape, it runs the base class's reduction for the
     # subclass too.  The compiled code must not depend on that cache.
     DTensor.from_local(x, mesh, [Partial()], run_check=False).full_tensor()
+    DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(0)])
     return {
+        "reduce_scatter": _compiled(reduce_scatter)(x),
         "from_local": _compiled(from_local_then_full)(x),
         "input": _compiled(redistribute_input)(DTensor.from_local(x, mesh, [PNormPartial()], run_check=False)),
     }
 
 
 def test_a_partial_subclass_reduction_is_its_own_not_the_base_class():
-    reference = (torch.tensor([1.0, 2.0, 3.0]) ** 2 * (1 + 2**2)) ** 0.5
+    reference = (torch.tensor([1.0, 2.0, 3.0, 4.0]) ** 2 * (1 + 2**2)) ** 0.5
     for rank, results in enumerate(run_threaded(2, _pnorm_rank)):
         for how, got in results.items():
             torch.testing.assert_close(got, reference, msg=f"rank {rank}, {how}")
