@@ -53,6 +53,10 @@ _BUCKETABLE = {
 class _Member:
     node: fx.Node
     wait: fx.Node
+    value: Any
+    """The fake value of its input, read before any rewrite: an earlier bucket's
+    rewrite may replace that input with a slice of its own result, which has no
+    fake value until the pass ends."""
     ready: int
     first_use: int
     num_bytes: int
@@ -110,7 +114,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         num_bytes = value.numel() * value.element_size()
         if _BUCKETABLE[node.target] == "all_gather":
             num_bytes *= node.args[1]  # the gathered buffer, as CollectiveInfo counts it
-        member = _Member(node, wait, index[source], first_use_index(wait, index), num_bytes)
+        member = _Member(node, wait, value, index[source], first_use_index(wait, index), num_bytes)
         key = _key(node)
         bucket = open_buckets.get(key)
         if bucket is not None:
@@ -126,11 +130,14 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
             closed.append(bucket)
         open_buckets[key] = _Bucket(key, [member])
     closed += open_buckets.values()
-    order = list(graph.nodes)
     for bucket in closed:
         if len(bucket.members) < 2:
             continue
-        _rewrite(gm, bucket, order[bucket.ready])
+        # The last input as the graph is now: a bucket that reduces the results of
+        # an earlier one (an all-reduce over dp of all-reduces over ep) reads that
+        # bucket's slices, which replaced the waits it was collected after.
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        _rewrite(gm, bucket, max((m.node.args[0] for m in bucket.members), key=order.__getitem__))
         names = ", ".join(m.node.name for m in bucket.members)
         kind = bucket.key[0]
         ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)")
@@ -144,7 +151,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
 def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
     graph = gm.graph
     kind, group, group_size, _, reduce_op = bucket.key
-    values = [m.node.args[0].meta["val"] for m in bucket.members]
+    values = [m.value for m in bucket.members]
     numels = [v.numel() for v in values]
     # New nodes go in order, right after the last input; for the annotations each
     # stands for the bucket's first member (its DTensor op) and names the bucket.
