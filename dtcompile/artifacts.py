@@ -24,7 +24,11 @@ __all__ = ["collective_table", "collectives_json", "emit_artifacts", "format_com
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
     """The collectives of one AOT graph with their estimated times, and totals, and its
-    ``local_map`` regions (as the passes saw them, before lowering inlined them), as JSON data."""
+    ``local_map`` regions (as the passes saw them, before lowering inlined them), as JSON data.
+
+    A data-dependent collective has ``"data_dependent": true``, and its ``shape``
+    and ``bytes`` are the estimates its time was costed from; the totals' ``bytes``
+    leave it out and their ``data_dependent`` counts it."""
     items = []
     for node in record.graph.graph.nodes:
         info = node.meta.get("dtcompile_collective")
@@ -39,6 +43,7 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
                 "shape": list(info.shape),
                 "dtype": str(info.dtype).removeprefix("torch."),
                 "bytes": info.bytes,
+                "data_dependent": info.data_dependent,
                 "estimated_us": round(node.meta.get("dtcompile_cost_us", 0.0), 3),
             }
         )
@@ -71,7 +76,8 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
         "collectives": items,
         "totals": {
             "count": len(items),
-            "bytes": sum(c["bytes"] for c in items),
+            "bytes": sum(c["bytes"] for c in items if not c["data_dependent"]),
+            "data_dependent": sum(c["data_dependent"] for c in items),
             "estimated_us": round(sum(c["estimated_us"] for c in items), 3),
         },
     }
@@ -92,19 +98,24 @@ def emit_artifacts(record: CompiledGraph) -> None:
 
 
 def collective_table(records: list[CompiledGraph]) -> list[str]:
-    lines = [f"{'graph':<14} {'op':<15} {'axis':<6} {'group':>5} {'bytes':>10} {'est. us':>9}"]
+    """One line per collective and a total per graph kind; a data-dependent one's bytes
+    read ``data-dependent`` (see :func:`collectives_json`)."""
+    lines = [f"{'graph':<14} {'op':<15} {'axis':<6} {'group':>5} {'bytes':>14} {'est. us':>9}"]
     totals: dict[str, list[float]] = {}
     for record in records:
         data = collectives_json(record)
         for c in data["collectives"]:
             graph = f"{record.compile_id} {record.kind}"
-            lines.append(f"{graph:<14} {c['op']:<15} {c['axis']:<6} {c['group_size']:>5} {c['bytes']:>10} {c['estimated_us']:>9.1f}")
-        total = totals.setdefault(record.kind, [0, 0, 0.0])
+            num_bytes = "data-dependent" if c["data_dependent"] else c["bytes"]
+            lines.append(f"{graph:<14} {c['op']:<15} {c['axis']:<6} {c['group_size']:>5} {num_bytes:>14} {c['estimated_us']:>9.1f}")
+        total = totals.setdefault(record.kind, [0, 0, 0, 0.0])
         total[0] += data["totals"]["count"]
         total[1] += data["totals"]["bytes"]
-        total[2] += data["totals"]["estimated_us"]
-    for kind, (count, num_bytes, us) in totals.items():
-        lines.append(f"total {kind}: {count} collectives, {num_bytes} B per rank, ~{us:.1f} us")
+        total[2] += data["totals"]["data_dependent"]
+        total[3] += data["totals"]["estimated_us"]
+    for kind, (count, num_bytes, data_dependent, us) in totals.items():
+        unknown = f" and {data_dependent} data-dependent" if data_dependent else ""
+        lines.append(f"total {kind}: {count} collectives, {num_bytes} B per rank{unknown}, ~{us:.1f} us")
     return lines
 
 

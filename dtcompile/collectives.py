@@ -8,6 +8,12 @@ axis it was created for (DeviceMesh names its groups ``mesh_<axis>``).
 Bytes per rank follow the nccl-tests convention: the size of the whole buffer
 the collective moves, i.e. the output of an all-gather, the input of a
 reduce-scatter, all-reduce or all-to-all.
+
+A collective whose sizes depend on data (an ``all_to_all_single`` with split
+sizes read from a tensor, as a MoE's token dispatch and combine are) is
+``data_dependent``: its shape and bytes are estimates
+(:data:`dtcompile.sizes.UNBACKED_HINT` per unknown size) and its text says
+``data-dependent`` where the bytes would be.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from dtcompile.sizes import nbytes_hint, shape_hint
+from dtcompile.sizes import has_unbacked, nbytes_hint, shape_hint
 
 __all__ = ["CollectiveInfo", "axis_name", "collective_info", "graph_collectives", "is_collective", "mesh_axes"]
 
@@ -37,15 +43,20 @@ class CollectiveInfo:
     """The mesh axis (dimension name) of its group, or the group's name."""
     group_size: int
     shape: tuple[int, ...]
-    """Shape of the buffer counted in ``bytes`` (see the module docstring)."""
+    """Shape of the buffer counted in ``bytes`` (see the module docstring); a
+    data-dependent size reads as its estimate."""
     dtype: torch.dtype
     bytes: int
-    """Bytes per rank."""
+    """Bytes per rank; an estimate when ``data_dependent``."""
     group_span: int = 1
     """How many consecutive ranks the group covers (``max - min + 1``): whether it
     fits in one node is what picks the link in the cost model."""
     fused: str = ""
     """``matmul`` when the collective is part of a fused collective-matmul op."""
+    data_dependent: bool = False
+    """Its sizes (split sizes, input or output shape) depend on the data: unbacked
+    symbols, e.g. from ``.tolist()``.  ``shape``, ``bytes`` and the times costed from
+    them are then estimates; passes that need its size leave it alone."""
 
     @property
     def label(self) -> str:
@@ -53,16 +64,19 @@ class CollectiveInfo:
         return f"{self.op}+{self.fused}" if self.fused else self.op
 
     @property
+    def bytes_text(self) -> str:
+        """``192 B``, or ``data-dependent`` (``bytes`` is then an estimate)."""
+        return "data-dependent" if self.data_dependent else f"{self.bytes} B"
+
+    @property
     def short(self) -> str:
         """``all_gather[tp] x4 192 B``: op, mesh axis, group size and bytes per rank."""
-        return f"{self.label}[{self.axis}] x{self.group_size} {self.bytes} B"
+        return f"{self.label}[{self.axis}] x{self.group_size} {self.bytes_text}"
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"{self.label}[{self.axis}, group_size={self.group_size}] "
-            f"{dtype}{list(self.shape)} {self.bytes} B"
-        )
+        shape = "" if self.data_dependent else str(list(self.shape))
+        return f"{self.label}[{self.axis}, group_size={self.group_size}] {dtype}{shape} {self.bytes_text}"
 
 
 # (namespace, op name) -> (kind, index of the group-name argument, whether bytes
@@ -171,6 +185,9 @@ def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> Col
     shape = shape_hint(vals[0]) if len(vals) == 1 else (len(vals),)
     num_bytes = sum(nbytes_hint(v) for v in vals)
     group_size, group_span = _group_size_and_span(group_name)
+    # An all-to-all's split sizes are arguments: unbacked ones make it data-dependent
+    # even when its input's shape is known.
+    sizes = [a.meta.get("val") for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)]
     return CollectiveInfo(
         node=node.name,
         op=kind,
@@ -181,6 +198,7 @@ def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> Col
         bytes=num_bytes,
         group_span=group_span,
         fused="matmul" if opname[0] == "dtcompile" else "",
+        data_dependent=has_unbacked(vals, node.meta.get("val"), sizes),
     )
 
 

@@ -8,6 +8,11 @@ costs, byte counts and reports, so it reads their hints (the sizes of the
 example inputs) through these functions, which never guard; passes that would
 build new ops from a symbolic shape skip that value instead (:func:`is_symbolic`).
 
+A data-dependent size (unbacked: the split sizes of a MoE's token dispatch,
+read from a tensor with ``.tolist()`` under ``capture_scalar_outputs``) has no
+hint: it reads as :data:`UNBACKED_HINT`, an estimate that costs and budgets
+use and reports do not show as a number (:func:`has_unbacked` tells them).
+
 Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
 """
 
@@ -15,10 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["hint", "is_symbolic", "nbytes_hint", "numel_hint", "shape_hint"]
+__all__ = ["UNBACKED_HINT", "has_unbacked", "hint", "is_symbolic", "nbytes_hint", "numel_hint", "shape_hint"]
 
-# The size assumed for a data-dependent (unbacked) size, which has no hint.
 UNBACKED_HINT = 8192
+"""The estimate for each data-dependent (unbacked) size, which has no hint:
+``u0 + u1`` reads as 16384 (torch's ``optimization_hint`` fallback)."""
 
 
 def hint(size: Any) -> int:
@@ -48,3 +54,14 @@ def is_symbolic(value: Any) -> bool:
     import torch
 
     return any(isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None for s in value.shape)
+
+
+def has_unbacked(*values: Any) -> bool:
+    """Whether a size in ``values`` (tensors, sizes, lists of them; anything else is
+    ignored) is data-dependent: an unbacked symbol, which no example input fixes."""
+    import torch
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch.utils import _pytree as pytree
+
+    leaves = [v for v in pytree.tree_leaves(list(values)) if isinstance(v, (torch.Tensor, torch.SymInt))]
+    return bool(free_unbacked_symbols(leaves))

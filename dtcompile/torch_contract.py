@@ -45,6 +45,9 @@ def torch_is_supported(version: str | None = None) -> bool:
 PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     # dtcompile.notation, dynamo_vars.guards
     ("torch._library.fake_class_registry", "FakeScriptObject", None),
+    # dtcompile.sizes: sizes read without guarding
+    ("torch.fx.experimental.symbolic_shapes", "optimization_hint", ("a", "fallback")),
+    ("torch.fx.experimental.symbolic_shapes", "free_unbacked_symbols", ("x",)),
     # dtcompile.sharding_cache
     ("torch._C", "_clear_DTensor_sharding_propagator_cache", None),
     ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", ()),
@@ -101,4 +104,6 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._logging", "trace_structured", ("name", "metadata_fn", "payload_fn")),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a builtin: no signature
     ("torch.distributed._symmetric_memory", "enable_symm_mem_for_group", ("group_name",)),
+    # dtcompile._testing.models: the MoE's token dispatch (differentiable, as torchtitan's)
+    ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
 )

@@ -191,11 +191,21 @@ def divergence(trace: Trace) -> list[str]:
     return problems
 
 
-def _totals(record: CompileRecord) -> tuple[int, int, float]:
+def _totals(record: CompileRecord) -> tuple[int, int, int, float]:
+    """Collectives, their bytes, how many of them are data-dependent (bytes not counted), est. us."""
     count = sum(d["totals"]["count"] for d in record.collectives.values())
     num_bytes = sum(d["totals"]["bytes"] for d in record.collectives.values())
+    # Traces written before dtcompile marked data-dependent collectives have no such key.
+    data_dependent = sum(d["totals"].get("data_dependent", 0) for d in record.collectives.values())
     us = sum(d["totals"]["estimated_us"] for d in record.collectives.values())
-    return count, num_bytes, us
+    return count, num_bytes, data_dependent, us
+
+
+def _shape_and_bytes(collective: dict[str, Any]) -> tuple[str, Any]:
+    """A data-dependent collective's shape and bytes are estimates: no shape, bytes ``data-dependent``."""
+    if collective.get("data_dependent"):
+        return "", "data-dependent"
+    return "x".join(map(str, collective["shape"])), collective["bytes"]
 
 
 _CSS = """
@@ -233,9 +243,13 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
     rows = []
     for rank in ranks:
         records = trace.ranks[rank].compiles.values()
-        count = sum(_totals(r)[0] for r in records)
-        num_bytes = sum(_totals(r)[1] for r in records)
-        us = sum(_totals(r)[2] for r in records)
+        totals = [_totals(r) for r in records]
+        count = sum(t[0] for t in totals)
+        num_bytes: Any = sum(t[1] for t in totals)
+        data_dependent = sum(t[2] for t in totals)
+        us = sum(t[3] for t in totals)
+        if data_dependent:
+            num_bytes = f"{num_bytes} and {data_dependent} data-dependent"
         rows.append([f"rank {rank}", count, num_bytes, f"{us:.1f}"])
     parts.append(_table(["rank", "collectives", "bytes per rank", "estimated us"], rows))
     parts.append("</section>")
@@ -257,7 +271,7 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         for kind, text in record.graphs.items():
             parts.append(f"<h3>{html.escape(kind)} graph</h3><pre>{html.escape(text)}</pre>")
         rows = [
-            [kind, c["op"], c["axis"], c["group_size"], "x".join(map(str, c["shape"])), c["bytes"], f"{c['estimated_us']:.1f}"]
+            [kind, c["op"], c["axis"], c["group_size"], *_shape_and_bytes(c), f"{c['estimated_us']:.1f}"]
             for kind, data in record.collectives.items()
             for c in data["collectives"]
         ]

@@ -18,8 +18,14 @@ After AOTAutograd every functional collective is followed at once by its
 
 The graph computes the same values (only the order of independent nodes
 changes).  Fused collective-matmuls (``async_tp``) are left where they are:
-they overlap inside.  A ``local_map`` region is one node here: its estimate is
-its body's (:func:`dtcompile.simulate.region_timeline`), and one that issues
+they overlap inside.  A data-dependent collective (a MoE's token all-to-all,
+its split sizes read from a tensor) is not moved either, nor compute under it:
+its buffer and its time are only estimates, so neither the budget nor the
+window can be checked; its wait still moves down to its first user.  In the
+bytes in flight that decide whether another collective moves, it counts its
+estimate (:data:`dtcompile.sizes.UNBACKED_HINT` per unknown size).  A
+``local_map`` region is one node here: its estimate is its body's
+(:func:`dtcompile.simulate.region_timeline`), and one that issues
 collectives is not moved, nor compute across it.  :func:`dtcompile.simulate.simulate` estimates what is
 gained; every move, and every move refused, is recorded.
 """
@@ -41,6 +47,7 @@ from dtcompile.simulate import node_time_us
 __all__ = ["reorder_for_overlap"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_DATA_DEPENDENT = "its sizes are data-dependent"
 
 
 def _order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -68,6 +75,9 @@ def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: in
     for node in list(gm.graph.nodes):
         info = infos.get(node)
         if info is None or info.fused:
+            continue
+        if info.data_dependent:
+            ctx.skipped(node.name, f"not issued earlier: {_DATA_DEPENDENT}, so the bytes in flight are unknown")
             continue
         order = _order(gm.graph)
         inputs = node.all_input_nodes
@@ -119,6 +129,9 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions
         info = infos.get(node)
         waits = [u for u in node.users if u.target is _WAIT]
         if info is None or info.fused or len(waits) != 1:
+            continue
+        if info.data_dependent:
+            ctx.skipped(node.name, f"no compute moved under it: {_DATA_DEPENDENT}, so its time is unknown")
             continue
         order = _order(gm.graph)
         wait = waits[0]
