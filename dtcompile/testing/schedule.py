@@ -30,6 +30,8 @@ class ScheduledCollective(CollectiveInfo):
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.data_dependent:  # its shape and bytes are estimates: not part of the text
+            return f"{self.label:<21} {self.axis:<6} x{self.group_size:<4} {dtype}  data-dependent"
         shape = ", ".join(map(str, self.shape))
         return f"{self.label:<21} {self.axis:<6} x{self.group_size:<4} {dtype}[{shape}]  {self.bytes} B"
 
@@ -50,7 +52,10 @@ class CollectiveSchedule:
             lines.append(f"{kind} {graph}:" + ("" if items else " (no collectives)"))
             lines += [f"  {c}" for c in items]
         for kind, items in (("forward", self.forward), ("backward", self.backward)):
-            lines.append(f"{kind} total: {len(items)} collectives, {sum(c.bytes for c in items)} B per rank")
+            known = sum(c.bytes for c in items if not c.data_dependent)
+            unknown = sum(c.data_dependent for c in items)
+            more = f" and {unknown} data-dependent" if unknown else ""
+            lines.append(f"{kind} total: {len(items)} collectives, {known} B per rank{more}")
         return "\n".join(lines)
 
 

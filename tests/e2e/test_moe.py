@@ -185,3 +185,25 @@ total backward: 3 collectives, 160 B per rank and 2 data-dependent, ~22.9 us""")
     page = report_tool.render_html(report_tool.Trace({0: compiles}))
     assert page.count("<td>data-dependent</td>") == 4
     assert "<td>192 and 4 data-dependent</td>" in page  # bytes per rank per step
+
+
+def test_moe_schedule_text_says_data_dependent_not_an_estimate():
+    from dtcompile.testing.schedule import CollectiveSchedule, ScheduledCollective, _fields
+
+    records = run_threaded(2, _rank_records)[0]
+    items = {
+        kind: tuple(ScheduledCollective(**_fields(c), graph="0/0") for r in records if r.kind == kind for c in r.collectives)
+        for kind in ("forward", "backward")
+    }
+    schedule = CollectiveSchedule(items["forward"], items["backward"], (("forward", "0/0"), ("backward", "0/0")))
+    assert_expected_inline(str(schedule), """\
+forward 0/0:
+  all_to_all            ep     x2    int64[4]  32 B
+  all_to_all            ep     x2    float32  data-dependent
+  all_to_all            ep     x2    float32  data-dependent
+backward 0/0:
+  all_to_all            ep     x2    float32  data-dependent
+  all_to_all            ep     x2    float32  data-dependent
+  all_reduce            ep     x2    float32[40]  160 B
+forward total: 3 collectives, 32 B per rank and 2 data-dependent
+backward total: 3 collectives, 160 B per rank and 2 data-dependent""")
