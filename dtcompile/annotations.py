@@ -85,6 +85,9 @@ class DynamoGraphInfo:
     region_calls: dict[int, str] = field(default_factory=dict)
     """A forward ``local_map`` region's call id -> its Dynamo node (its backward region has the same id)."""
     communication: dict[str, list[Communication]] = field(default_factory=lambda: defaultdict(list))
+    uneven: tuple[str, ...] = ()
+    """DTensors sharded unevenly (or over a symbolic size): ranks hold shards of other
+    shapes, so their AOT graphs can differ (padding on some ranks, empty shards)."""
 
     def format(self) -> str:
         """The annotated Dynamo graph, one line per DTensor node, with what it communicates."""
@@ -146,7 +149,12 @@ def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, s
 
     info = DynamoGraphInfo(compile_id, axes, profile)
     meshes: dict[str, None] = {}  # reprs, in order of appearance
+    uneven: list[str] = []
     for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("example_value")):
+            why = uneven_sharding(value) if isinstance(value, DTensor) else None
+            if why is not None:
+                uneven.append(f"{node.name} ({why})")
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         value = node.meta.get("example_value")
@@ -162,7 +170,29 @@ def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, s
         info.nodes[node.name] = NodePlacement(node.name, _target_name(node), args, output, repr(real_object(dtensors[0].device_mesh)))
     info.meshes = tuple(meshes)
     info.node_names = frozenset(node.name for node in gm.graph.nodes)
+    info.uneven = tuple(uneven)
     return info
+
+
+def uneven_sharding(dtensor: Any) -> str | None:
+    """Why ``dtensor``'s ranks may hold shards of different shapes, or ``None`` if every rank's
+    shard has one shape: each sharded dim a multiple of the ranks (and split factor) over it."""
+    import torch
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = real_object(dtensor.device_mesh)
+    ways: dict[int, int] = {}
+    for axis, placement in enumerate(dtensor.placements):
+        if placement.is_shard() or isinstance(placement, _StridedShard):
+            factor = getattr(placement, "split_factor", 1)
+            ways[placement.dim] = ways.get(placement.dim, 1) * mesh.size(axis) * int(factor)
+    for dim, n in ways.items():
+        size = dtensor.shape[dim]
+        if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
+            return f"dim {dim} of symbolic size over {n} shards"
+        if int(size) % n:
+            return f"dim {dim} of size {int(size)} over {n} shards"
+    return None
 
 
 def _source_node(node: fx.Node, info: DynamoGraphInfo, known: dict[fx.Node, str]) -> str | None:

@@ -43,7 +43,7 @@ from dtcompile.passes.async_tp import fuse_async_tp
 from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.overlap import reorder_for_overlap
-from dtcompile.records import PassRecord
+from dtcompile.records import Outcome, PassRecord
 
 __all__ = ["PASSES", "GraphPass", "PassContext", "run_passes"]
 
@@ -56,15 +56,37 @@ PassFn = Callable[[fx.GraphModule, Sequence[Any], PassContext], fx.GraphModule]
 class GraphPass:
     name: str
     fn: PassFn
+    changes_collectives: bool = False
+    """Whether it merges, fuses or reorders collectives: every rank must decide the same."""
 
 
 # Rewrites first, then ``annotate``: it describes the graph that is lowered.
 PASSES: tuple[GraphPass, ...] = (
-    GraphPass("async_tp", fuse_async_tp),
-    GraphPass("bucketing", bucket_collectives),
-    GraphPass("overlap", reorder_for_overlap),
+    GraphPass("async_tp", fuse_async_tp, changes_collectives=True),
+    GraphPass("bucketing", bucket_collectives, changes_collectives=True),
+    GraphPass("overlap", reorder_for_overlap, changes_collectives=True),
     GraphPass("annotate", annotate),
 )
+
+
+def _rank_dependent(ctx: PassContext) -> Outcome | None:
+    """Why a pass that changes collectives must not run on this graph, or ``None``.
+
+    Each rank runs the passes on its own AOT graph.  When a DTensor is sharded
+    unevenly, ranks hold shards of other shapes and their graphs differ (padding
+    on some ranks, an empty shard on another): a decision made from one rank's
+    graph (what to bucket, where a collective goes, by its bytes and position)
+    can differ on another, and then the ranks issue different collectives and
+    wait for each other forever.  Such graphs keep the collectives DTensor chose.
+    """
+    if not ctx.info.uneven:
+        return None
+    more = f" and {len(ctx.info.uneven) - 1} more" if len(ctx.info.uneven) > 1 else ""
+    return Outcome.skipped(
+        "graph",
+        f"not run: sharded unevenly: {ctx.info.uneven[0]}{more}; the ranks' graphs can differ, and a "
+        "decision each rank made from its own could have them issue different collectives",
+    )
 
 
 def _num_collectives(gm: fx.GraphModule) -> int:
@@ -95,6 +117,11 @@ def run_passes(
         if graph_pass.name in ctx.config.disable_passes:
             log.debug("%s: pass %s switched off", ctx.kind, graph_pass.name)
             records.append(PassRecord(graph_pass.name, False, nodes, nodes, collectives, collectives))
+            continue
+        refused = _rank_dependent(ctx) if graph_pass.changes_collectives else None
+        if refused is not None:
+            log.info("%s: %s: %s", ctx.kind, graph_pass.name, refused)
+            records.append(PassRecord(graph_pass.name, True, nodes, nodes, collectives, collectives, (refused,)))
             continue
         if ctx.config.trace_pass_graphs:
             _trace_graph(ctx, "before", graph_pass.name, gm)

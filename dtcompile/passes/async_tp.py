@@ -70,7 +70,7 @@ def _skip_full_slice(node: fx.Node) -> fx.Node:
     (DTensor's unpadding of even shards) and ``clone(x)`` (a contiguous copy)."""
     while len(node.users) == 1:
         (user,) = node.users
-        if user.op != "call_function" or "val" not in user.meta:
+        if user.target not in (aten.slice.Tensor, aten.clone.default) or "val" not in user.meta:
             break
         same_shape = user.meta["val"].shape == node.meta["val"].shape
         if same_shape and (user.target is aten.slice.Tensor or (user.target is aten.clone.default and user.args[0] is node)):
