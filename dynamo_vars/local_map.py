@@ -192,6 +192,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 "Drop check_placements once the region is checked, or check it in an eager test run.",
             )
         call.spec = call.checked_spec("local_map arguments that do not match its placements", None)
+        self._copy_repeated_arguments(tx, call)
         placement_of = self._redistribute_inputs(tx, call)
         p_args, example_value, body_r, output_vts = self._trace_body(tx, call, kwargs)
         operands = list(p_args[1:])
@@ -306,6 +307,20 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 node.meta["example_value"] = saved[node]
                 call.leaves[i].synchronize_attributes(tx)
         return p_args, example_value, body_r, output_vts
+
+    @staticmethod
+    def _copy_repeated_arguments(tx: Any, call: _Call) -> None:
+        """A tensor given to the region twice (``region(x, x)``) is copied for its second
+        place: a HOP's operands must not alias each other.  Same values, one copy more."""
+        seen = set()
+        for i, (leaf, value) in enumerate(zip(call.leaves, call.values)):
+            if not isinstance(value, torch.Tensor):
+                continue
+            node = leaf.as_proxy().node
+            if node in seen:
+                call.leaves[i] = leaf.call_method(tx, "clone", [], {})
+                call.values[i] = call.leaves[i].as_proxy().node.meta["example_value"]
+            seen.add(node)
 
     @staticmethod
     def _final_spec(

@@ -290,3 +290,33 @@ def test_a_backend_used_after_uninstall_says_its_dynamo_support_is_off():
             dynamo_vars.install()
             torch._dynamo.reset()
         assert torch.compile(make, backend=backend, fullgraph=True)(mesh).eq(2.0).all()
+
+
+# ---- a region given one tensor twice (found by the fuzzer)
+
+
+def _twice_rank(rank: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    mesh = _mesh(2, None, None)
+
+    def mul_add(a, b):
+        return a * b + a
+
+    region = dtcompile.local_map(mul_add, out_placements=[Shard(0)], in_placements=([Shard(0)], [Shard(0)]), device_mesh=mesh)
+
+    def step(fn):
+        x = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)]).requires_grad_()
+        out = fn(x)
+        out.sum().backward()
+        return out.full_tensor(), x.grad.full_tensor()
+
+    return step(lambda x: region(x, x)), step(_compiled(lambda x: region(x, x)))
+
+
+def test_a_region_given_one_tensor_twice():
+    """HOP operands must not alias: the second place gets a copy (it was a graph break)."""
+    x = torch.arange(12.0).reshape(4, 3)
+    for eager, compiled in run_threaded(2, _twice_rank):
+        torch.testing.assert_close(eager[0], x * x + x)
+        torch.testing.assert_close(eager[1], 2 * x + 1)
+        for got, want in zip(compiled, eager):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
