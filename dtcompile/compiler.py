@@ -121,7 +121,7 @@ def _split_constant_outputs(gm: fx.GraphModule) -> dict[int, Any]:
     of a DTensor built by a factory) is a constant in the graph's output tuple.
     AOTAutograd traces with fake objects and would return its fake
     (``FakeScriptObject``) in the real one's place; the graph returns ``None``
-    there instead and :func:`_with_constant_outputs` puts the real object back.
+    there instead and :func:`_with_outputs_put_back` puts the real object back.
     """
     (output,) = (node for node in gm.graph.nodes if node.op == "output")
     values = output.args[0]
@@ -134,27 +134,87 @@ def _split_constant_outputs(gm: fx.GraphModule) -> dict[int, Any]:
     return constants
 
 
-def _with_constant_outputs(compiled: Callable[..., Any], constants: dict[int, Any]) -> Callable[..., Any]:
-    """``compiled`` with the constants :func:`_split_constant_outputs` took out back in place."""
-    if not constants:
+def _split_input_views(gm: fx.GraphModule) -> dict[int, tuple[tuple[int, ...], fx.GraphModule]]:
+    """Takes the outputs that are views of a DTensor input out of a Dynamo graph.
+
+    AOTAutograd regenerates an output that aliases an input from the input at
+    run time, with ``as_strided`` for a DTensor, which DTensor refuses ("as_strided
+    not supported with DTensor") or, on a degenerate shard, gets the placement
+    wrong.  Such an output is instead computed at run time by its own view ops on
+    the real input (eager's view, eager's placement, eager's aliasing): returns
+    output index -> (the placeholders it reads, a graph of its view chain).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    storages = {}
+    for node in placeholders:
+        value = node.meta.get("example_value")
+        if isinstance(value, DTensor):
+            storages[StorageWeakRef(value._local_tensor.untyped_storage())] = node
+    (output,) = (node for node in gm.graph.nodes if node.op == "output")
+    values = output.args[0]
+    if not storages or not isinstance(values, (tuple, list)):
+        return {}
+    views = {}
+    for i, node in enumerate(values):
+        value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+        if node is None or node.op == "placeholder" or not isinstance(value, DTensor):
+            continue
+        if StorageWeakRef(value._local_tensor.untyped_storage()) not in storages:
+            continue
+        views[i] = _view_chain(gm, node, placeholders)
+    if views:
+        output.args = (type(values)(None if i in views else v for i, v in enumerate(values)),)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return views
+
+
+def _view_chain(gm: fx.GraphModule, out: fx.Node, placeholders: list[fx.Node]) -> tuple[tuple[int, ...], fx.GraphModule]:
+    needed, stack = set(), [out]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph, env = fx.Graph(), {}
+    reads = []
+    for node in gm.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            reads.append(placeholders.index(node))
+            env[node] = graph.placeholder(node.name)
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[out])
+    return tuple(reads), fx.GraphModule(gm, graph)
+
+
+def _with_outputs_put_back(
+    compiled: Callable[..., Any],
+    constants: dict[int, Any],
+    views: dict[int, tuple[tuple[int, ...], fx.GraphModule]],
+) -> Callable[..., Any]:
+    """``compiled`` with the outputs :func:`_split_constant_outputs` and
+    :func:`_split_input_views` took out back in place."""
+    if not constants and not views:
         return compiled
 
-    def put_back(outputs: Sequence[Any]) -> list[Any]:
+    def put_back(made: dict[int, Any], outputs: Sequence[Any]) -> list[Any]:
         outputs = list(outputs)
-        for i, value in constants.items():
+        for i, value in [*constants.items(), *made.items()]:
             outputs[i] = value
         return outputs
 
-    if getattr(compiled, "_boxed_call", False):
-
-        def run_boxed(args: list[Any]) -> list[Any]:
-            return put_back(compiled(args))
-
-        run_boxed._boxed_call = True  # type: ignore[attr-defined]
-        return run_boxed
-
+    # Dynamo calls a backend's result with the graph's inputs as positional
+    # arguments (AOTAutograd's result carries a ``_boxed_call`` flag it copied
+    # from an inner function; Dynamo does not read it).
     def run(*args: Any) -> list[Any]:
-        return put_back(compiled(*args))
+        made = {i: chain(*(args[j] for j in reads)) for i, (reads, chain) in views.items()}
+        return put_back(made, compiled(*args))
 
     return run
 
@@ -199,6 +259,7 @@ class DTCompileBackend:
             get_profile(config.cost_profile),
         )
         constants = _split_constant_outputs(gm)
+        views = _split_input_views(gm)
         # The AOTAutograd cache keys on the Dynamo graph and global configs, not on
         # this backend's options and passes: a hit could return a graph compiled
         # without them.  Inductor's per-graph FX cache (keyed on the graph after
@@ -220,7 +281,7 @@ class DTCompileBackend:
                 )
             else:
                 compiled = self._aot_without_inductor(gm, example_inputs, info, config)
-        return _with_constant_outputs(compiled, constants)
+        return _with_outputs_put_back(compiled, constants, views)
 
     def _inductor_inner_compile(
         self,

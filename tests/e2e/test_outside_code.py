@@ -320,3 +320,35 @@ def test_a_region_given_one_tensor_twice():
         torch.testing.assert_close(eager[1], 2 * x + 1)
         for got, want in zip(compiled, eager):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---- an output that is a view of a DTensor input (found by the fuzzer)
+
+
+def _views_rank(rank: int) -> list[tuple]:
+    mesh = _mesh(2, None, None)
+
+    def views(x, y):
+        return x.unsqueeze(0), y.permute(1, 0), x[1:].view(5, 1), x * 2
+
+    def run(fn):
+        x = distribute_tensor(torch.arange(6.0), mesh, [Replicate()]).requires_grad_()
+        y = DTensor.from_local(torch.ones(1, 1) * (rank + 1), mesh, [_StridedShard(0, split_factor=2)], run_check=False)
+        outs = fn(x, y)
+        sum(o.to_local().sum() for o in outs if o.requires_grad).backward()
+        aliases = [o._local_tensor.untyped_storage().data_ptr() in (x._local_tensor.untyped_storage().data_ptr(), y._local_tensor.untyped_storage().data_ptr()) for o in outs]
+        return [(o.placements, o.shape, o.to_local()) for o in outs], aliases, x.grad.to_local()
+
+    return [run(views), run(_compiled(views))]
+
+
+def test_outputs_that_are_views_of_dtensor_inputs_are_eager_views():
+    """AOTAutograd regenerates such an output with as_strided, which DTensor refuses
+    (or, on an empty _StridedShard, got the placement wrong); the view ops now run
+    on the real input after the compiled call, as eager runs them."""
+    for eager, compiled in run_threaded(2, _views_rank):
+        assert eager[1] == compiled[1] == [True, True, True, False]
+        for (e_placements, e_shape, e_value), (c_placements, c_shape, c_value) in zip(eager[0], compiled[0]):
+            assert (c_placements, c_shape) == (e_placements, e_shape)
+            torch.testing.assert_close(c_value, e_value, rtol=0, atol=0)
+        torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=0)
