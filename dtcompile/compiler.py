@@ -110,6 +110,34 @@ def config_for(
     return config.replace(**own, inductor_config=merged), ignored
 
 
+def _partitioner(info: DynamoGraphInfo) -> Callable[..., Any]:
+    """Inductor's min-cut partitioner, or, where ranks' graphs can differ (uneven
+    shards, ``info.uneven``), the default one: min-cut decides what to recompute
+    from each rank's own graph, and a rank that recomputes a collective the
+    others saved waits for them forever (found by the fuzzer)."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    if info.uneven:
+        return default_partition
+    return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+
+def _default_partitioner() -> Any:
+    """The default partitioner as Inductor's ``custom_partitioner_fn`` (see :func:`_partitioner`)."""
+    from torch._functorch.partitioners import default_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class DefaultPartition(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+            kwargs.pop("compiler", None)
+            return default_partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> str:
+            return "dtcompile.default_partition"
+
+    return DefaultPartition()
+
+
 def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
     return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
 
@@ -273,11 +301,14 @@ class DTCompileBackend:
             if config.inductor:
                 from torch._inductor.compile_fx import compile_fx
 
+                patches = dict(config.inductor_config)
+                if info.uneven:  # see _partitioner
+                    patches["custom_partitioner_fn"] = _default_partitioner()
                 compiled = compile_fx(
                     gm,
                     example_inputs,
                     inner_compile=functools.partial(self._inductor_inner_compile, info, config),
-                    config_patches=dict(config.inductor_config) or None,
+                    config_patches=patches or None,
                 )
             else:
                 compiled = self._aot_without_inductor(gm, example_inputs, info, config)
@@ -313,7 +344,6 @@ class DTCompileBackend:
         config: DTCompileConfig,
     ) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._inductor.compile_fx import select_decomp_table
 
         def compiler(kind: str) -> Callable[..., Any]:
@@ -329,7 +359,7 @@ class DTCompileBackend:
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=select_decomp_table(),
-            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+            partition_fn=_partitioner(info),
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 

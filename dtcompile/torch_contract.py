@@ -97,6 +97,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._inductor.compile_fx", "compile_fx", ("model_", "example_inputs_", "inner_compile", "config_patches")),
     ("torch._inductor.compile_fx", "compile_fx_inner", ("gm", "example_inputs")),
     ("torch._inductor.compile_fx", "select_decomp_table", ()),
+    ("torch._inductor.custom_graph_pass", "CustomPartitionerFn", None),
+    ("torch._inductor.config", "custom_partitioner_fn", None),
     ("torch._functorch.partitioners", "min_cut_rematerialization_partition", ("joint_module", "_joint_inputs", "compiler")),
     ("torch._functorch.aot_autograd", "make_boxed_func", ("f",)),
     ("torch._functorch.config", "enable_autograd_cache", None),
