@@ -8,13 +8,23 @@ runs real gloo ranks and gets the ``gloo`` marker; one whose id says
 ``inductor`` lowers with Inductor and gets ``inductor``; tests that start a
 fresh interpreter carry ``subprocess`` themselves, and those that compile a
 whole shared model on threaded ranks (or pin one whole) ``models``.  The fast
-tier is ``pytest -m "not gloo and not inductor and not subprocess and not models"``.
+tier is ``pytest -m "not gloo and not inductor and not subprocess and not models and not fuzz"``
+(``fuzz``: the differential fuzzer's batch, tests/fuzz; ``--fuzz-examples N`` and
+``--fuzz-seed S`` run it longer or elsewhere).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+
+def pytest_addoption(parser):
+    # Here, not in tests/fuzz/conftest.py: pytest reads options only from the
+    # conftests it loads at startup, and `pytest tests --fuzz-examples N` would not.
+    group = parser.getgroup("dtcompile fuzzer (tests/fuzz)")
+    group.addoption("--fuzz-examples", type=int, default=None, help="programs the fuzzer runs (default 500, the CI budget)")
+    group.addoption("--fuzz-seed", type=int, default=None, help="the fuzzer's seed (default: the fixed CI seed)")
 
 
 def pytest_collection_modifyitems(items):

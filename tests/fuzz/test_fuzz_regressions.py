@@ -1,0 +1,149 @@
+"""The fuzzer's finds, shrunk and pinned: each program must run compiled as it runs eagerly.
+
+Every test runs one shrunk program on threaded ranks, eager then compiled with
+dtcompile (``inductor=False``, ``fullgraph=True``), and asserts the verdict is
+``ok`` (see ``fuzz_check``).  A bug not yet fixed is ``xfail(strict=True,
+raises=AssertionError)`` with whose it is and what happens, and its program
+must fail the way it was found (``fails_as``), not some other way.  When a fix
+makes one XPASS, drop its xfail and its entry in ``fuzz_known.KNOWN``.
+
+Evidence for each find: ``fuzz_known.diagnose`` (which part of the compiler it
+goes away without), the same program on 2 gloo processes
+(``fuzz_world.run_on_gloo``), and for an eager bug, plain torch on the full
+tensors.  Most finds were one family: when ranks hold local shards of
+different shapes (an uneven ``Shard`` or ``_StridedShard``: one rank's shard
+padded, another's empty), their graphs differ, and a decision made per rank
+from its own graph -- which collectives to bucket, where to move them, what the
+min-cut partitioner recomputes -- differed too; then the ranks issued
+different collectives and waited for each other forever (on gloo as on threads).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fuzz_known import check_program
+from fuzz_programs import Input, program_from_text
+
+
+def _passes(mesh: str, inputs: list[Input], text: str, *, fails_as: str = "") -> None:
+    """The program runs compiled as eagerly; while its bug stands, the assertion fails,
+    and a failure other than ``fails_as`` (a regular expression for the verdict's
+    signature) is an error that no xfail hides (they expect an AssertionError)."""
+    verdict = check_program(program_from_text(mesh, inputs, text))
+    if verdict.kind != "ok" and not re.search(fails_as, verdict.signature):
+        raise RuntimeError(f"fails otherwise than pinned ({fails_as!r}): {verdict.signature}\n{verdict.detail[-3000:]}")
+    assert verdict.kind == "ok", f"{verdict.signature}\n{verdict.detail[-3000:]}"
+
+
+def test_linear_of_an_uneven_shard_with_itself():
+    """Was a hang (3bcdd39): rank 0 (a 1x3 shard) bucketed the all-gathers of x0 and
+    x0.T into one, rank 1 (an empty shard, padded first) did not."""
+    _passes("1d2", [Input("x0", (1, 3), ("Shard(0)",), False, 1606)], """
+t0 = torch.nn.functional.linear(x0, x0)
+return t0
+""", fails_as="^hang")
+
+
+def test_cat_of_a_dim_sharded_on_both_axes():
+    """Was a hang (3bcdd39): bucketing differed between the ranks of a 2x2 mesh."""
+    _passes("2d", [Input("x1", (4, 2), ("Shard(1)", "Shard(1)"), False, 30)], """
+t1 = torch.cat([x1, x1], 1)
+return t1
+""", fails_as="^hang")
+
+
+def test_collectives_of_an_unused_value_moved_per_rank():
+    """Was a hang (3bcdd39): ``t0`` is not returned but its collectives stay; overlap
+    moved them by their estimated cost, which differed between the rank with a
+    1-element shard of dim 1 and the rank with an empty one."""
+    _passes("1d2", [
+        Input("x0", (2, 1, 1), ("Shard(1)",), False, 4763),
+        Input("x1", (2, 1, 1), ("Partial()",), False, 3016),
+        Input("x2", (6, 3, 5), ("Partial()",), False, 1331),
+    ], """
+t0 = torch.maximum(x1, x0)
+t1 = torch.maximum(x2, x2)
+return t1
+""", fails_as="^hang")
+
+
+def test_matmul_of_a_strided_shard_with_its_transpose():
+    """Was a hang (3bcdd39): _StridedShard(2, split_factor=2) of a dim of 2 over 2 ranks
+    gives rank 0 the whole dim and rank 1 nothing; bucketing with overlap differed."""
+    _passes("1d2", [Input("x0", (6, 5, 2), ("_StridedShard(2, split_factor=2)",), False, 3551)], """
+t0 = x0.transpose(-1, -2) @ x0
+return t0
+""", fails_as="^hang")
+
+
+def test_gather_along_a_dim_then_split():
+    """Was BackendCompilerFailed (3bcdd39): async_tp's _skip_full_slice read
+    ``.shape`` of a split's value, a list."""
+    _passes("1d2", [Input("x0", (6, 4, 5), ("Replicate()",), False, 7564)], """
+t0 = x0.redistribute(mesh, [Shard(1)])
+t1 = t0.redistribute(mesh, [Shard(2)])
+return t1
+""", fails_as="'list' object has no attribute 'shape'")
+
+
+def test_local_map_region_given_one_tensor_twice():
+    """Was a graph break under fullgraph=True (8ee0a10): region operands must not alias."""
+    _passes("1d2", [Input("x0", (4, 3), ("Shard(0)",), False, 0)], """
+@dtcompile.local_map(out_placements=[Shard(0)], in_placements=([Shard(0)], [Shard(0)]))
+def region_twice(a, b):
+    return a * b + 1.0
+
+t0 = region_twice(x0, x0)
+return t0
+""", fails_as="^graph_break: Unsupported: dtcompile: local_map region")
+
+
+def test_view_of_an_input_returned():
+    """Was stock torch's (8cf4b6e works around it): AOTAutograd regenerates an output
+    that views an input with as_strided, which DTensor refuses (also with aot_eager,
+    also without dtcompile's Dynamo support)."""
+    _passes("1d2", [Input("x0", (6,), ("Replicate()",), False, 1302)], """
+t0 = x0.unsqueeze(0)
+return t0
+""", fails_as="as_strided not supported with DTensor")
+
+
+def test_permute_of_a_strided_shard():
+    """Was stock torch's (8cf4b6e works around it): the compiled permute of a
+    _StridedShard(0) input said _StridedShard(0), eager (rightly) _StridedShard(1)."""
+    _passes("1d2", [Input("x1", (1, 1), ("_StridedShard(0, split_factor=2)",), False, 376)], """
+t3 = x1.permute(1, 0)
+return t3
+""", fails_as="^mismatch: output placements")
+
+
+def test_backward_through_an_uneven_strided_shard():
+    """Was a hang (794a394): with Inductor's decompositions, the min-cut partitioner
+    gave the rank holding an empty _StridedShard one all-gather more (stock torch's
+    partitioner, as Inductor uses it; fine with either alone)."""
+    _passes("1d2", [Input("x0", (3, 5, 2), ("_StridedShard(2, split_factor=2)",), True, 9998)], """
+t1 = x0.redistribute(mesh, [Shard(1)])
+t2 = x0.sum(2, keepdim=True)
+return t2, t1
+""", fails_as="^hang")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="torch eager DTensor: vector @ matrix and linear(vector, W) have shape (1, n), "
+    "torch's (and compiled code's) is (n,); the fuzzer draws no 1-D DTensor times a matrix",
+)
+def test_eager_vector_times_matrix_shape(fake_world):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = fake_world(2)
+    v, w = torch.randn(2), torch.randn(2, 3)
+    dv, dw = distribute_tensor(v, mesh, [Replicate()]), distribute_tensor(w, mesh, [Replicate()])
+    dw_t = distribute_tensor(w.t().contiguous(), mesh, [Replicate()])
+    assert (dv @ dw).shape == (v @ w).shape == (3,)
+    assert F.linear(dv, dw_t).shape == F.linear(v, w.t()).shape == (3,)
