@@ -88,7 +88,31 @@ class Known:
     """``dtcompile`` (to fix here) or ``torch`` (stock torch, seen through dtcompile)."""
 
 
-KNOWN: tuple[Known, ...] = ()
+KNOWN: tuple[Known, ...] = (
+    Known(
+        "a rank whose share of a gathered result is empty drops the gather as dead code",
+        ("test_empty_share_of_a_gather_dropped_as_dead_code", "test_backward_of_a_strided_shard_gathered_to_one_row"),
+        r"^hang",
+        culprits=("dtcompile backend",),
+    ),
+    Known(
+        "local_map: the copy of a Partial('avg') tensor given twice",
+        ("test_local_map_region_given_a_partial_avg_tensor_twice",),
+        r"RuntimeError when making fake tensor call",
+        culprits=("Dynamo",),
+    ),
+    Known(
+        "DTensor random factories compiled on a CPU mesh, where eager refuses",
+        ("test_random_factory_on_a_cpu_mesh",),
+        r"^compiled_accepts: AssertionError",
+    ),
+    Known(
+        "narrow of a sharded dim returned: AOTAutograd's as_strided on a DTensor",
+        ("test_narrow_of_a_sharded_dim_returned",),
+        r"as_strided not supported with DTensor",
+        owner="torch",
+    ),
+)
 
 
 def known_bug(program: Program, verdict: Verdict, culprit: Callable[[], str]) -> Known | None:

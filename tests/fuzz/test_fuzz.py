@@ -59,7 +59,7 @@ pytestmark = pytest.mark.fuzz
 CI_EXAMPLES = 500
 CI_SEED = 20261122
 # The share of programs per mesh: 2-rank programs compile twice, 4-rank ones four times.
-MESH_SHARES = {"1d2": 0.60, "1d4": 0.10, "2d": 0.30}
+MESH_SHARES = {"1d2": 0.65, "1d4": 0.10, "2d": 0.25}
 # Distinct failures shrunk per run (each shrink re-runs the program up to a few dozen times).
 MAX_SHRUNK = 6
 
