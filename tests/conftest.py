@@ -33,6 +33,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.gloo)
         if "inductor" in item.nodeid.split("::", 1)[-1]:
             item.add_marker(pytest.mark.inductor)
+    # The fuzzer's tests run last: they keep threaded worlds alive across many
+    # programs and tear down hung ones, and a later test must not start from
+    # whatever a torn-down world left behind.
+    items[:] = sorted(items, key=lambda item: item.nodeid.startswith("tests/fuzz/"))
 
 
 @pytest.fixture(autouse=True)
