@@ -18,7 +18,9 @@ rank 0 empties Dynamo's caches.
 
 What comes back per rank is plain data: each output's kind, placements,
 global shape and this rank's local tensor, the loss, the inputs' gradients,
-and the error text where a side raised.
+and the error text where a side raised.  :func:`run_on_gloo` runs one program
+the same way on real ranks (gloo processes): the ground truth when a failure
+could be the threaded group's.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ import torch
 import torch.distributed as dist
 from fuzz_programs import MESHES, Program, make_input, namespace, placements_text
 
+from dtcompile.sharding_cache import clear_sharding_caches
 from dtcompile.testing.asserts import per_rank
 from dtcompile.testing.worlds import RankFailure, _mesh, run_gloo, run_threaded
 
 __all__ = ["ProgramRun", "RankRun", "Side", "Stuck", "Value", "default_backend", "error_summary", "run_on_gloo", "run_programs"]
 
 _LOADS = itertools.count()
-
 
 # Every this many programs Dynamo's caches are emptied (all ranks at a barrier).
 _RESET_EVERY = 50
@@ -224,8 +226,10 @@ class _Meet:
 
 
 class _Shared:
-    def __init__(self, world_size: int, barrier_timeout: float) -> None:
+    def __init__(self, world_size: int, barrier_timeout: float, on_progress: Callable[[int], None] | None = None) -> None:
         self.meet = _Meet(world_size)
+        self.on_progress = on_progress
+        """Called by rank 0 with how many programs of the batch are done, every few programs."""
         self.timeout = barrier_timeout
         self.results: dict[int, dict[int, RankRun]] = {}
         self.seconds: dict[int, float] = {}
@@ -287,6 +291,14 @@ def _run_program(rank: int, index: int, program: Program, mesh: Any, backend: An
 
 
 def _rank_loop(rank: int, world_size: int, programs: Sequence[Program], start: int, shared: _Shared, make_backend: Callable[[], Any]) -> None:
+    try:
+        _walk(rank, world_size, programs, start, shared, make_backend)
+    finally:
+        # Sharding decisions cached on this world's meshes must not answer for the next world's.
+        clear_sharding_caches()
+
+
+def _walk(rank: int, world_size: int, programs: Sequence[Program], start: int, shared: _Shared, make_backend: Callable[[], Any]) -> None:
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
     meshes = {kind: _mesh(ws, shape, names) for kind, (ws, shape, names) in MESHES.items() if ws == world_size}
@@ -305,6 +317,8 @@ def _rank_loop(rank: int, world_size: int, programs: Sequence[Program], start: i
                 shared.wait(index, rank, Side())
                 if rank == 0:
                     torch._dynamo.reset()
+                    if shared.on_progress is not None:
+                        shared.on_progress(index + 1)
                 shared.wait(index, rank, Side())
         except BaseException as exc:  # noqa: BLE001 - stuck peers, or woken from a collective
             shared.abort(index, rank, exc)
@@ -326,20 +340,23 @@ def run_programs(
     make_backend: Callable[[], Any] = default_backend,
     *,
     barrier_timeout: float = 60.0,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[ProgramRun]:
     """Every program on threaded ranks (one world per world size, restarted after a hang), in order.
 
     ``barrier_timeout``: seconds ranks wait for each other at a phase's end
     (a peer stuck in a collective this rank never joined ends the wait at once).
+    ``progress(done, total)`` is called every 50 programs (from a rank thread).
     """
+    done_before = 0
     runs: list[ProgramRun | None] = [None] * len(programs)
     for world_size in sorted({p.world_size for p in programs}):
         indices = [i for i, p in enumerate(programs) if p.world_size == world_size]
         batch = [programs[i] for i in indices]
         start = 0
         while start < len(batch):
-            shared = _Shared(world_size, barrier_timeout)
+            on_progress = None if progress is None else (lambda k, base=done_before: progress(base + k, len(programs)))
+            shared = _Shared(world_size, barrier_timeout, on_progress)
             failure = None
             try:
                 run_threaded(
@@ -348,6 +365,8 @@ def run_programs(
                 )
             except RankFailure as exc:
                 failure = str(exc)
+            finally:
+                clear_sharding_caches()
             end = len(batch) if shared.aborted_at is None and failure is None else None
             for k in range(start, len(batch)):
                 ranks = shared.results.get(k, {})
@@ -364,8 +383,7 @@ def run_programs(
                 reason = raised + ("\n".join(shared.abort_reasons) or (failure or "the world stopped"))
                 runs[indices[stopped]] = ProgramRun(batch[stopped], None, f"hang or rank failure: {reason}"[:4000])
             start = stopped + 1
-            if progress is not None:
-                progress(start)
+        done_before += len(batch)
     return [r if r is not None else ProgramRun(p, None, "not run") for r, p in zip(runs, programs)]
 
 
