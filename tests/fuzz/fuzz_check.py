@@ -7,8 +7,9 @@ Verdicts (``Verdict.kind``), the first four are bugs:
   tolerance);
 - ``internal_error``: eager ran, compiled raised (not a graph break);
 - ``compiled_accepts``: eager raised on every rank, compiled ran on every rank;
-- ``hang``: the world stopped in this program (a rank stuck in a collective,
-  or a rank that disagreed with the others about raising);
+- ``hang``: the world stopped in this program (a rank stuck in a collective),
+  or some ranks raised where the others ran (``eager ranks disagree``: eager
+  itself is at fault; ``compiled ranks disagree``);
 - ``graph_break``: eager ran, compiled raised Dynamo's ``Unsupported``
   (``fullgraph=True``): a gap, listed, not a failure;
 - ``both_raise``: both refused on every rank; ``same`` when compiled's message
@@ -123,17 +124,20 @@ def _compare_sides(program: Program, rank: int, eager: Side, compiled: Side) -> 
 
 def classify(run: ProgramRun) -> Verdict:
     if run.ranks is None:
-        raised = re.findall(r"rank \d+ raised: (.*?)(?:; |$)", run.aborted or "", flags=re.M)
-        why = f": some ranks raised {_normalize(raised[0])}" if raised else ""
+        raised = re.findall(r"rank \d+ raised: (eager|compiled): (.*?)(?:; |$)", run.aborted or "", flags=re.M)
+        why = f": some ranks raised in {raised[0][0]}: {_normalize(raised[0][1])}" if raised else ""
         return Verdict("hang", run.aborted or "", "hang" + why)
     eager_raised = [r.eager.error is not None for r in run.ranks]
     compiled_raised = [r.compiled.error is not None for r in run.ranks]
     if len(set(eager_raised)) > 1 or len(set(compiled_raised)) > 1:
+        # Some ranks raised, the others ran (their collectives had peers enough to finish).
         detail = "\n".join(
             f"rank {k}: eager {_first_line(r.eager.error) or 'ran'}; compiled {_first_line(r.compiled.error) or 'ran'}"
             for k, r in enumerate(run.ranks)
         )
-        return Verdict("hang", "ranks disagree about raising:\n" + detail, "hang: ranks disagree")
+        side = "eager" if len(set(eager_raised)) > 1 else "compiled"
+        error = next(_root_error(getattr(r, side)) for r in run.ranks if getattr(r, side).error is not None)
+        return Verdict("hang", "ranks disagree about raising:\n" + detail, f"hang: {side} ranks disagree: {_normalize(error)}")
     first = run.ranks[0]
     if eager_raised[0]:
         eager_error = _root_error(first.eager)

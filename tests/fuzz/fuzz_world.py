@@ -66,6 +66,8 @@ class Value:
 class Side:
     """One rank's eager or compiled run of a program."""
 
+    phase: str = ""
+    """``eager`` or ``compiled``."""
     error: str | None = None
     """``TypeName: message`` when the run raised."""
     error_type: str = ""
@@ -116,11 +118,12 @@ def error_summary(error: str) -> str:
     return head
 
 
-def _error_side(exc: Exception) -> Side:
+def _error_side(phase: str, exc: Exception) -> Side:
     from torch._dynamo.exc import Unsupported
 
     text = f"{type(exc).__name__}: {exc}"
     return Side(
+        phase=phase,
         error=text[:4000],
         error_type=type(exc).__name__,
         graph_break=isinstance(exc, Unsupported),
@@ -128,7 +131,7 @@ def _error_side(exc: Exception) -> Side:
     )
 
 
-def _run_side(call: Callable[[], Any], program: Program) -> tuple[Side, Any]:
+def _run_side(phase: str, call: Callable[[], Any], program: Program) -> tuple[Side, Any]:
     """Runs the program (and its backward); returns the side with its raw result, not yet recorded."""
     try:
         result = call()
@@ -138,8 +141,8 @@ def _run_side(call: Callable[[], Any], program: Program) -> tuple[Side, Any]:
         else:
             outputs, loss = result, None
     except Exception as exc:  # noqa: BLE001 - recorded and classified by the caller
-        return _error_side(exc), None
-    return Side(), (outputs, loss)
+        return _error_side(phase, exc), None
+    return Side(phase), (outputs, loss)
 
 
 def _record(side: Side, raw: Any, inputs: Sequence[Any]) -> Side:
@@ -151,7 +154,7 @@ def _record(side: Side, raw: Any, inputs: Sequence[Any]) -> Side:
         side.loss = None if loss is None else _value(loss)
         side.grads = [None if x.grad is None else _value(x.grad) for x in inputs]
     except Exception as exc:  # noqa: BLE001 - reading a result raised: report it as the run's error
-        return _error_side(exc)
+        return _error_side(side.phase, exc)
     return side
 
 
@@ -244,7 +247,7 @@ class _Shared:
         if side.error is not None:
             with self.lock:
                 first = error_summary(side.error) or side.error_type
-                self.errors.setdefault(index, {})[rank] = self.errors.get(index, {}).get(rank, "") + first[:300] + "; "
+                self.errors.setdefault(index, {})[rank] = self.errors.get(index, {}).get(rank, "") + f"{side.phase}: {first[:300]}; "
         self.meet.wait(rank, self.timeout)
 
     def abort(self, index: int, rank: int, exc: BaseException) -> None:
@@ -281,11 +284,11 @@ def _run_program(rank: int, index: int, program: Program, mesh: Any, backend: An
     eager_inputs = [make_input(spec, mesh, coordinate) for spec in program.inputs]
     compiled_inputs = [make_input(spec, mesh, coordinate) for spec in program.inputs]
     fn = _load(program, index, rank)
-    eager, raw = _run_side(lambda: fn(mesh, *eager_inputs), program)
+    eager, raw = _run_side("eager", lambda: fn(mesh, *eager_inputs), program)
     eager = _record(eager, raw, eager_inputs)
     wait(eager)  # every rank's eager is done before any rank compiles
     compiled_fn = torch.compile(fn, backend=backend, fullgraph=True)
-    compiled, raw = _run_side(lambda: compiled_fn(mesh, *compiled_inputs), program)
+    compiled, raw = _run_side("compiled", lambda: compiled_fn(mesh, *compiled_inputs), program)
     wait(compiled)  # every rank's compile is done before results are read
     return RankRun(eager, _record(compiled, raw, compiled_inputs))
 

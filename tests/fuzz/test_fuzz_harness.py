@@ -52,7 +52,7 @@ def test_verdicts():
     assert classify(_run(refused, same)).kind == "compiled_accepts"
     assert classify(_run(refused, refused)).signature == "both_raise: same: ValueError: no"
     assert classify(_run(same, refused)).kind == "internal_error"
-    assert classify(_run(same, [refused[0], same[1]])).kind == "hang"
+    assert classify(_run(same, [refused[0], same[1]])).signature == "hang: compiled ranks disagree: ValueError: no"
 
 
 def _relu_becomes_tanh():
@@ -129,6 +129,7 @@ return t0
     assert time.monotonic() - start < 15
     verdict = classify(first)
     assert verdict.kind == "hang"
-    assert "rank 1 raised: BackendCompilerFailed: RuntimeError: rank 1 refuses" in verdict.detail
+    assert verdict.signature == "hang: some ranks raised in compiled: BackendCompilerFailed: RuntimeError: rank N refuses"
+    assert "rank 1 raised: compiled: BackendCompilerFailed: RuntimeError: rank 1 refuses" in verdict.detail
     assert "rank0 is at:" in verdict.detail  # where the rank left waiting was
     assert classify(second).kind == "ok"

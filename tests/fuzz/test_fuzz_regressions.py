@@ -208,6 +208,33 @@ return t3
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
+    reason="torch AOTAutograd: chunk of a DTensor that requires grad does not compile: the traced "
+    "backward of split cats the DTensor gradient with plain zeros for the unused chunk (also with "
+    "aot_eager without dtcompile's Dynamo support; eager raises the same at backward time)",
+)
+def test_chunk_of_a_shard_that_requires_grad():
+    _passes("1d2", [Input("x0", (4, 6), ("Shard(0)",), True, 3264)], """
+t0 = x0.chunk(2, 0)[0]
+return t0
+""", fails_as="aten.cat.default got mixed torch.Tensor and DTensor")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="torch eager DTensor: amax over a dim of 2 held by a _StridedShard that leaves rank 1 an "
+    "empty shard raises on rank 1 only (reduction over a zero-size dim); rank 0 runs on",
+)
+def test_eager_amax_over_an_empty_shard():
+    _passes("1d2", [Input("x1", (2,), ("_StridedShard(0, split_factor=2)",), False, 681)], """
+t3 = x1.amax(-1)
+return t3
+""", fails_as="^hang: (eager ranks disagree|some ranks raised in eager)")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
     reason="torch eager DTensor: vector @ matrix and linear(vector, W) have shape (1, n), "
     "torch's (and compiled code's) is (n,); the fuzzer draws no 1-D DTensor times a matrix",
 )
