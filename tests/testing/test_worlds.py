@@ -116,7 +116,8 @@ def _tp_mlp(mesh):
     return model, (x,)
 
 
-@pytest.mark.parametrize("world_size", [16, pytest.param(64, marks=pytest.mark.models)])
+@pytest.mark.models
+@pytest.mark.parametrize("world_size", [16, 64])
 def test_threaded_worlds_over_eight_ranks_match_eager(world_size):
     """Each rank thread compiles the shared code for its own mesh: the recompile
     limit is the world's, not one rank's (it failed with FailOnRecompileLimitHit)."""
