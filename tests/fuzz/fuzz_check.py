@@ -173,7 +173,8 @@ def format_summary(runs: Sequence[ProgramRun], verdicts: Sequence[Verdict], seco
     """The report of a batch: counts per mesh, per verdict, coverage, and the distinct non-ok signatures."""
     lines = [f"fuzz: {len(runs)} programs, seed {seed}, {seconds:.1f} s ({seconds / max(len(runs), 1):.2f} s per program)"]
     meshes = collections.Counter(r.program.mesh for r in runs)
-    lines.append("  meshes: " + ", ".join(f"{k} {v}" for k, v in sorted(meshes.items())))
+    cost = {m: sum(r.seconds for r in runs if r.program.mesh == m) / n for m, n in meshes.items()}
+    lines.append("  meshes: " + ", ".join(f"{k} {v} ({cost[k]:.2f} s each, eager and compiled)" for k, v in sorted(meshes.items())))
     kinds = collections.Counter(v.kind for v in verdicts)
     lines.append("  verdicts: " + ", ".join(f"{k} {kinds.get(k, 0)}" for k in ("ok", *BUGS, "graph_break", "both_raise")))
     raising = collections.Counter(v.signature.split(":")[1].strip() for v in verdicts if v.kind == "both_raise")
