@@ -192,8 +192,8 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 "Drop check_placements once the region is checked, or check it in an eager test run.",
             )
         call.spec = call.checked_spec("local_map arguments that do not match its placements", None)
-        self._copy_repeated_arguments(tx, call)
         placement_of = self._redistribute_inputs(tx, call)
+        self._copy_repeated_arguments(tx, call, placement_of)
         p_args, example_value, body_r, output_vts = self._trace_body(tx, call, kwargs)
         operands = list(p_args[1:])
         spec = self._final_spec(call, operands, placement_of, body_r, output_vts)
@@ -309,17 +309,38 @@ class LocalMapVariable(WrapHigherOrderVariable):
         return p_args, example_value, body_r, output_vts
 
     @staticmethod
-    def _copy_repeated_arguments(tx: Any, call: _Call) -> None:
+    def _copy_repeated_arguments(tx: Any, call: _Call, placement_of: dict[Any, tuple[Any, Any]]) -> None:
         """A tensor given to the region twice (``region(x, x)``) is copied for its second
-        place: a HOP's operands must not alias each other.  Same values, one copy more."""
+        place: a HOP's operands must not alias each other.  Same values, one copy more.
+
+        A DTensor's copy is its local shard's, wrapped with the same mesh, placements, shape
+        and stride: ``clone`` would go through DTensor's sharding propagation, which may
+        choose other placements (``Partial('avg')`` comes back ``Replicate``).
+        """
+        from torch.distributed.tensor import DTensor
+
         seen = set()
         for i, (leaf, value) in enumerate(zip(call.leaves, call.values)):
             if not isinstance(value, torch.Tensor):
                 continue
             node = leaf.as_proxy().node
             if node in seen:
-                call.leaves[i] = leaf.call_method(tx, "clone", [], {})
-                call.values[i] = call.leaves[i].as_proxy().node.meta["example_value"]
+                if isinstance(value, DTensor):
+                    local = leaf.call_method(tx, "to_local", [], {}).call_method(tx, "clone", [], {})
+                    copy = VariableTracker.build(tx, DTensor.from_local).call_function(
+                        tx,
+                        [local, leaf.var_getattr(tx, "device_mesh"), leaf.var_getattr(tx, "placements")],
+                        {
+                            "run_check": VariableTracker.build(tx, False),
+                            "shape": leaf.call_method(tx, "size", [], {}),
+                            "stride": leaf.call_method(tx, "stride", [], {}),
+                        },
+                    )
+                else:
+                    copy = leaf.call_method(tx, "clone", [], {})
+                call.leaves[i] = copy
+                call.values[i] = copy.as_proxy().node.meta["example_value"]
+                placement_of[copy.as_proxy().node] = placement_of[node]
             seen.add(node)
 
     @staticmethod

@@ -96,12 +96,6 @@ KNOWN: tuple[Known, ...] = (
         culprits=("dtcompile backend",),
     ),
     Known(
-        "local_map: the copy of a Partial('avg') tensor given twice",
-        ("test_local_map_region_given_a_partial_avg_tensor_twice",),
-        r"RuntimeError when making fake tensor call",
-        culprits=("Dynamo",),
-    ),
-    Known(
         "DTensor random factories compiled on a CPU mesh, where eager refuses",
         ("test_random_factory_on_a_cpu_mesh",),
         r"^compiled_accepts: AssertionError",

@@ -132,14 +132,10 @@ return t2, t1
 """, fails_as="^hang")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="dtcompile (8ee0a10): the copy made for a region's second use of a tensor goes through "
-    "Replicate and back to Partial('avg'), a redistribute to Partial that DTensor refuses "
-    "(TorchRuntimeError while tracing; diagnose: Dynamo, i.e. dynamo_vars; also on gloo)",
-)
 def test_local_map_region_given_a_partial_avg_tensor_twice():
+    """Was a TorchRuntimeError (8ee0a10): the copy made for the region's second use of a
+    tensor was a DTensor ``clone``, which came back Replicate, and redistributing it back
+    to Partial('avg') is refused; the copy now keeps the placements."""
     _passes("1d2", [Input("x0", (6, 2, 1), ("Partial('avg')",), False, 842)], """
 @dtcompile.local_map(out_placements=[Partial('avg')], in_placements=([Partial('avg')], [Partial('avg')]))
 def region_twice(a, b):
