@@ -3,11 +3,14 @@
 Stock Dynamo traces ``from_local``, ``to_local``, ``redistribute`` and
 ``full_tensor``; this module covers the rest of what training code calls:
 
-- The factories ``ones, zeros, full, empty, rand, randn`` with ``device_mesh=``
+- The factories ``ones, zeros, full, empty`` with ``device_mesh=``
   and ``placements=`` (stock: "Failed to convert args/kwargs to proxy") and
   ``distribute_tensor`` (stock: skipped ``ScatterOptions``) are traced through
   polyfills built from what Dynamo already traces: the local shard is created
   with the local shape, then wrapped with ``DTensor.from_local``.
+- The random factories ``rand, randn`` are a named graph break: they run eagerly,
+  with DTensor's RNG tracker (which compiled code cannot advance; on a CPU mesh,
+  eager refuses them).
 - ``compute_local_shape_and_global_offset`` is folded at trace time: its
   inputs (shape, mesh, placements) are constants and its result depends on
   them only (stock: data-dependent ``.item()`` on ``_StridedShard`` offsets).
@@ -109,15 +112,24 @@ def _filled(init, name, size, fill_value, dtype, layout, requires_grad, device_m
     return _wrap_local(local, size, mesh, placements)
 
 
-def _random(init, name, size, dtype, layout, requires_grad, device_mesh, placements):
-    # The global tensor is drawn, then each rank keeps its shard: shards are
-    # independent draws and replicated axes agree, as DTensor's RNG tracker
-    # promises in eager (at the cost of materializing the global tensor).
-    _check_layout(layout)
-    _check_requires_grad(requires_grad, name)
-    size, mesh, placements = _spec_args(size, device_mesh, placements)
-    whole = init(size, dtype=dtype, device=mesh.device_type)
-    return distribute_tensor(whole, mesh, placements, src_data_rank=None)
+def _refuse_random(name: str) -> None:
+    """Run at trace time (folded, see ``ID_HANDLERS``): a DTensor random factory is a graph
+    break, so that it runs eagerly with DTensor's own RNG."""
+    from torch._dynamo.exc import unimplemented
+
+    unimplemented(
+        gb_type=f"dtcompile: DTensor random factory {name}() inside a compiled region",
+        context=name,
+        explanation=(
+            f"torch.distributed.tensor.{name}() draws with DTensor's RNG tracker, whose state compiled "
+            "code cannot read or advance (on a mesh without one, a CPU mesh, eager refuses); drawing "
+            "with another generator would give other numbers, and replicated shards that need not "
+            "agree across ranks. The call runs eagerly (this graph break)."
+        ),
+        hints=[
+            "Draw random DTensors outside the compiled function (at setup), or accept the graph break.",
+        ],
+    )
 
 
 def ones(*size, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None, placements=None):
@@ -137,11 +149,11 @@ def full(size, fill_value, *, dtype=None, layout=torch.strided, requires_grad=Fa
 
 
 def rand(*size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None):
-    return _random(torch.rand, "rand", size, dtype, layout, requires_grad, device_mesh, placements)
+    _refuse_random("rand")
 
 
 def randn(*size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None):
-    return _random(torch.randn, "randn", size, dtype, layout, requires_grad, device_mesh, placements)
+    _refuse_random("randn")
 
 
 def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
@@ -299,4 +311,5 @@ def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:
         dtensor.distribute_tensor: polyfill(distribute_tensor),
         compute_local_shape_and_global_offset: fold,
         _check_requires_grad: fold,
+        _refuse_random: fold,
     }

@@ -568,22 +568,6 @@ def factory_empty(mesh):
     return (lambda t: dtensor.empty(8, 4, device_mesh=mesh, placements=[Shard(1)]).to_local().shape == t.shape), (_global(8, 1),)
 
 
-# Eager DTensor RNG needs a CUDA-like device (it raises on a cpu mesh); the
-# reference is the global draw, distributed: what the RNG tracker promises.
-@idiom("dtensor_api", values=False)
-def factory_rand(mesh):
-    fn = lambda: dtensor.rand(8, 4, device_mesh=mesh, placements=[Shard(0)], dtype=torch.float64)
-    reference = lambda: distribute_tensor(torch.rand(8, 4, dtype=torch.float64), mesh, [Shard(0)], src_data_rank=None)
-    return fn, (), reference
-
-
-@idiom("dtensor_api", mesh="2d", values=False)
-def factory_randn(mesh):
-    fn = lambda: dtensor.randn(9, 4, device_mesh=mesh, placements=[Replicate(), Shard(0)])
-    reference = lambda: distribute_tensor(torch.randn(9, 4), mesh, [Replicate(), Shard(0)], src_data_rank=None)
-    return fn, (), reference
-
-
 @idiom("dtensor_api")
 def factory_default_placements(mesh):
     return (lambda: dtensor.zeros(4, 4, device_mesh=mesh)), ()

@@ -322,6 +322,35 @@ def test_a_region_given_one_tensor_twice():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+# ---- DTensor random factories (found by the fuzzer)
+
+
+@pytest.mark.parametrize("factory", [dtensor.rand, dtensor.randn], ids=lambda f: f.__name__)
+def test_a_random_factory_runs_eagerly_with_dtensors_rng(factory):
+    """They compiled to a draw from each rank's own generator, where eager draws with
+    DTensor's RNG tracker (and refuses on a CPU mesh): Replicate shards that need not
+    agree across ranks.  Now a named graph break: the call runs as eager runs it."""
+    from torch._dynamo.utils import counters
+
+    with fake_world(2) as mesh:
+
+        def step(t):
+            return factory(4, 2, device_mesh=mesh, placements=[Replicate()]) + t
+
+        x = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()], src_data_rank=None)
+        with pytest.raises(AssertionError) as eager_error:
+            step(x)
+        torch._dynamo.reset()
+        counters.clear()
+        with pytest.raises(type(eager_error.value)):
+            torch.compile(step, backend=dtcompile.backend(**BACKEND_OPTIONS))(x)
+        ours = f"dtcompile: DTensor random factory {factory.__name__}() inside a compiled region"
+        assert [n for reason, n in counters["graph_break"].items() if reason.startswith(ours)] == [1]
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="whose state compiled code cannot read or advance"):
+            _compiled(step)(x)
+
+
 # ---- an output that is a view of a DTensor input (found by the fuzzer)
 
 

@@ -96,11 +96,6 @@ KNOWN: tuple[Known, ...] = (
         culprits=("dtcompile backend",),
     ),
     Known(
-        "DTensor random factories compiled on a CPU mesh, where eager refuses",
-        ("test_random_factory_on_a_cpu_mesh",),
-        r"^compiled_accepts: AssertionError",
-    ),
-    Known(
         "split/chunk of a DTensor that requires grad: the traced backward cats DTensors with plain zeros",
         ("test_chunk_of_a_shard_that_requires_grad",),
         r"aten\.cat\.default got mixed torch\.Tensor and DTensor",

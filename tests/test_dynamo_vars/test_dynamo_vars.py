@@ -45,8 +45,6 @@ STOCK_FAILURES = {
     "factory_zeros": "Failed to convert args/kwargs to proxy",
     "factory_full": "Failed to convert args/kwargs to proxy",
     "factory_empty": "Failed to convert args/kwargs to proxy",
-    "factory_rand": "Attempted to call function marked as skipped",
-    "factory_randn": "Attempted to call function marked as skipped",
     "factory_default_placements": "Failed to convert args/kwargs to proxy",
     "local_shape_and_offset_strided": "UnsafeScriptObjectError: Unsupported method call",
     "implicit_replication_context": "Attempted to call function marked as skipped",
