@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -112,28 +113,76 @@ def config_for(
 
 def _partitioner(info: DynamoGraphInfo) -> Callable[..., Any]:
     """Inductor's min-cut partitioner, or, where ranks' graphs can differ (uneven
-    shards, ``info.uneven``), the default one: min-cut decides what to recompute
-    from each rank's own graph, and a rank that recomputes a collective the
-    others saved waits for them forever (found by the fuzzer)."""
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    shards, ``info.uneven``), the default one that keeps dead collectives
+    (:func:`_default_partition_keeping_collectives`): min-cut decides what to
+    recompute from each rank's own graph, and a rank that recomputes a collective
+    the others saved waits for them forever (found by the fuzzer)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     if info.uneven:
-        return default_partition
+        return _default_partition_keeping_collectives
     return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 
 
+_keeping = threading.local()
+_keeping_lock = threading.Lock()
+
+
+def _default_partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+    """The default partitioner, except that every collective the joint trace issued
+    stays in the graph of the phase that issued it, used or not.
+
+    The partitioner ends with a dead-code pass over each graph that removes unused
+    collectives (``partitioners.is_not_collective``), which assumes every rank
+    has the same graph.  Under uneven shards they need not: a rank whose share of
+    a gathered result is empty computes that share as a constant, its all-gather
+    is dead there and was removed, and the ranks holding rows waited in theirs
+    forever (found by the fuzzer).  Here a collective traced in the forward
+    (``partitioner_tag == "is_forward"``) stays in the forward graph, one traced
+    in the backward stays in the backward graph; the copies the partitioner makes
+    of a collective in the other graph go, as before.
+    """
+    from torch._functorch import partitioners
+
+    with _keeping_lock:
+        if not getattr(partitioners.is_not_collective, "_dtcompile", False):
+            original = partitioners.is_not_collective
+
+            def is_not_collective(node: fx.Node) -> bool:
+                joint = getattr(_keeping, "joint", None)
+                if original(node) or joint is None:
+                    return original(node)
+                if node.graph is joint:
+                    return True
+                traced_in_forward = node.meta.get("partitioner_tag") == "is_forward"
+                return traced_in_forward != _is_backward_graph(node.graph)
+
+            is_not_collective._dtcompile = True  # type: ignore[attr-defined]
+            partitioners.is_not_collective = is_not_collective
+    _keeping.joint = gm.graph
+    try:
+        return partitioners.default_partition(gm, joint_inputs, **kwargs)
+    finally:
+        _keeping.joint = None
+
+
+def _is_backward_graph(graph: fx.Graph) -> bool:
+    """Whether a graph the partitioner made is the backward one: it takes the tangents."""
+    return any(n.op == "placeholder" and n.meta.get("partitioner_tag") == "is_backward" for n in graph.nodes)
+
+
 def _default_partitioner() -> Any:
-    """The default partitioner as Inductor's ``custom_partitioner_fn`` (see :func:`_partitioner`)."""
-    from torch._functorch.partitioners import default_partition
+    """:func:`_default_partition_keeping_collectives` as Inductor's ``custom_partitioner_fn``
+    (see :func:`_partitioner`)."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class DefaultPartition(CustomPartitionerFn):
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
             kwargs.pop("compiler", None)
-            return default_partition(gm, joint_inputs, **kwargs)
+            return _default_partition_keeping_collectives(gm, joint_inputs, **kwargs)
 
         def uuid(self) -> str:
-            return "dtcompile.default_partition"
+            return "dtcompile.default_partition_keeping_collectives"
 
     return DefaultPartition()
 

@@ -90,12 +90,6 @@ class Known:
 
 KNOWN: tuple[Known, ...] = (
     Known(
-        "a rank whose share of a gathered result is empty drops the gather as dead code",
-        ("test_empty_share_of_a_gather_dropped_as_dead_code", "test_backward_of_a_strided_shard_gathered_to_one_row"),
-        r"^hang",
-        culprits=("dtcompile backend",),
-    ),
-    Known(
         "split/chunk of a DTensor that requires grad: the traced backward cats DTensors with plain zeros",
         ("test_chunk_of_a_shard_that_requires_grad",),
         r"aten\.cat\.default got mixed torch\.Tensor and DTensor",

@@ -157,28 +157,20 @@ return t0
 """, fails_as="^compiled_accepts: AssertionError")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="dtcompile pipeline (torch's DCE): the rank whose share of a gathered result is empty "
-    "(5 rows of a _StridedShard over 4 ranks) computes its empty output as full([0, 3]); its all-gather "
-    "is then dead code and removed, the other ranks wait in it (hang, also on gloo; passes skip this "
-    "graph already; fine with aot_eager, hangs with Inductor's decompositions and the default partitioner)",
-)
 def test_empty_share_of_a_gather_dropped_as_dead_code():
+    """Was a hang: the rank whose share of a gathered result is empty (5 rows of a
+    _StridedShard over 4 ranks) computes it as full([0, 3]); the default partitioner's
+    dead-code pass removed its then unused all-gather, the other ranks waited in theirs.
+    dtcompile's partitioner keeps every traced collective in its phase's graph."""
     _passes("1d4", [Input("x0", (5, 3), ("_StridedShard(0, split_factor=2)",), True, 2053)], """
 t0 = x0.redistribute(mesh, [Shard(0)])
 return t0
 """, fails_as="^hang")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="dtcompile pipeline (torch's DCE), as above: with a backward, rank 1's forward (an empty "
-    "share of Shard(0) of one row) has one all-gather, rank 0's two (hang, also on gloo)",
-)
 def test_backward_of_a_strided_shard_gathered_to_one_row():
+    """Was a hang, as above: with a backward, the empty-share rank's forward also held a
+    (dead) copy of the backward's all-gather, which the other ranks issue in the backward."""
     _passes("1d2", [Input("x1", (1, 4), ("_StridedShard(1, split_factor=2)",), True, 363)], """
 t0 = x1.redistribute(mesh, [Shard(0)])
 return t0

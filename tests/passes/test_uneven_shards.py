@@ -43,3 +43,50 @@ def test_even_shards_run_every_pass():
     assert [d.text for p in record.passes if p.name == "async_tp" for d in p.decisions] == [
         "not fused: no matmul consumes the gathered tensor as its left operand"
     ]
+
+
+def _collectives_per_rank(world: int, program, make_input) -> list[list[tuple[str, str]]]:
+    """Each rank's compiled graphs' collectives (kind, op), played rank by rank on the fake PG."""
+    found = []
+    for rank in range(world):
+        backend = dtcompile.backend(inductor=False)
+        with fake_world(world, rank=rank) as mesh:
+            torch._dynamo.reset()
+            out = torch.compile(lambda t: program(t, mesh), backend=backend, fullgraph=True)(make_input(mesh))
+            if isinstance(out, tuple):
+                out[1].backward()
+        found.append([(r.kind, c.op) for r in backend.records for c in r.collectives])
+    return found
+
+
+def _strided(mesh, rows: int, cols: int, dim: int):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = [_StridedShard(dim, split_factor=2)]
+    local, _ = compute_local_shape_and_global_offset((rows, cols), mesh, placements)
+    x = DTensor.from_local(torch.randn(local), mesh, placements, run_check=False, shape=(rows, cols), stride=(cols, 1))
+    return x.requires_grad_()
+
+
+def test_a_rank_with_an_empty_share_issues_the_same_collectives():
+    """A rank whose share of a gathered result is empty computes it as a constant; the
+    partitioner's dead-code pass dropped its all-gather there, and the other ranks
+    waited in theirs (a hang, found by the fuzzer)."""
+    per_rank = _collectives_per_rank(4, lambda t, mesh: t.redistribute(mesh, [Shard(0)]), lambda m: _strided(m, 5, 3, 0))
+    assert per_rank[3] == per_rank[0] == [("forward", "all_gather")]
+    assert all(c == per_rank[0] for c in per_rank)
+
+
+def test_a_collective_traced_in_the_backward_stays_there_on_every_rank():
+    """With a backward, the empty-share rank's forward also held a copy of the backward's
+    all-gather (dead there), which the other ranks issue in the backward."""
+
+    def program(t, mesh):
+        t0 = t.redistribute(mesh, [Shard(0)])
+        return t0.detach(), t0.full_tensor().sum()
+
+    per_rank = _collectives_per_rank(2, program, lambda m: _strided(m, 1, 4, 1))
+    want = [("forward", "all_gather"), ("forward", "all_gather"), ("backward", "all_gather")]
+    assert per_rank == [want, want]
