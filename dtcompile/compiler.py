@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -239,7 +240,7 @@ def _split_input_views(gm: fx.GraphModule) -> dict[int, tuple[tuple[int, ...], f
         value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
         if node is None or node.op == "placeholder" or not isinstance(value, DTensor):
             continue
-        if StorageWeakRef(value._local_tensor.untyped_storage()) not in storages:
+        if StorageWeakRef(value._local_tensor.untyped_storage()) not in storages and not _views_an_input(node):
             continue
         views[i] = _view_chain(gm, node, placeholders)
     if views:
@@ -247,6 +248,36 @@ def _split_input_views(gm: fx.GraphModule) -> dict[int, tuple[tuple[int, ...], f
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return views
+
+
+# View and shape methods: an output that only these make from an input is a view of
+# it to AOTAutograd, also where DTensor moved data to make it (narrow of a sharded
+# dim gathers first), so its local shard shares no storage with the input's.
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "narrow", "t", "transpose", "swapaxes", "permute", "movedim",
+    "unsqueeze", "squeeze", "expand", "expand_as", "select", "flatten", "unflatten", "split", "chunk", "unbind",
+    "diagonal", "__getitem__",
+})
+_VIEW_FUNCTIONS = frozenset({
+    torch.narrow, torch.t, torch.transpose, torch.swapaxes, torch.permute, torch.movedim, torch.unsqueeze,
+    torch.squeeze, torch.select, torch.flatten, torch.split, torch.chunk, torch.unbind, torch.diagonal,
+    torch.reshape, operator.getitem,
+})
+
+
+def _views_an_input(node: fx.Node) -> bool:
+    """Whether ``node`` is made from a placeholder by view and shape ops alone."""
+    while node.op != "placeholder":
+        if not (
+            (node.op == "call_method" and node.target in _VIEW_METHODS)
+            or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+        ):
+            return False
+        source = node.args[0] if node.args else None
+        if not isinstance(source, fx.Node):
+            return False
+        node = source
+    return True
 
 
 def _view_chain(gm: fx.GraphModule, out: fx.Node, placeholders: list[fx.Node]) -> tuple[tuple[int, ...], fx.GraphModule]:

@@ -108,6 +108,12 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._logging", "trace_structured", ("name", "metadata_fn", "payload_fn")),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a builtin: no signature
     ("torch.distributed._symmetric_memory", "enable_symm_mem_for_group", ("group_name",)),
+    # dynamo_vars.dtensor_api: DTensor.__tensor_unflatten__ rebuilds the spec it was given
+    (
+        "torch.distributed.tensor._dtensor_spec",
+        "DTensorSpec",
+        ("mesh", "placements", "tensor_meta", "shard_order", "use_strided_shard_as_shard_order"),
+    ),
     # dtcompile._testing.models: the MoE's token dispatch (differentiable, as torchtitan's)
     ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
 )

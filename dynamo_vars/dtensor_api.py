@@ -287,13 +287,46 @@ def _two_meshes_advice(node: Any) -> str | None:
     )
 
 
+def _unflatten_keeping_shard_order(original: staticmethod) -> staticmethod:
+    """``DTensor.__tensor_unflatten__`` that rebuilds the spec it was given.
+
+    View propagation makes specs whose ``_StridedShard`` placements are plain
+    shards with an explicit ``shard_order`` (``use_strided_shard_as_shard_order
+    =False``); stock unflatten rebuilds them without that flag, and DTensorSpec
+    refuses ("doesn't allow specify shard_order"): ``(x * 2).view(-1)`` of a
+    ``Shard(1)`` DTensor failed in AOTAutograd (also with ``aot_eager``).
+    """
+    unflatten = original.__func__
+
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        placements, tensor_meta, shard_order, requires_grad = flatten_spec
+        if shard_order is None or not any(isinstance(p, _StridedShard) for p in placements):
+            return unflatten(inner_tensors, flatten_spec, outer_size, outer_stride)
+        spec = DTensorSpec(
+            inner_tensors["device_mesh"],
+            placements,
+            tensor_meta=TensorMeta(shape=outer_size, stride=outer_stride, dtype=tensor_meta.dtype),
+            shard_order=shard_order,
+            use_strided_shard_as_shard_order=False,
+        )
+        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+
+    return staticmethod(__tensor_unflatten__)
+
+
 def WRAPPED() -> dict[tuple[Any, str], Callable[[Any], Any]]:
     from torch._dynamo import utils
     from torch._dynamo.variables.tensor import TensorVariable
+    from torch.distributed.tensor import DTensor
 
     return {
         (TensorVariable, "call_method"): _dtensor_method_call,
         (utils, "_get_fake_value_impl"): _explain_dtensor_errors,
+        (DTensor, "__tensor_unflatten__"): _unflatten_keeping_shard_order,
     }
 
 

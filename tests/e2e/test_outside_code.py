@@ -381,3 +381,25 @@ def test_outputs_that_are_views_of_dtensor_inputs_are_eager_views():
             assert (c_placements, c_shape) == (e_placements, e_shape)
             torch.testing.assert_close(c_value, e_value, rtol=0, atol=0)
         torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=0)
+
+
+# ---- a flattening view that DTensor answers with _StridedShard
+
+
+def test_a_view_that_makes_a_strided_shard_compiles_forward_and_backward():
+    """``(x * 2).view(-1)`` of a Shard(1) DTensor is a _StridedShard whose spec carries
+    its shard order; stock DTensor.__tensor_unflatten__ rebuilt it without that and
+    DTensorSpec refused ("doesn't allow specify shard_order"), also with aot_eager."""
+    with fake_world(4, (2, 2), ("dp", "tp")) as mesh:
+        results = []
+        for fn in (lambda t: (t * 2).view(-1), _compiled(lambda t: (t * 2).view(-1))):
+            x = distribute_tensor(torch.arange(25.0).reshape(5, 5), mesh, [Replicate(), Shard(1)], src_data_rank=None)
+            x.requires_grad_()
+            out = fn(x)
+            out.to_local().sum().backward()
+            results.append((out.placements, out.shape, out.to_local(), x.grad.placements, x.grad.to_local()))
+    (placements, shape, local, grad_placements, grad), compiled = results
+    assert placements == (Replicate(), _StridedShard(0, split_factor=5)) and shape == (25,)
+    assert compiled[:2] == (placements, shape) and compiled[3] == grad_placements
+    torch.testing.assert_close(compiled[2], local, rtol=0, atol=0)
+    torch.testing.assert_close(compiled[4], grad, rtol=0, atol=0)
