@@ -3,7 +3,8 @@
 ``torch.compile(model, backend="dtcompile")`` works once the package is
 installed; ``dtcompile.backend(**options)`` makes a configured one.
 ``dtcompile.local_map`` is :func:`hops.local_map`: torch's ``local_map`` as one
-op that keeps its placements through to the backend.
+op that keeps its placements through to the backend.  ``dtcompile.auto_parallel``
+(a callable subpackage) chooses a model's placements.
 
 Importing ``dtcompile`` has no side effects and imports nothing heavy: each name
 below is loaded on first use, and Dynamo is changed only when a backend is
@@ -29,6 +30,7 @@ __all__ = [
     "DTCompileBackend",
     "DTCompileConfig",
     "Report",
+    "auto_parallel",
     "backend",
     "explain",
     "local_map",
@@ -40,6 +42,7 @@ _WHERE = {
     "DTCompileBackend": "dtcompile.compiler",
     "DTCompileConfig": "dtcompile.config",
     "Report": "dtcompile.report",
+    "auto_parallel": "dtcompile.auto_parallel",
     "backend": "dtcompile.compiler",
     "explain": "dtcompile.report",
     "local_map": "hops.local_map",
@@ -49,7 +52,9 @@ _WHERE = {
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'dtcompile' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
+    module = importlib.import_module(_WHERE[name])
+    # `auto_parallel` is a callable subpackage: the module is the value.
+    value = module if module.__name__ == f"dtcompile.{name}" else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -11,7 +11,7 @@ a module may import modules of its own layer or below, never above:
 4. ``dtcompile.records``
 5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``
 6. the backend -- ``dtcompile.compiler``
-7. ``dtcompile.report`` (``explain``)
+7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver)
 8. the package face -- ``dtcompile`` (``__init__``)
 9. ``dtcompile.testing``
 10. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile_tools``
@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtcompile.records",),
     ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts"),
     ("dtcompile.compiler",),
-    ("dtcompile.report",),
+    ("dtcompile.report", "dtcompile.auto_parallel"),
     ("dtcompile",),
     ("dtcompile.testing",),
     ("dtcompile._testing", "dtcompile.demo", "dtcompile_tools"),

@@ -1,0 +1,66 @@
+"""Auto-parallel: dtcompile chooses the placements.
+
+``dtcompile.auto_parallel(model, mesh, example_inputs, ...)`` returns
+``(parallel_model, solution)``: the model with DTensor parameters in the
+placements a cost-driven solver chose over DTensor's own op strategies, and
+what it chose and why (:class:`Solution`: ``explain()``,
+``predicted_collectives()``).  ``plan(...)`` only solves.
+
+The modules, in the order the work flows:
+
+- :mod:`~dtcompile.auto_parallel.trace` -- the forward as aten ops on fake tensors;
+- :mod:`~dtcompile.auto_parallel.strategies` -- DTensor's candidate strategies per op;
+- :mod:`~dtcompile.auto_parallel.measure` -- an op's forward and backward, and a
+  redistribution, priced with dtcompile's cost model;
+- :mod:`~dtcompile.auto_parallel.problem` -- candidates, edges, fan-outs;
+- :mod:`~dtcompile.auto_parallel.tying` -- repeated layers share one choice;
+- :mod:`~dtcompile.auto_parallel.solver` -- the integer program (HiGHS);
+- :mod:`~dtcompile.auto_parallel.solution` -- the choice, explained;
+- :mod:`~dtcompile.auto_parallel.apply` -- the parallel model;
+- :mod:`~dtcompile.auto_parallel.api` -- the entry points, arguments checked.
+
+This package module is itself callable, ``dtcompile.auto_parallel(...)`` being
+:func:`~dtcompile.auto_parallel.api.auto_parallel`: the name is both the
+subpackage and the function, and a module attribute set to the function would
+be replaced by the subpackage the first time any of its modules is imported.
+Importing it imports nothing heavy and changes nothing outside this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtcompile.auto_parallel.api import auto_parallel, plan
+    from dtcompile.auto_parallel.apply import AutoParallelModule
+    from dtcompile.auto_parallel.solution import Solution
+
+__all__ = ["AutoParallelModule", "Solution", "auto_parallel", "plan"]
+
+_WHERE = {
+    "AutoParallelModule": "dtcompile.auto_parallel.apply",
+    "Solution": "dtcompile.auto_parallel.solution",
+    "auto_parallel": "dtcompile.auto_parallel.api",
+    "plan": "dtcompile.auto_parallel.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'dtcompile.auto_parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return __getattr__("auto_parallel")(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,163 @@
+"""``dtcompile.auto_parallel(model, mesh, example_inputs, ...)``: choose the placements, return the parallel model.
+
+:func:`plan` traces the model on fake tensors, builds the placement problem,
+solves it and returns the :class:`~dtcompile.auto_parallel.solution.Solution`;
+:func:`auto_parallel` also applies it (:mod:`dtcompile.auto_parallel.apply`).
+Arguments are checked first, and a wrong one is a ``TypeError`` or
+``ValueError`` that names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from dtcompile.auto_parallel.placements import Layout
+from dtcompile.cost_model import HardwareProfile, get_profile
+
+__all__ = ["auto_parallel", "plan"]
+
+log = logging.getLogger(__name__)
+
+
+def _layout(what: str, value: Any, mesh: Any) -> Layout:
+    from torch.distributed.tensor import Placement
+
+    if isinstance(value, Placement):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(p, Placement) for p in value):
+        raise TypeError(f"auto_parallel: {what} must be a sequence of Placement (one per mesh axis), got {value!r}")
+    if len(value) != mesh.ndim:
+        raise ValueError(
+            f"auto_parallel: {what} has {len(value)} placements for a {mesh.ndim}-D mesh; give one per mesh axis"
+        )
+    if any(p.is_partial() for p in value):
+        raise ValueError(f"auto_parallel: {what} is {tuple(value)}; a pinned layout cannot be Partial")
+    return tuple(value)
+
+
+def _check(model: Any, mesh: Any, example_inputs: Any, budget: Any, profile: Any) -> tuple[tuple[Any, ...], HardwareProfile]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"auto_parallel: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"auto_parallel: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(
+            f"auto_parallel: example_inputs must be a tuple of the model's positional arguments, got {type(example_inputs).__name__}"
+        )
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("auto_parallel: the model already has DTensor parameters; pass the single-device model")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        raise ValueError(f"auto_parallel: param_memory_budget_bytes must be an int >= 0 or None, got {budget!r}")
+    if isinstance(profile, str):
+        profile = get_profile(profile)
+    elif not isinstance(profile, HardwareProfile):
+        raise TypeError(f"auto_parallel: cost_profile must be a profile name or a HardwareProfile, got {profile!r}")
+    return tuple(example_inputs), profile
+
+
+def plan(
+    model: nn.Module,
+    mesh: Any,
+    example_inputs: Any,
+    *,
+    input_placements: Sequence[Any] | None = None,
+    output_placements: Sequence[Any] | None = None,
+    param_memory_budget_bytes: int | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    cost_profile: str | HardwareProfile = "h100",
+) -> Any:
+    """Choose every parameter's, input's, output's and op's placements; returns the
+    :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`)."""
+    from dtcompile.auto_parallel.problem import build_problem
+    from dtcompile.auto_parallel.solution import Solution
+    from dtcompile.auto_parallel.solver import solve
+    from dtcompile.auto_parallel.trace import trace_forward
+    from dtcompile.auto_parallel.tying import tie_repeated_layers
+
+    example_inputs, profile = _check(model, mesh, example_inputs, param_memory_budget_bytes, cost_profile)
+    num_inputs = len(pytree.tree_leaves(example_inputs))
+    pinned: dict[str, Layout] = {}
+    if input_placements is not None:
+        if len(input_placements) != num_inputs:
+            raise ValueError(
+                f"auto_parallel: input_placements has {len(input_placements)} entries for {num_inputs} inputs; "
+                "give one per (flattened) input, None to let the solver choose"
+            )
+        for i, value in enumerate(input_placements):
+            if value is not None:
+                pinned[f"input{i}"] = _layout(f"input_placements[{i}]", value, mesh)
+    params = dict(model.named_parameters())
+    for name, value in (fixed or {}).items():
+        if name not in params and not (name.startswith("input") and name[5:].isdigit() and int(name[5:]) < num_inputs):
+            raise ValueError(
+                f"auto_parallel: fixed names {name!r}, which is neither a parameter of the model nor "
+                f"input0..input{num_inputs - 1}; the parameters are {sorted(params)}"
+            )
+        pinned[name] = _layout(f"fixed[{name!r}]", value, mesh)
+    outs: dict[int, Layout] = {}
+    for i, value in enumerate(output_placements or ()):
+        if value is not None:
+            outs[i] = _layout(f"output_placements[{i}]", value, mesh)
+
+    start = time.perf_counter()
+    traced = trace_forward(model, example_inputs, mesh.device_type)
+    traced_s = time.perf_counter() - start
+    problem = build_problem(traced, mesh, profile, fixed=pinned, output_layouts=outs)
+    problem.seconds["trace"] = traced_s
+    tie_repeated_layers(problem)
+    result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes)
+    problem.seconds["solve"] = result.seconds
+    log.info(
+        "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
+        len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,
+    )
+    return Solution(problem, result, param_memory_budget_bytes)
+
+
+def auto_parallel(
+    model: nn.Module,
+    mesh: Any,
+    example_inputs: Any,
+    *,
+    input_placements: Sequence[Any] | None = None,
+    output_placements: Sequence[Any] | None = None,
+    param_memory_budget_bytes: int | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    cost_profile: str | HardwareProfile = "h100",
+) -> tuple[nn.Module, Any]:
+    """Choose the placements of ``model`` on ``mesh`` and return ``(parallel_model, solution)``.
+
+    ``example_inputs``: the model's positional arguments (global shapes; real,
+    fake or ``meta`` tensors: only shapes and dtypes are read).
+    ``input_placements`` / ``output_placements``: per flattened input / output,
+    a placements tuple to pin, or ``None`` to let the solver choose.
+    ``param_memory_budget_bytes``: the most parameter bytes one rank may hold.
+    ``fixed``: parameter name (or ``input0``...) -> placements to pin.
+    ``cost_profile``: the hardware profile the costs are estimated with.
+
+    ``parallel_model`` is a copy of ``model`` whose parameters are DTensors in the
+    chosen placements; it takes this rank's local shard of each input in
+    ``solution.input_placements`` (or any DTensor) and returns DTensors in
+    ``solution.output_placements``.  It runs eagerly and compiles with
+    ``torch.compile(parallel_model, backend="dtcompile")``.
+    """
+    from dtcompile.auto_parallel.apply import parallelize
+
+    solution = plan(
+        model, mesh, example_inputs, input_placements=input_placements, output_placements=output_placements,
+        param_memory_budget_bytes=param_memory_budget_bytes, fixed=fixed, cost_profile=cost_profile,
+    )
+    return parallelize(model, solution), solution

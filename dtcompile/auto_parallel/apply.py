@@ -1,0 +1,180 @@
+"""The solution made into a model: DTensor parameters, and a forward that runs the chosen strategies.
+
+:func:`parallelize` returns an :class:`AutoParallelModule`: the user's module
+(a copy) with every parameter a DTensor in its chosen placements, and a forward
+that is the traced forward rebuilt as an FX graph over DTensors
+(``parallel_model.code`` shows it):
+
+- each op's tensor arguments are first redistributed to the layout its chosen
+  strategy reads (``x.redistribute(mesh, placements)``, also when nothing moves:
+  its backward lands every gradient where the solver assumed,
+  :func:`~dtcompile.auto_parallel.placements.grad_layout`), once per value and
+  layout, so a value's readers share one redistribution and their gradients are
+  summed before one backward redistribution;
+- the op is the traced aten op itself, which DTensor dispatches; given inputs in
+  exactly those layouts its propagation runs the chosen strategy (the
+  candidates were filtered to those it does, :mod:`~dtcompile.auto_parallel.strategies`),
+  and :func:`expect_layout` checks each result's placements, so a divergence is an
+  error naming the node rather than silent extra communication;
+- tensors made inside the model from no input (a causal mask) are made whole on
+  every rank and wrapped as replicated DTensors where a DTensor op reads them.
+
+Inputs: a DTensor argument is redistributed to the chosen layout; a plain tensor
+is this rank's local shard in that layout (``DTensor.from_local``: the whole
+tensor where it is replicated), as ``parallelize_module``'s input layouts are.
+Outputs are DTensors in the chosen layouts.  The module runs eagerly and
+compiles with ``torch.compile(..., backend="dtcompile")``; Dynamo traces the
+forward like any DTensor code.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import operator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from dtcompile.auto_parallel.solution import Solution
+
+__all__ = ["AutoParallelModule", "expect_layout", "parallelize"]
+
+
+def expect_layout(value: Any, placements: tuple[Any, ...], node: str) -> Any:
+    """``value``, after checking that DTensor gave it the placements the solution chose."""
+    if tuple(value.placements) != tuple(placements):
+        raise RuntimeError(
+            f"auto_parallel: DTensor ran node {node} with output placements {tuple(value.placements)}, "
+            f"not the solution's {tuple(placements)}; please report this (the solution was built for another torch?)"
+        )
+    return value
+
+
+def _replicated(value: torch.Tensor, mesh: Any) -> DTensor:
+    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _build_graph(solution: Solution) -> tuple[fx.Graph, dict[str, Any]]:
+    """The forward over DTensors (see the module docstring) and the constants it reads by ``get_attr``."""
+    problem = solution.problem
+    traced = problem.traced
+    graph = fx.Graph()
+    consts: dict[str, Any] = {"mesh": problem.mesh}
+    layout_names: dict[tuple[Any, ...], str] = {}
+
+    def layout_node(layout: tuple[Any, ...]) -> fx.Node:
+        if layout not in layout_names:
+            layout_names[layout] = f"layout{len(layout_names)}"
+            consts[layout_names[layout]] = tuple(layout)
+        return graph.get_attr(layout_names[layout])
+
+    values: dict[tuple[str, int], fx.Node] = {}
+    read: dict[tuple[str, tuple[Any, ...]], fx.Node] = {}
+    mesh = None
+    for node in traced.gm.graph.nodes:
+        if node.op == "placeholder":  # named for the parameter or input it is
+            values[(node.name, 0)] = graph.placeholder(re.sub(r"\W", "_", solution.display_name(node.name)))
+    mesh = graph.get_attr("mesh")
+
+    def value(ref: tuple[str, int]) -> fx.Node:
+        if ref not in values:
+            base = values[(ref[0], -1)]
+            values[ref] = graph.call_function(operator.getitem, (base, ref[1]))
+        return values[ref]
+
+    def reading(name: str, slot: int) -> fx.Node:
+        pnode = problem.nodes[name]
+        ref = pnode.inputs[slot]
+        source, layout = solution.read_layout(name, slot)
+        key = (source, ref, layout)
+        if key not in read:
+            v = value(ref)
+            if problem.nodes[ref[0]].kind == "constant":
+                v = graph.call_function(_replicated, (v, mesh))
+            read[key] = graph.call_method("redistribute", (v, mesh, layout_node(layout)))
+        return read[key]
+
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        pnode = problem.nodes[node.name]
+        if pnode.kind == "constant":
+            new = graph.node_copy(node, lambda n: value((n.name, 0)))
+        else:
+            slots = iter(range(len(pnode.inputs)))
+            args, kwargs = pytree.tree_map_only(
+                fx.Node, lambda _: reading(node.name, next(slots)), (node.args, node.kwargs)
+            )
+            new = graph.call_function(node.target, tuple(args), dict(kwargs))
+            outs = solution.choice(node.name).outputs
+            if len(outs) == 1 and outs[0] is not None:
+                new = graph.call_function(expect_layout, (new, layout_node(outs[0]), node.name))
+        multi = isinstance(node.meta.get("val"), (tuple, list))
+        values[(node.name, -1 if multi else 0)] = new
+    outputs = []
+    for pnode in problem.nodes.values():
+        if pnode.kind == "output":
+            outputs.append(reading(pnode.name, 0))
+    graph.output(outputs)
+    return graph, consts
+
+
+class AutoParallelModule(nn.Module):
+    """The user's module with DTensor parameters, run as the solution chose (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, solution: Solution) -> None:
+        super().__init__()
+        self.module = module
+        graph, consts = _build_graph(solution)
+        self.plan = fx.GraphModule(consts, graph, class_name="AutoParallelForward")
+        traced = solution.problem.traced
+        self._param_names = [name for name, _ in traced.params]
+        self._buffer_names = [name for name, _ in traced.buffers]
+        self._input_spec = traced.input_spec
+        self._output_spec = traced.output_spec
+        self._input_layouts = tuple(solution.input_placements)
+        self._mesh = solution.problem.mesh
+        self.solution = solution
+
+    @property
+    def code(self) -> str:
+        """The forward's Python code: one ``redistribute`` per value read in a new layout, one op per node."""
+        return self.plan.code
+
+    def forward(self, *args: Any) -> Any:
+        flat, spec = pytree.tree_flatten(args)
+        if spec != self._input_spec:
+            raise TypeError(
+                f"auto_parallel: the model was planned for inputs shaped like {self._input_spec}, got {spec}; "
+                "call it with arguments structured like the example inputs"
+            )
+        inputs = []
+        for i, (x, layout) in enumerate(zip(flat, self._input_layouts)):
+            if isinstance(x, DTensor):
+                inputs.append(x.redistribute(self._mesh, layout))
+            elif isinstance(x, torch.Tensor):
+                inputs.append(DTensor.from_local(x, self._mesh, layout, run_check=False))
+            else:
+                raise TypeError(f"auto_parallel: input {i} is {type(x).__name__}, not a tensor")
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        states = [params[n] for n in self._param_names] + [_replicated(buffers[n], self._mesh) for n in self._buffer_names]
+        outs = self.plan(*states, *inputs)
+        return pytree.tree_unflatten(list(outs), self._output_spec)
+
+
+def parallelize(model: nn.Module, solution: Solution) -> AutoParallelModule:
+    """A copy of ``model`` with its parameters distributed as ``solution`` chose, and its forward."""
+    module = copy.deepcopy(model)
+    placements = solution.param_placements
+    mesh = solution.problem.mesh
+    for name, param in list(module.named_parameters()):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        dist = distribute_tensor(param.detach(), mesh, placements[name])
+        setattr(owner, attr, nn.Parameter(dist, requires_grad=param.requires_grad))
+    return AutoParallelModule(module, solution)

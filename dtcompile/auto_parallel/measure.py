@@ -1,0 +1,248 @@
+"""What a choice costs: an op run by DTensor on fake shards, and a redistribution as DTensor plans it.
+
+Two measurements feed the solver, both in dtcompile's own terms so that the
+solution's estimate is the estimate of the graphs dtcompile will compile:
+
+- :func:`measure_op`: one op, with its inputs in the layouts of one candidate
+  strategy, is run by DTensor on fake local shards *with its backward* (the
+  gradient of its output arriving in
+  :func:`~dtcompile.auto_parallel.placements.output_grad_layout`), traced with
+  ``make_fx`` down to the local aten ops and functional collectives DTensor
+  issues.  Each traced node is timed by :func:`dtcompile.simulate.node_time_us`
+  (the roofline) and each collective read by
+  :func:`dtcompile.collectives.collective_info` and timed by the cost model;
+  the layouts DTensor gives the inputs' gradients are read back.  The backward
+  is measured rather than chosen because the applied model is an ordinary DTensor
+  module: autograd runs each op's backward with DTensor's own propagation, so
+  the forward choice decides it.
+- :func:`plan_redistribution`: the collectives of one ``redistribute`` from
+  DTensor's own planner (``_gen_transform_infos``), without tracing (the solver
+  needs thousands); :func:`trace_redistribution` traces the same thing, and the
+  tests check that the two agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, local_numel, output_grad_layout
+from dtcompile.collectives import collective_info
+from dtcompile.cost_model import HardwareProfile
+from dtcompile.simulate import node_time_us
+
+__all__ = ["OpMeasure", "measure_op", "plan_redistribution", "trace_redistribution"]
+
+
+@dataclass(frozen=True)
+class OpMeasure:
+    """One op under one strategy, forward and backward, as DTensor runs it."""
+
+    forward_us: float
+    """Roofline time of the forward's local ops."""
+    backward_us: float
+    """Roofline time of the backward's local ops."""
+    collectives: tuple[PlannedCollective, ...]
+    """Collectives DTensor issues inside the op (its backward's redistributions)."""
+    out_layouts: tuple[Layout | None, ...]
+    """The layout DTensor gave each output (compared with the strategy's)."""
+    grad_layouts: tuple[Layout | None, ...]
+    """Per tensor input: the layout of its gradient, ``None`` when it gets none."""
+
+
+def _axis_names(mesh: Any) -> dict[str, str]:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {mesh.get_group(axis).group_name: name for axis, name in enumerate(names)}
+
+
+def _read_graph(gm: torch.fx.GraphModule, boundary: int, mesh: Any, profile: HardwareProfile) -> tuple[float, float, list[PlannedCollective]]:
+    axes = _axis_names(mesh)
+    forward = backward = 0.0
+    found = []
+    for index, node in enumerate(gm.graph.nodes):
+        direction = "forward" if index < boundary else "backward"
+        info = collective_info(node, axes)
+        if info is not None:
+            found.append(PlannedCollective(direction, info.op, info.axis, info.group_size, info.bytes, info.group_span))
+            continue
+        cost = node_time_us(node, profile)
+        if direction == "forward":
+            forward += cost
+        else:
+            backward += cost
+    return forward, backward, found
+
+
+def _global_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    return torch.empty(tuple(shape), device="meta").stride()
+
+
+def _local_shape(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    local = list(shape)
+    for placement, size in zip(layout, mesh_shape):
+        if isinstance(placement, Shard):
+            local[placement.dim] //= size
+    return tuple(local)
+
+
+def _fake_local(fake_mode: Any, shape: Sequence[int], dtype: torch.dtype, layout: Layout, mesh: Any, requires_grad: bool) -> torch.Tensor:
+    with fake_mode:
+        return torch.empty(_local_shape(shape, layout, mesh.shape), dtype=dtype, device=mesh.device_type, requires_grad=requires_grad)
+
+
+def measure_op(
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tensors: Sequence[tuple[tuple[int, ...], torch.dtype, bool]],
+    in_layouts: Sequence[Layout],
+    out_metas: Sequence[tuple[tuple[int, ...], torch.dtype] | None],
+    out_layouts: Sequence[Layout | None],
+    mesh: Any,
+    profile: HardwareProfile,
+    fake_mode: Any,
+) -> OpMeasure:
+    """Trace ``target`` on DTensors of layouts ``in_layouts`` and its backward.
+
+    ``args``/``kwargs`` hold :class:`_TensorSlot` markers where tensors go;
+    ``tensors[i]`` is ``(global shape, dtype, requires_grad)`` of the i-th;
+    ``out_metas``/``out_layouts`` are the outputs' global ``(shape, dtype)`` and
+    the strategy's layouts (their gradients arrive in :func:`grad_layout` of them).
+    """
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+    num_in = len(tensors)
+    differentiable = [
+        i for i, (meta, layout) in enumerate(zip(out_metas, out_layouts))
+        if meta is not None and layout is not None and meta[1].is_floating_point
+    ]
+    wants_grad = any(rg for _, _, rg in tensors)
+    grad_outs = []
+    if wants_grad:
+        for i in differentiable:
+            shape, dtype = out_metas[i]
+            layout = out_layouts[i]
+            grad_outs.append((shape, dtype, output_grad_layout(layout)))
+    seen: dict[str, Any] = {}
+
+    def run(*flat: torch.Tensor) -> list[torch.Tensor]:
+        dts = []
+        for (shape, _, _), layout, local in zip(tensors, in_layouts, flat[:num_in]):
+            dts.append(DTensor.from_local(local, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape)))
+        call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
+        out = target(*call_args, **call_kwargs)
+        seen["boundary"] = len(get_proxy_mode().tracer.graph.nodes)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        seen["out"] = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
+        seen["grads"] = (None,) * num_in
+        if not grad_outs:
+            return [o.to_local() for o in outs if isinstance(o, DTensor)]
+        diff = [outs[i] for i in differentiable]
+        grads = [
+            DTensor.from_local(g, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
+            for (shape, _, layout), g in zip(grad_outs, flat[num_in:])
+        ]
+        wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
+        got = torch.autograd.grad(diff, wrt, grads, allow_unused=True)
+        it = iter(got)
+        seen["grads"] = tuple(
+            (lambda g: g.placements if isinstance(g, DTensor) else None)(next(it)) if rg else None
+            for _, _, rg in tensors
+        )
+        return [g.to_local() for g in got if isinstance(g, DTensor)]
+
+    flat = [
+        _fake_local(fake_mode, shape, dtype, layout, mesh, rg)
+        for (shape, dtype, rg), layout in zip(tensors, in_layouts)
+    ]
+    flat += [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
+    gm = make_fx(run, tracing_mode="fake")(*flat)
+    forward, backward, found = _read_graph(gm, seen["boundary"], mesh, profile)
+    return OpMeasure(forward, backward, tuple(found), seen["out"], seen["grads"])
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Where the i-th tensor argument goes in an op's ``args``/``kwargs``."""
+
+    index: int
+
+
+@functools.cache
+def _plan_cached(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str) -> tuple[PlannedCollective, ...]:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import (
+        _FlattenedTransformInfo,
+        _gen_transform_infos,
+        _optimize_transform_infos,
+    )
+
+    meta = TensorMeta(torch.Size(shape), _global_stride(shape), dtype)
+    src_spec = DTensorSpec(mesh, src, tensor_meta=meta)
+    dst_spec = DTensorSpec(mesh, dst, tensor_meta=meta)
+    infos = _optimize_transform_infos(_gen_transform_infos(src_spec, dst_spec), mesh, src, dst)
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    itemsize = dtype.itemsize
+    current = list(src)
+    found = []
+    for info in infos:
+        before = local_numel(shape, tuple(current), mesh.shape)
+        a, b = info.src_dst_placements
+        if isinstance(info, _FlattenedTransformInfo):
+            dims = info.original_mesh_dims
+            group_mesh = info.mesh
+            axis, size, span = group_mesh.mesh_dim_names[0], group_mesh.size(), axis_span(group_mesh, 0)
+        else:
+            dims = (info.mesh_dim,)
+            axis, size, span = names[info.mesh_dim], mesh.size(info.mesh_dim), axis_span(mesh, info.mesh_dim)
+        gathered = list(current)
+        for d in dims:
+            gathered[d] = Replicate()
+            current[d] = b
+        full = local_numel(shape, tuple(gathered), mesh.shape)
+        if isinstance(a, Partial) and isinstance(b, Replicate):
+            op, numel = "all_reduce", before
+        elif isinstance(a, Partial) and isinstance(b, Shard):
+            op, numel = "reduce_scatter", before
+        elif isinstance(a, Shard) and isinstance(b, Replicate):
+            op, numel = "all_gather", full
+        elif isinstance(a, Shard) and isinstance(b, Shard):
+            # shard_dim_alltoall: gloo has no all-to-all, DTensor all-gathers and chunks on CPU.
+            op, numel = ("all_gather", full) if mesh.device_type == "cpu" else ("all_to_all", before)
+        else:
+            continue  # a local chunk (replicate -> shard) or replicate -> partial: no communication
+        found.append(PlannedCollective(direction, op, axis, size, numel * itemsize, span))
+    return tuple(found)
+
+
+def plan_redistribution(
+    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str = "forward"
+) -> tuple[PlannedCollective, ...]:
+    """The collectives of redistributing a ``shape`` tensor from ``src`` to ``dst``, as
+    DTensor's planner orders them (one per mesh axis that changes, or one over a
+    flattened mesh where DTensor merges them)."""
+    if tuple(src) == tuple(dst):
+        return ()
+    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, direction)
+
+
+def trace_redistribution(
+    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, profile: HardwareProfile
+) -> tuple[PlannedCollective, ...]:
+    """The collectives ``redistribute(src -> dst)`` issues, traced on fake shards (for tests)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(local: torch.Tensor) -> torch.Tensor:
+        dt = DTensor.from_local(local, mesh, src, run_check=False, shape=tuple(shape), stride=_global_stride(shape))
+        return dt.redistribute(mesh, dst).to_local()
+
+    local = _fake_local(FakeTensorMode(), shape, dtype, src, mesh, False)
+    gm = make_fx(run, tracing_mode="fake")(local)
+    return tuple(_read_graph(gm, len(gm.graph.nodes), mesh, profile)[2])

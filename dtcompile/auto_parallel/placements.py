@@ -1,0 +1,121 @@
+"""Placements as the solver sees them: enumeration, text, local sizes, and one collective.
+
+A *layout* is a tuple of placements, one per mesh axis (``(Shard(0), Replicate())``),
+written ``S(0)R`` (:func:`text`, the notation of :mod:`hops.spec`).  The solver
+offers a parameter or an input every layout that shards its dims evenly
+(:func:`layouts`): an uneven shard makes DTensor pad, and dtcompile's
+communication passes leave such graphs alone, so the solver does not choose them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from dtcompile.cost_model import HardwareProfile, collective_time_us
+from hops.spec import format_placements
+
+__all__ = [
+    "Layout",
+    "PlannedCollective",
+    "axis_span",
+    "even",
+    "grad_layout",
+    "layouts",
+    "local_numel",
+    "output_grad_layout",
+    "text",
+]
+
+Layout = tuple[Any, ...]
+"""One placement per mesh axis."""
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    """One collective a choice implies: what it is, on which mesh axis, and its bytes per rank.
+
+    ``bytes`` follows :mod:`dtcompile.collectives` (the gathered output of an
+    all-gather, the input of the others), so it compares with the compiled graphs'.
+    """
+
+    direction: str
+    """``forward`` or ``backward``."""
+    op: str
+    axis: str
+    group_size: int
+    bytes: int
+    group_span: int = 1
+
+    def time_us(self, profile: HardwareProfile) -> float:
+        return collective_time_us(self.op, self.bytes, self.group_size, profile.link(self.group_span))
+
+    def key(self) -> tuple[str, str, str, int]:
+        """``(direction, op, axis, bytes)``: what the compiled graphs are compared on."""
+        return (self.direction, self.op, self.axis, self.bytes)
+
+    def __str__(self) -> str:
+        return f"{self.direction} {self.op}[{self.axis}] x{self.group_size} {self.bytes} B"
+
+
+def text(layout: Layout | None) -> str:
+    """``S(0)R``; ``-`` for no tensor."""
+    return "-" if layout is None else format_placements(layout)
+
+
+def even(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]) -> bool:
+    """Whether every sharded dim of ``shape`` divides evenly by the axes that shard it."""
+    ways = [1] * len(shape)
+    for placement, size in zip(layout, mesh_shape):
+        if isinstance(placement, Shard):
+            if placement.dim >= len(shape):
+                return False
+            ways[placement.dim] *= size
+    return all(s % w == 0 for s, w in zip(shape, ways))
+
+
+def local_numel(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]) -> int:
+    """Elements of one rank's shard of an evenly sharded tensor."""
+    numel = math.prod(shape)
+    for placement, size in zip(layout, mesh_shape):
+        if isinstance(placement, Shard):
+            numel //= size
+    return numel
+
+
+def layouts(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Layout]:
+    """Every layout of a tensor of ``shape`` without ``Partial``, sharding evenly; replicated first."""
+    per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    found: list[Layout] = [()]
+    for _ in mesh_shape:
+        found = [(*prefix, p) for prefix in found for p in per_axis]
+    found = [layout for layout in found if even(shape, layout, mesh_shape)]
+    found.sort(key=lambda layout: sum(isinstance(p, Shard) for p in layout))
+    return found
+
+
+def grad_layout(grad: Layout, value: Layout) -> Layout:
+    """Where the gradient of a value of layout ``value`` lands after ``redistribute``'s
+    backward, the gradient arriving as ``grad``: DTensor keeps a replicated or sharded
+    gradient replicated where the value was ``Partial`` (``_redistribute_backward``)."""
+    return tuple(
+        Replicate() if isinstance(v, Partial) and not isinstance(g, Partial) else v for g, v in zip(grad, value)
+    )
+
+
+def output_grad_layout(value: Layout) -> Layout:
+    """The layout in which a value's gradient reaches the op that made it, in the applied model:
+    every consumer reads the value through a ``redistribute`` whose backward lands the gradient
+    in :func:`grad_layout`, replicated where the value is ``Partial`` (edges where a gradient
+    would stay ``Partial`` there are not offered)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in value)
+
+
+def axis_span(mesh: Any, axis: int) -> int:
+    """How many consecutive ranks one group of ``axis`` spans (``max - min + 1``)."""
+    ranks = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.mesh.shape[axis])[0]
+    return int(ranks.max() - ranks.min() + 1)

@@ -1,0 +1,223 @@
+"""What the solver chose, node by node: layouts, costs, the collectives it implies, and why.
+
+``solution.explain()`` prints one line per node of the problem in graph order::
+
+    mm = aten.mm(view, t)  # placement=(S(0), R) -> S(0), cost=[0.01, 0.00, 8.41]
+
+``placement=(inputs) -> outputs`` in the short notation of :mod:`hops.spec`
+(``S(0)R``: ``Shard(0)`` on the first mesh axis, ``Replicate()`` on the second),
+and ``cost=[own, arg 0, arg 1, ...]`` in microseconds: the node's own forward and
+backward (roofline compute plus the collectives DTensor issues inside its
+backward), then per tensor argument the redistributions that bring it to the
+node and its gradient back.  A value several nodes read is redistributed once,
+by its fan-out line (``x_fanout = redistribute(x)``), whose readers then cost
+nothing for it.  ``solution.explain(name)`` lists every candidate of one node with
+what it would cost if that node alone changed, and why it lost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
+from dtcompile.auto_parallel.problem import Candidate, Problem, Transfer, transfer
+from dtcompile.auto_parallel.solver import SolveResult
+
+__all__ = ["Solution"]
+
+
+@dataclass(frozen=True)
+class _Incoming:
+    producer: str
+    index: int
+    via: str
+    """The problem node the edge ends at: the reader, or its fan-out."""
+    slot: int
+
+
+class Solution:
+    """The chosen strategy of every node of a :class:`~dtcompile.auto_parallel.problem.Problem`."""
+
+    def __init__(self, problem: Problem, result: SolveResult, param_memory_budget_bytes: int | None = None) -> None:
+        self.problem = problem
+        self.result = result
+        self.param_memory_budget_bytes = param_memory_budget_bytes
+        self._cache: dict[Any, Transfer | None] = {}
+        self._edges = {(e.consumer, e.slot): e for e in problem.edges}
+        self._fanout_of = {(link.consumer, link.slot): link.fanout for link in problem.links}
+        self._readers: dict[str, list[tuple[str, int]]] = {}
+        for e in problem.edges:
+            self._readers.setdefault(e.producer, []).append((e.consumer, e.slot))
+        t = problem.traced
+        self._display = {node.name: name for name, node in t.params + t.buffers}
+        self._display.update({node.name: f"input{i}" for i, node in enumerate(t.inputs)})
+
+    # The choices, as plain data.
+
+    def choice(self, name: str) -> Candidate:
+        """The chosen candidate of problem node ``name``."""
+        return self.problem.nodes[name].candidates[self.result.choice[name]]
+
+    @property
+    def cost_us(self) -> float:
+        """The step's estimated time (the objective): every node's own cost and every edge's."""
+        return self.result.objective_us
+
+    @property
+    def param_placements(self) -> dict[str, Layout]:
+        """Parameter name -> its chosen placements."""
+        return {name: self.choice(node.name).outputs[0] for name, node in self.problem.traced.params}
+
+    @property
+    def input_placements(self) -> list[Layout]:
+        """Per flattened input, the placements the parallel model lays it out in."""
+        return [self.choice(node.name).outputs[0] for node in self.problem.traced.inputs]
+
+    @property
+    def output_placements(self) -> list[Layout]:
+        """Per flattened output, the placements the parallel model returns it in."""
+        outputs = [n for n in self.problem.nodes.values() if n.kind == "output"]
+        return [self.choice(n.name).inputs[0] for n in outputs]
+
+    def param_bytes_per_rank(self) -> int:
+        return sum(sizes[self.result.choice[name]] for name, sizes in self.problem.param_bytes.items())
+
+    def read_layout(self, name: str, slot: int) -> tuple[str, Layout]:
+        """``(value's problem node, layout)`` that node ``name`` reads argument ``slot`` from:
+        its producer directly, or the producer's fan-out."""
+        fan = self._fanout_of.get((name, slot))
+        return (fan or self.problem.nodes[name].inputs[slot][0]), self.choice(name).inputs[slot]
+
+    def _transfer(self, edge: Any, producer_choice: int, consumer_choice: int) -> Transfer | None:
+        p, c = self.problem.nodes[edge.producer], self.problem.nodes[edge.consumer]
+        pc, cc = p.candidates[producer_choice], c.candidates[consumer_choice]
+        shape, dtype = p.outputs[edge.index]
+        grad = cc.grads[edge.slot] if p.requires_grad[edge.index] and cc.grads else None
+        return transfer(shape, dtype, pc.outputs[edge.index], cc.inputs[edge.slot], grad,
+                        self.problem.mesh, self.problem.profile, self._cache)
+
+    def edge_transfer(self, consumer: str, slot: int) -> Transfer | None:
+        """The chosen redistributions into ``consumer``'s argument ``slot`` (``None``: it reads a fan-out)."""
+        edge = self._edges.get((consumer, slot))
+        if edge is None:
+            return None
+        return self._transfer(edge, self.result.choice[edge.producer], self.result.choice[consumer])
+
+    def predicted_collectives(self) -> list[PlannedCollective]:
+        """Every collective the chosen plan implies, forward and backward: inside ops, and
+        in the redistributions between them, in graph order."""
+        found: list[PlannedCollective] = []
+        for node in self.problem.nodes.values():
+            found += self.choice(node.name).collectives
+            for slot in range(len(node.inputs)):
+                t = self.edge_transfer(node.name, slot)
+                if t is not None:
+                    found += t.collectives
+        return found
+
+    # Explanations.
+
+    def display_name(self, node_name: str) -> str:
+        """A placeholder's parameter name (``w1.weight``) or ``input0``; other nodes' own names."""
+        return self._display.get(node_name, node_name)
+
+    _name = display_name
+
+    def _line(self, name: str) -> str:
+        node = self.problem.nodes[name]
+        c = self.choice(name)
+        costs = [c.cost_us] + [(t.time_us if (t := self.edge_transfer(name, s)) else 0.0) for s in range(len(node.inputs))]
+        cost = ", ".join(f"{x:.2f}" for x in costs)
+        outs = [text(o) for o in c.outputs if o is not None]
+        placement = f"({', '.join(text(i) for i in c.inputs)}) -> {', '.join(outs)}"
+        if node.kind in ("param", "buffer", "input"):
+            shape, dtype = node.outputs[0]
+            call = f"{node.kind}({str(dtype).removeprefix('torch.')}{list(shape)})"
+        else:
+            args = ", ".join(self._name(p) if k == 0 else f"{self._name(p)}[{k}]" for p, k in node.inputs)
+            call = f"{'redistribute' if node.kind == 'fanout' else node.target}({args})"
+        return f"{self._name(name)} = {call}  # placement={placement}, cost=[{cost}]"
+
+    def explain(self, name: str | None = None) -> str:
+        """Every node's line (see the module docstring); with ``name`` (a node, parameter or
+        ``input0``...), that node's candidates and why each lost."""
+        if name is None:
+            lines = [self._line(n) for n in self.problem.nodes]
+            lines.append(
+                f"# estimated step: {self.cost_us:.2f} us ({self.problem.profile.name}); "
+                f"parameters {self.param_bytes_per_rank()} B per rank"
+            )
+            return "\n".join(lines)
+        return self._explain_node(self._resolve(name))
+
+    def _resolve(self, name: str) -> str:
+        if name in self.problem.nodes:
+            return name
+        for node_name, display in self._display.items():
+            if display == name:
+                return node_name
+        raise KeyError(f"Solution.explain: no node or parameter named {name!r}; the nodes are {list(self.problem.nodes)}")
+
+    def _local_cost(self, name: str, index: int) -> tuple[float, str]:
+        """What the step would cost around node ``name`` with candidate ``index``, its
+        neighbours' choices kept; ``inf`` and the reason when it cannot be."""
+        node = self.problem.nodes[name]
+        cand = node.candidates[index]
+        total = cand.cost_us * len(self.problem.groups()[node.group])
+        for slot in range(len(node.inputs)):
+            edge = self._edges.get((name, slot))
+            if edge is not None:
+                t = self._transfer(edge, self.result.choice[edge.producer], index)
+                if t is None:
+                    return math.inf, f"argument {slot} cannot come from {self._name(edge.producer)} in {text(cand.inputs[slot])}"
+                total += t.time_us
+            else:
+                fan = self._fanout_of[(name, slot)]
+                fc = self.choice(fan)
+                if cand.inputs[slot] != fc.inputs[0] or (fc.grads[0] is not None and cand.grads[slot] not in (None, fc.grads[0])):
+                    return math.inf, f"the other readers of {self._name(node.inputs[slot][0])} read it as {text(fc.inputs[0])}"
+        for consumer, slot in self._readers.get(name, []):
+            edge = self._edges[(consumer, slot)]
+            t = self._transfer(edge, index, self.result.choice[consumer])
+            if t is None:
+                return math.inf, f"{self._name(consumer)} cannot read it in its chosen layout"
+            total += t.time_us
+        if name in self.problem.param_bytes and self.param_memory_budget_bytes is not None:
+            sizes = self.problem.param_bytes[name]
+            over = self.param_bytes_per_rank() - sizes[self.result.choice[name]] + sizes[index]
+            if over > self.param_memory_budget_bytes:
+                return math.inf, f"parameters would take {over} B per rank, over the budget of {self.param_memory_budget_bytes} B"
+        return total, ""
+
+    def _explain_node(self, name: str) -> str:
+        node = self.problem.nodes[name]
+        chosen = self.result.choice[name]
+        base, _ = self._local_cost(name, chosen)
+        lines = [self._line(name), f"# {len(node.candidates)} candidates; cost around it with the neighbours' choices kept:"]
+        for index, cand in enumerate(node.candidates):
+            cost, why = self._local_cost(name, index)
+            placement = f"({', '.join(text(i) for i in cand.inputs)}) -> {', '.join(text(o) for o in cand.outputs if o is not None)}"
+            if index == chosen:
+                verdict = f"{cost:.2f} us  chosen"
+            elif math.isinf(cost):
+                verdict = f"impossible: {why}"
+            elif cost >= base:
+                verdict = f"{cost:.2f} us  lost by {cost - base:.2f} us"
+            else:
+                verdict = f"{cost:.2f} us  cheaper alone, but the neighbours' best choices change with it"
+            lines.append(f"  {placement:<40} {verdict}")
+        return "\n".join(lines)
+
+
+def collective_keys(collectives: list[Any], direction: str | None = None) -> Mapping[tuple[str, str, int], int]:
+    """Multiset of ``(op, axis, bytes)``: what the predicted and the compiled collectives are compared on."""
+    counts: dict[tuple[str, str, int], int] = {}
+    for c in collectives:
+        if direction is not None and getattr(c, "direction", direction) != direction:
+            continue
+        key = (c.op, c.axis, c.bytes)
+        counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -1,0 +1,185 @@
+"""The candidate strategies of one op: DTensor's own registered strategies, kept where DTensor runs them.
+
+For an op node the solver asks DTensor's sharding propagator for the op's
+``OpStrategy`` given input ``OpStrategy``\\ s that list every layout the producers
+may give (:func:`op_strategies`): the op's single-mesh-dim strategies expanded
+over the mesh (``_expand_single_dim_strategy_to_mesh``, the path DTensor's
+dispatch takes first), else its registered strategy function
+(``op_strategy_funcs``).  Each ``OpSpec`` is one candidate: input layouts, output
+layouts.
+
+A candidate is kept only if DTensor, handed inputs in exactly those layouts,
+runs that very strategy (:func:`runs_as_chosen`: no redistribution of an input
+and the same output layouts; DTensor breaks ties between strategies its own way)
+and shards every tensor evenly.  A strategy that reads a ``Partial`` input is
+also offered with that input handed over replicated, where DTensor's dispatch
+makes it ``Partial`` locally (an explicit ``redistribute`` may not: the
+row-wise linear's bias).  So the applied model, which redistributes each
+input to the chosen layout before the op, makes DTensor run the chosen strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Partial, Replicate
+
+from dtcompile.auto_parallel.measure import _global_stride, _TensorSlot
+from dtcompile.auto_parallel.placements import Layout, even
+
+__all__ = ["UnsupportedOp", "op_strategies", "runs_as_chosen"]
+
+
+class UnsupportedOp(ValueError):
+    """DTensor has no sharding strategy for an op of the traced model."""
+
+
+def _propagator() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _meta(shape: Sequence[int], dtype: torch.dtype) -> Any:
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    return TensorMeta(torch.Size(shape), _global_stride(shape), dtype)
+
+
+def _schema(op: Any, args: Any, kwargs: Any, fill: Any) -> Any:
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    propagator = _propagator()
+    info = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+    call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, fill, (args, kwargs))
+    return OpSchema(op, tuple(call_args), dict(call_kwargs), schema_info=info)
+
+
+def _layouts_of(specs: Any) -> tuple[Layout | None, ...]:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    if isinstance(specs, DTensorSpec):
+        return (tuple(specs.placements),)
+    return tuple(tuple(s.placements) if isinstance(s, DTensorSpec) else None for s in specs)
+
+
+def op_strategies(
+    op: Any,
+    args: Any,
+    kwargs: Any,
+    tensors: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    options: Sequence[Sequence[Layout]],
+    out_shapes: Sequence[tuple[int, ...] | None],
+    mesh: Any,
+) -> list[tuple[tuple[Layout, ...], tuple[Layout | None, ...]]]:
+    """``(input layouts, output layouts)`` of every strategy DTensor lists for ``op`` when
+    tensor argument ``i`` may come in any layout of ``options[i]``; kept only where
+    every input and output shards evenly and :func:`runs_as_chosen`."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+
+    propagator = _propagator()
+    metas = [_meta(shape, dtype) for shape, dtype in tensors]
+
+    def strategy(slot: _TensorSlot) -> Any:
+        meta = metas[slot.index]
+        return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(layout), tensor_meta=meta)) for layout in options[slot.index]])
+
+    def first_spec(slot: _TensorSlot) -> Any:
+        return DTensorSpec(mesh, tuple(options[slot.index][0]), tensor_meta=metas[slot.index])
+
+    schema = _schema(op, args, kwargs, strategy)
+    single = propagator.op_single_dim_strategy_funcs.get(op)
+    if single is not None:
+        out_meta = propagator._propagate_tensor_meta_non_cached(_schema(op, args, kwargs, first_spec))
+        result = _expand_single_dim(op, schema, single, out_meta, options, len(tensors), mesh)
+    elif op in propagator.op_strategy_funcs:
+        result = propagator.op_strategy_funcs[op](schema)
+    else:
+        raise UnsupportedOp(f"{op}: DTensor has no registered sharding strategy for it")
+    found: dict[tuple[Any, Any], None] = {}
+    for spec in result.strategies:
+        ins = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * len(tensors)
+        in_layouts = tuple(tuple(s.placements) for s in ins)
+        out_layouts = _layouts_of(spec.output_specs)
+        if len(in_layouts) != len(tensors):
+            continue
+        if not all(even(shape, layout, mesh.shape) for (shape, _), layout in zip(tensors, in_layouts)):
+            continue
+        if not all(
+            shape is None or layout is None or even(shape, layout, mesh.shape)
+            for shape, layout in zip(out_shapes, out_layouts)
+        ):
+            continue
+        found[(in_layouts, out_layouts)] = None
+        if any(isinstance(p, Partial) for layout in in_layouts for p in layout):
+            # Handed replicated where the strategy reads Partial: DTensor's dispatch makes it
+            # Partial itself (a local step an explicit redistribute may not take), as it does
+            # for a row-wise linear's replicated bias.
+            handed = tuple(tuple(Replicate() if isinstance(p, Partial) else p for p in layout) for layout in in_layouts)
+            found[(handed, out_layouts)] = None
+    return [key for key in found if runs_as_chosen(op, args, kwargs, tensors, key[0], key[1], mesh)]
+
+
+def _expand_single_dim(op: Any, schema: Any, single: Any, out_meta: Any, options: Sequence[Sequence[Layout]],
+                       num_inputs: int, mesh: Any) -> Any:
+    """DTensor's single-mesh-dim strategies of ``op`` expanded over the mesh.
+
+    DTensor's own expansion (``_expand_single_dim_strategy_to_mesh``) fills the
+    strategies' shard placeholders with the shardings its one runtime input
+    layout uses; here the inputs may come in any layout, so the placeholders are
+    filled with every placement the options use, then expanded the same way
+    (``expand_to_full_mesh_op_strategy``).
+    """
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _fill_single_dim_strategy_placeholders,
+        _insert_single_dim_replication_strategy,
+    )
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    rules = single.func(op, schema.args_meta, schema.kwargs_meta)
+    if rules:
+        num_outputs = len(rules[0]) - num_inputs
+    else:
+        num_outputs = 1 if isinstance(out_meta, TensorMeta) else len(out_meta or ())
+    rules = _insert_single_dim_replication_strategy(rules, num_outputs, num_inputs, out_meta)
+    used = {p for layouts in options for layout in layouts for p in layout}
+    rules = _fill_single_dim_strategy_placeholders(used, rules)
+    return expand_to_full_mesh_op_strategy(
+        mesh, schema, rules, output_tensor_meta=out_meta, input_index=num_outputs, allow_uneven_sharding=False
+    )
+
+
+def runs_as_chosen(
+    op: Any,
+    args: Any,
+    kwargs: Any,
+    tensors: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    in_layouts: Sequence[Layout],
+    out_layouts: Sequence[Layout | None],
+    mesh: Any,
+) -> bool:
+    """Whether DTensor's dispatch, given inputs in ``in_layouts``, runs them as they are
+    and produces ``out_layouts``."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    metas = [_meta(shape, dtype) for shape, dtype in tensors]
+    schema = _schema(op, args, kwargs, lambda slot: DTensorSpec(mesh, tuple(in_layouts[slot.index]), tensor_meta=metas[slot.index]))
+    try:
+        sharding = _propagator().propagate_op_sharding_non_cached(schema)
+    except Exception:  # DTensor refuses this combination outright
+        return False
+    if sharding.redistribute_schema is not None:
+        wanted = [tuple(s.placements) for s in sharding.redistribute_schema.args_spec]
+        if len(wanted) != len(in_layouts):
+            return False
+        for want, have in zip(wanted, in_layouts):
+            # Only DTensor's local replicate -> Partial step is allowed: no communication.
+            if any(w != h and not (isinstance(w, Partial) and isinstance(h, Replicate)) for w, h in zip(want, have)):
+                return False
+    got = _layouts_of(sharding.output_spec) if sharding.output_spec is not None else (None,)
+    return len(got) == len(out_layouts) and all(g == o for g, o in zip(got, out_layouts) if o is not None)

@@ -1,0 +1,126 @@
+"""The model's forward as aten ops on fake tensors: what the solver places.
+
+:func:`trace_forward` runs the model once under ``make_fx`` on fake tensors
+(``FakeTensorMode``: shapes and dtypes, no memory, so an 8B model traces on a
+laptop; parameters on the ``meta`` device work too) with its parameters,
+buffers and inputs as the graph's placeholders.  The ops are the aten ops
+DTensor dispatches on (``linear`` is ``t`` + ``addmm``), each node keeps the
+module it was called from (``nn_module_stack``), which is how repeated layers
+are recognised (:mod:`dtcompile.auto_parallel.tying`).
+
+Only the forward is traced: the backward of each op is measured under each of
+its strategies (:mod:`dtcompile.auto_parallel.measure`), because the model that
+comes out is run by autograd over DTensor ops, and there the forward's choice
+fixes what the backward does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+__all__ = ["TracedModel", "trace_forward"]
+
+
+@dataclass
+class TracedModel:
+    gm: fx.GraphModule
+    """The forward, one aten op per node; placeholders: parameters, buffers, inputs."""
+    params: list[tuple[str, fx.Node]]
+    """Parameter name -> its placeholder, in ``named_parameters`` order."""
+    buffers: list[tuple[str, fx.Node]]
+    inputs: list[fx.Node]
+    """The flattened example inputs' placeholders."""
+    input_spec: Any
+    """The pytree spec of the example inputs (a tuple of positional arguments)."""
+    output_spec: Any
+    """The pytree spec of the model's output."""
+    fake_mode: Any
+    requires_grad: dict[str, bool]
+    """Placeholder name -> whether that parameter or input requires grad."""
+    module_of: dict[str, str]
+    """Node name -> the innermost submodule (its path) whose call produced it."""
+
+
+def _fake(fake_mode: Any, value: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
+    with fake_mode:
+        return torch.empty_strided(
+            tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=device, requires_grad=requires_grad
+        )
+
+
+def trace_forward(model: nn.Module, example_inputs: Sequence[Any], device: str) -> TracedModel:
+    """Trace ``model(*example_inputs)`` on fake tensors on ``device`` (the mesh's device type)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    flat_inputs, input_spec = pytree.tree_flatten(tuple(example_inputs))
+    fake_params = [_fake(fake_mode, p, device, p.requires_grad) for _, p in params]
+    fake_buffers = [_fake(fake_mode, b, device, False) for _, b in buffers]
+    fake_inputs = [
+        _fake(fake_mode, x, device, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in flat_inputs
+    ]
+    names = [n for n, _ in params] + [n for n, _ in buffers]
+    num_states = len(names)
+    out_spec: list[Any] = []
+
+    def forward(*flat: Any) -> list[Any]:
+        states = dict(zip(names, flat[:num_states]))
+        args = pytree.tree_unflatten(list(flat[num_states:]), input_spec)
+        out = functional_call(model, states, args)
+        leaves, spec = pytree.tree_flatten(out)
+        out_spec.append(spec)
+        return leaves
+
+    # Which module made each node: hooks note the graph's length as each submodule
+    # call starts and ends (make_fx's own module stack is not kept through functional_call).
+    spans: list[tuple[str, int, int]] = []
+    starts: list[int] = []
+
+    def graph_len() -> int:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    handles = []
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        handles.append(module.register_forward_pre_hook(lambda *_: starts.append(graph_len())))
+        handles.append(module.register_forward_hook(lambda *_, path=path: spans.append((path, starts.pop(), graph_len()))))
+    try:
+        with fake_mode:
+            gm = make_fx(forward, tracing_mode="real")(*fake_params, *fake_buffers, *fake_inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    all_nodes = list(gm.graph.nodes)
+    requires_grad: dict[str, bool]
+    """Placeholder name -> whether that parameter or input requires grad."""
+    module_of: dict[str, str] = {}
+    # Outer calls end after inner ones: assign outer first, inner ones overwrite.
+    for path, start, end in sorted(spans, key=lambda s: (s[1], -s[2])):
+        for node in all_nodes[start:end]:
+            module_of[node.name] = path
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    param_nodes = list(zip([n for n, _ in params], placeholders[: len(params)]))
+    buffer_nodes = list(zip([n for n, _ in buffers], placeholders[len(params) : num_states]))
+    flags = [p.requires_grad for _, p in params] + [False] * len(buffers)
+    flags += [isinstance(x, torch.Tensor) and x.requires_grad for x in flat_inputs]
+    requires_grad = {node.name: flag for node, flag in zip(placeholders, flags)}
+    return TracedModel(
+        gm, param_nodes, buffer_nodes, placeholders[num_states:], input_spec, out_spec[0], fake_mode,
+        requires_grad, module_of,
+    )

@@ -1,0 +1,87 @@
+"""Repeated layers share one choice: a 32-layer model costs about one layer's variables.
+
+Layers are the calls of submodules that sit at the same path up to an index
+(``layers.0``, ``layers.1``... of an ``nn.ModuleList`` or ``nn.Sequential``): the
+*instances* of that path.  Two instances are tied when their nodes, in call
+order, match one to one: same op, same non-tensor arguments, same shapes and
+dtypes, and the same candidates.  Tied nodes (and tied parameters) then form one
+group: one set of choice variables, whose cost counts once per copy, and edges
+between two groups merge into one block (:mod:`dtcompile.auto_parallel.solver`).
+The first instance is the representative; the others copy its choice.  The
+copies' *measurements* still run (each instance is traced as the model runs), but
+through the builder's cache of identical op signatures.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dtcompile.auto_parallel.problem import Problem
+
+__all__ = ["tie_repeated_layers"]
+
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def _instance(path: str) -> tuple[str, str] | None:
+    """``layers.3.attention.wq`` -> (``layers.*``, ``layers.3``): the outermost indexed prefix."""
+    match = _INDEX.search(path)
+    if match is None:
+        return None
+    end = match.end()
+    return path[: match.start()] + ".*", path[:end]
+
+
+def _signature(problem: Problem, name: str) -> Any:
+    node = problem.nodes[name]
+    fx_node = node.fx_node
+    args = None
+    if fx_node is not None and node.kind in ("op", "constant"):
+        args = repr([a if not hasattr(a, "op") else "T" for a in fx_node.args]) + repr(sorted(fx_node.kwargs.items(), key=str))
+    return (node.kind, node.target if node.kind not in ("param", "input") else "", args, tuple(node.outputs),
+            tuple(node.candidates))
+
+
+def tie_repeated_layers(problem: Problem) -> int:
+    """Put the matching nodes of repeated layer instances into one group; returns how many nodes were tied."""
+    module_of = problem.traced.module_of
+    param_module = {node.name: name.rpartition(".")[0] for name, node in problem.traced.params}
+    instances: dict[str, dict[str, list[str]]] = {}
+    for name, node in problem.nodes.items():
+        path = param_module.get(name) if node.kind == "param" else module_of.get(node.fx_node.name) if node.fx_node is not None else None
+        if path is None:
+            continue
+        found = _instance(path)
+        if found is None:
+            continue
+        pattern, instance = found
+        instances.setdefault(pattern, {}).setdefault(instance, []).append(name)
+    tied = 0
+    for by_instance in instances.values():
+        names = list(by_instance.values())
+        first = names[0]
+        reference = [_signature(problem, n) for n in first]
+        for other in names[1:]:
+            if len(other) != len(first) or [_signature(problem, n) for n in other] != reference:
+                continue
+            for rep, copy in zip(first, other):
+                problem.nodes[copy].group = problem.nodes[rep].group
+                tied += 1
+    _tie_fanouts(problem)
+    return tied
+
+
+def _tie_fanouts(problem: Problem) -> None:
+    """A fan-out follows its producer's group, when its producer is tied and the fan-outs match."""
+    by_group: dict[tuple[str, int, tuple[Any, ...]], str] = {}
+    for node in problem.nodes.values():
+        if node.kind != "fanout":
+            continue
+        producer, index = node.inputs[0]
+        readers = tuple(sorted(problem.nodes[link.consumer].group for link in problem.links if link.fanout == node.name))
+        key = (problem.nodes[producer].group, index, readers, tuple(node.candidates))
+        if key in by_group:
+            node.group = by_group[key]
+        else:
+            by_group[key] = node.group

@@ -1,0 +1,92 @@
+"""Auto-parallel on the tensor parallel MLP (1-D mesh of 4, fake process group): the plan, its
+explanation, its collectives against the compiled graphs', and its cost against the hand plan's."""
+
+from __future__ import annotations
+
+import pytest
+from ap_cases import KEEP_COLLECTIVES, compiled_collectives, compiled_records, predicted_collectives, step_us
+from expecttest import assert_expected_inline
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import dtcompile
+from dtcompile._testing.models import build_mlp
+
+R = (Replicate(),)
+
+
+@pytest.fixture
+def mlp(tp_mesh):
+    reference, hand, x = build_mlp(tp_mesh)
+    hand_bytes = sum(p.to_local().numel() * p.element_size() for p in hand.parameters())
+    return tp_mesh, reference, hand, x, hand_bytes
+
+
+def _plan(mlp, **options):
+    mesh, reference, _, x, _ = mlp
+    return dtcompile.auto_parallel(reference, mesh, (x,), input_placements=[R], output_placements=[R], **options)
+
+
+def test_without_a_budget_a_tiny_mlp_stays_replicated(mlp):
+    # Compute is nanoseconds, any collective ~8 us: no communication is the best plan.
+    _, solution = _plan(mlp)
+    assert set(solution.param_placements.values()) == {R}
+    assert solution.predicted_collectives() == []
+
+
+def test_explain_with_the_hand_plans_memory_is_megatron(mlp):
+    _, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
+    assert_expected_inline(solution.explain(), """\
+w1.weight = param(float32[32, 16])  # placement=() -> S(0), cost=[0.00]
+w1.bias = param(float32[32])  # placement=() -> S(0), cost=[0.00]
+w2.weight = param(float32[16, 32])  # placement=() -> S(1), cost=[0.00]
+w2.bias = param(float32[16])  # placement=() -> R, cost=[0.00]
+input0 = input(float32[4, 16])  # placement=() -> R, cost=[0.00]
+t = aten.t(w1.weight)  # placement=(S(0)) -> S(1), cost=[0.00, 0.00]
+addmm = aten.addmm(w1.bias, input0, t)  # placement=(S(0), R, S(1)) -> S(1), cost=[0.00, 0.00, 0.00, 0.00]
+gelu = aten.gelu(addmm)  # placement=(S(1)) -> S(1), cost=[0.00, 0.00]
+t_1 = aten.t(w2.weight)  # placement=(S(1)) -> S(0), cost=[0.00, 0.00]
+addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, S(1), S(0)) -> P(sum), cost=[0.00, 0.00, 0.00, 0.00]
+output0 = output(addmm_1)  # placement=(R) -> R, cost=[0.00, 10.20]
+# estimated step: 10.21 us (h100); parameters 1120 B per rank""")
+
+
+def test_explain_one_node_lists_the_alternatives_and_why_they_lost(mlp):
+    _, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
+    assert_expected_inline(solution.explain("addmm_1"), """\
+addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, S(1), S(0)) -> P(sum), cost=[0.00, 0.00, 0.00, 0.00]
+# 9 candidates; cost around it with the neighbours' choices kept:
+  (R, R, R) -> R                           16.81 us  lost by 6.60 us
+  (P(sum), S(1), S(0)) -> P(sum)           impossible: argument 0 cannot come from w2.bias in P(sum)
+  (R, S(1), S(0)) -> P(sum)                10.20 us  chosen
+  (R, S(0), R) -> S(0)                     52.21 us  lost by 42.01 us
+  (S(0), R, S(1)) -> S(1)                  50.41 us  lost by 40.21 us
+  (P(sum), P(sum), R) -> P(sum)            impossible: argument 0 cannot come from w2.bias in P(sum)
+  (P(sum), R, P(sum)) -> P(sum)            impossible: argument 0 cannot come from w2.bias in P(sum)
+  (P(avg), P(avg), R) -> P(avg)            impossible: argument 0 cannot come from w2.bias in P(avg)
+  (P(avg), R, P(avg)) -> P(avg)            impossible: argument 0 cannot come from w2.bias in P(avg)""")
+    assert solution.explain("w2.weight").startswith("w2.weight = param(float32[16, 32])  # placement=() -> S(1)")
+
+
+def test_a_budget_below_the_replicated_size_shards_the_parameters_within_it(mlp):
+    replicated = sum(p.numel() * p.element_size() for p in mlp[1].parameters())
+    budget = replicated // 3
+    model, solution = _plan(mlp, param_memory_budget_bytes=budget)
+    held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    assert held == solution.param_bytes_per_rank() <= budget < replicated
+    assert any(isinstance(p, Shard) for layout in solution.param_placements.values() for p in layout)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_cost_is_no_higher_than_the_hand_plan_on_the_compiled_graphs(mlp):
+    mesh, _, hand, x, hand_bytes = mlp
+    model, solution = _plan(mlp, param_memory_budget_bytes=hand_bytes)
+    auto_us, hand_us = step_us(compiled_records(model, x)), step_us(compiled_records(hand, x))
+    assert auto_us <= hand_us
+    assert solution.cost_us == pytest.approx(auto_us, rel=0.01)
+
+
+def test_predicted_collectives_equal_the_compiled_ones(mlp):
+    model, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
+    compiled = compiled_collectives(compiled_records(model, mlp[3], disable_passes=KEEP_COLLECTIVES))
+    assert predicted_collectives(solution) == compiled
+    assert compiled == {("forward", "all_reduce", "tp", 4 * 16 * 4): 1}
