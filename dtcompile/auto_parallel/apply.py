@@ -30,8 +30,8 @@ forward like any DTensor code.
 from __future__ import annotations
 
 import copy
-import re
 import operator
+import re
 from typing import Any
 
 import torch
