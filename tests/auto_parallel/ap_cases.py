@@ -8,12 +8,14 @@ run forward and backward once, and every compiled graph is played by
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Any
 
 import torch
 
 import dtcompile
+from dtcompile._testing import models
 from dtcompile.cost_model import get_profile
 from dtcompile.report import backward_from_sum
 from dtcompile.simulate import simulate
@@ -47,3 +49,66 @@ def compiled_collectives(records: list[Any]) -> Counter:
 
 def predicted_collectives(solution: Any) -> Counter:
     return Counter(c.key() for c in solution.predicted_collectives())
+
+
+# Planning traces with make_fx and asks DTensor's propagator, whose state rank threads
+# share: ranks plan one at a time (the plan does no collective; applying it does).
+_PLAN_LOCK = threading.Lock()
+
+BUILDS = {
+    "mlp": models.build_mlp,
+    "block": models.build_block,
+    "fsdp_mlp": models.build_fsdp_mlp,
+    "block_2d": models.build_block_2d,
+    "block_local_map": models.build_block_local_map,
+}
+
+
+def rank_step(
+    rank: int,
+    build: str,
+    mesh_shape: tuple[int, ...],
+    names: tuple[str, ...],
+    input_layouts: list[Any] | None,
+    output_layouts: list[Any] | None,
+    budget: int | None,
+) -> tuple[Any, ...]:
+    """On one rank: plan the shared model ``build``, compile it with dtcompile, one step
+    (loss ``out.pow(2).mean()`` of the whole output); the same step on the single-process
+    model.  Returns both outputs and gradients (full tensors), and the solution's layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from dtcompile.auto_parallel.apply import parallelize
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    reference, _, x = BUILDS[build](mesh)
+    with _PLAN_LOCK:
+        solution = dtcompile.auto_parallel.plan(
+            reference, mesh, (x,), input_placements=input_layouts, output_placements=output_layouts,
+            param_memory_budget_bytes=budget,
+        )
+    model = parallelize(reference, solution)
+    local_x = distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)
+    backend = dtcompile.backend(inductor=False)
+    out = torch.compile(model, backend=backend, fullgraph=True)(local_x)
+    out = out.full_tensor()
+    out.pow(2).mean().backward()
+    grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
+    ref_out = reference(x)
+    ref_out.pow(2).mean().backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    return out.detach(), grads, ref_out.detach(), ref_grads, len(backend.records), solution.param_placements
+
+
+def assert_matches_reference(results: list[tuple[Any, ...]]) -> None:
+    for rank, (out, grads, ref_out, ref_grads, num_graphs, _) in enumerate(results):
+        assert num_graphs >= 2, f"rank {rank}: dtcompile compiled {num_graphs} graphs"
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}, output: {m}")
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(
+                grad, ref_grads[name], rtol=1e-5, atol=1e-5, msg=lambda m, r=rank, n=name: f"rank {r}, grad of {n}: {m}"
+            )
+    placements = [r[5] for r in results]
+    assert all(p == placements[0] for p in placements), f"ranks planned differently: {placements}"
