@@ -48,7 +48,7 @@ from dtcompile.collectives import graph_collectives, mesh_axes
 from dtcompile.config import DTCompileConfig, inductor_settings
 from dtcompile.cost_model import get_profile
 from dtcompile.lowering import inline_regions
-from dtcompile.passes import PassContext, run_passes
+from dtcompile.passes import PassContext, padded_collective, run_passes
 from dtcompile.records import CompiledGraph
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.sharding_cache import fresh_sharding_caches
@@ -114,15 +114,20 @@ def config_for(
 
 def _partitioner(info: DynamoGraphInfo) -> Callable[..., Any]:
     """Inductor's min-cut partitioner, or, where ranks' graphs can differ (uneven
-    shards, ``info.uneven``), the default one that keeps dead collectives
-    (:func:`_default_partition_keeping_collectives`): min-cut decides what to
-    recompute from each rank's own graph, and a rank that recomputes a collective
-    the others saved waits for them forever (found by the fuzzer)."""
+    shards: ``info.uneven``, or the joint graph's own padded collectives), the
+    default one that keeps dead collectives (:func:`_default_partition_keeping_collectives`):
+    min-cut decides what to recompute from each rank's own graph, and a rank that
+    recomputes a collective the others saved waits for them forever (found by the fuzzer)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    if info.uneven:
-        return _default_partition_keeping_collectives
-    return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+        if info.uneven or padded_collective(gm) is not None:
+            kwargs.pop("compiler", None)
+            return _default_partition_keeping_collectives(gm, joint_inputs, **kwargs)
+        kwargs.setdefault("compiler", "inductor")
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    return partition
 
 
 _keeping = threading.local()
@@ -172,20 +177,18 @@ def _is_backward_graph(graph: fx.Graph) -> bool:
     return any(n.op == "placeholder" and n.meta.get("partitioner_tag") == "is_backward" for n in graph.nodes)
 
 
-def _default_partitioner() -> Any:
-    """:func:`_default_partition_keeping_collectives` as Inductor's ``custom_partitioner_fn``
-    (see :func:`_partitioner`)."""
+def _inductor_partitioner(info: DynamoGraphInfo) -> Any:
+    """:func:`_partitioner` as Inductor's ``custom_partitioner_fn``."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    class DefaultPartition(CustomPartitionerFn):
+    class Partition(CustomPartitionerFn):
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
-            kwargs.pop("compiler", None)
-            return _default_partition_keeping_collectives(gm, joint_inputs, **kwargs)
+            return _partitioner(info)(gm, joint_inputs, **kwargs)
 
         def uuid(self) -> str:
-            return "dtcompile.default_partition_keeping_collectives"
+            return f"dtcompile.partition(uneven={bool(info.uneven)})"
 
-    return DefaultPartition()
+    return Partition()
 
 
 def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
@@ -382,13 +385,12 @@ class DTCompileBackend:
                 from torch._inductor.compile_fx import compile_fx
 
                 patches = dict(config.inductor_config)
-                if info.uneven:  # see _partitioner
-                    patches["custom_partitioner_fn"] = _default_partitioner()
+                patches["custom_partitioner_fn"] = _inductor_partitioner(info)
                 compiled = compile_fx(
                     gm,
                     example_inputs,
                     inner_compile=functools.partial(self._inductor_inner_compile, info, config),
-                    config_patches=patches or None,
+                    config_patches=patches,
                 )
             else:
                 compiled = self._aot_without_inductor(gm, example_inputs, info, config)

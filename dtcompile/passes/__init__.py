@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx
 
 from dtcompile.collectives import is_collective
@@ -44,8 +45,9 @@ from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.overlap import reorder_for_overlap
 from dtcompile.records import Outcome, PassRecord
+from dtcompile.sizes import hint
 
-__all__ = ["PASSES", "GraphPass", "PassContext", "run_passes"]
+__all__ = ["PASSES", "GraphPass", "PassContext", "padded_collective", "run_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ PASSES: tuple[GraphPass, ...] = (
 )
 
 
-def _rank_dependent(ctx: PassContext) -> Outcome | None:
+def _rank_dependent(ctx: PassContext, gm: fx.GraphModule) -> Outcome | None:
     """Why a pass that changes collectives must not run on this graph, or ``None``.
 
     Each rank runs the passes on its own AOT graph.  When a DTensor is sharded
@@ -78,15 +80,81 @@ def _rank_dependent(ctx: PassContext) -> Outcome | None:
     graph (what to bucket, where a collective goes, by its bytes and position)
     can differ on another, and then the ranks issue different collectives and
     wait for each other forever.  Such graphs keep the collectives DTensor chose.
+    The Dynamo graph's DTensors say so (``ctx.info.uneven``), and so does the AOT
+    graph where an op's own redistribution shards unevenly (``x @ x`` of a
+    ``Partial`` vector of 3 over 2 ranks reduce-scatters it): :func:`padded_collective`.
     """
-    if not ctx.info.uneven:
+    uneven = list(ctx.info.uneven)
+    padded = padded_collective(gm)
+    if padded is not None:
+        uneven.append(padded)
+    if not uneven:
         return None
-    more = f" and {len(ctx.info.uneven) - 1} more" if len(ctx.info.uneven) > 1 else ""
+    more = f" and {len(uneven) - 1} more" if len(uneven) > 1 else ""
     return Outcome.skipped(
         "graph",
-        f"not run: sharded unevenly: {ctx.info.uneven[0]}{more}; the ranks' graphs can differ, and a "
+        f"not run: sharded unevenly: {uneven[0]}{more}; the ranks' graphs can differ, and a "
         "decision each rank made from its own could have them issue different collectives",
     )
+
+
+# Ops DTensor puts between a padded shard and its collective, or between a
+# collective's result and the slice that takes the padding off.
+_RESHAPING = frozenset({"view", "_unsafe_view", "reshape", "cat", "split", "split_with_sizes", "chunk", "getitem",
+                        "contiguous", "clone", "permute", "transpose", "t"})
+
+
+def _op_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def padded_collective(gm: fx.GraphModule, hops: int = 6) -> str | None:
+    """Whether DTensor padded an uneven shard for one of the graph's collectives, on every rank.
+
+    DTensor pads the chunks of an unevenly split tensor to one size before a
+    reduce-scatter or all-to-all (every rank: ``constant_pad_nd`` before it), and
+    takes the padding off a gathered result (every rank: a ``slice``/``narrow``
+    of a part of it after its wait).  Only ranks whose own shard is short pad
+    before an all-gather, so the slice after it is what every rank sees.
+    """
+    for node in gm.graph.nodes:
+        if not is_collective(node):
+            continue
+        frontier, seen = list(node.all_input_nodes), set()
+        for _ in range(hops):
+            upstream = []
+            for n in frontier:
+                if n in seen or n.op != "call_function":
+                    continue
+                seen.add(n)
+                if _op_name(n) == "constant_pad_nd":
+                    return f"{node.name} (its input padded by {n.name})"
+                if _op_name(n) in _RESHAPING:
+                    upstream.extend(n.all_input_nodes)
+            frontier = upstream
+        frontier, seen = list(node.users), set()
+        for _ in range(hops):
+            downstream = []
+            for n in frontier:
+                if n in seen or n.op != "call_function":
+                    continue
+                seen.add(n)
+                if _op_name(n) in ("slice", "narrow") and _takes_a_part(n):
+                    return f"{node.name} (its result unpadded by {n.name})"
+                if _op_name(n) in _RESHAPING or n.target is torch.ops._c10d_functional.wait_tensor.default:
+                    downstream.extend(n.users)
+            frontier = downstream
+    return None
+
+
+def _takes_a_part(node: fx.Node) -> bool:
+    """Whether a slice/narrow keeps less than the whole of its input's dim."""
+    source = node.args[0]
+    value, dim = source.meta.get("val") if isinstance(source, fx.Node) else None, node.args[1] if len(node.args) > 1 else 0
+    out = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return True
+    return hint(out.shape[dim]) != hint(value.shape[dim])
 
 
 def _num_collectives(gm: fx.GraphModule) -> int:
@@ -118,7 +186,7 @@ def run_passes(
             log.debug("%s: pass %s switched off", ctx.kind, graph_pass.name)
             records.append(PassRecord(graph_pass.name, False, nodes, nodes, collectives, collectives))
             continue
-        refused = _rank_dependent(ctx) if graph_pass.changes_collectives else None
+        refused = _rank_dependent(ctx, gm) if graph_pass.changes_collectives else None
         if refused is not None:
             log.info("%s: %s: %s", ctx.kind, graph_pass.name, refused)
             records.append(PassRecord(graph_pass.name, True, nodes, nodes, collectives, collectives, (refused,)))

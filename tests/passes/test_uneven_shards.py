@@ -90,3 +90,26 @@ def test_a_collective_traced_in_the_backward_stays_there_on_every_rank():
     per_rank = _collectives_per_rank(2, program, lambda m: _strided(m, 1, 4, 1))
     want = [("forward", "all_gather"), ("forward", "all_gather"), ("backward", "all_gather")]
     assert per_rank == [want, want]
+
+
+def test_an_ops_own_uneven_redistribution_keeps_the_collectives_on_every_rank():
+    """``x @ x`` of a Partial vector of 3 over 2 ranks: DTensor reduce-scatters each operand
+    to an uneven Shard(0) inside the op, where the Dynamo graph shows no uneven DTensor.
+    Bucketing merged the two reduce-scatters on rank 0 only (the graphs differ after the
+    collectives), and rank 1 failed (found by the fuzzer); the AOT graph's padding says so."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    decisions = []
+    for rank in range(2):
+        backend = dtcompile.backend(inductor=False)
+        with fake_world(2, rank=rank) as mesh:
+            torch._dynamo.reset()
+            x = DTensor.from_local(torch.randn(3), mesh, [Partial()], run_check=False)
+            torch.compile(lambda t: t @ t, backend=backend, fullgraph=True)(x)
+        (record,) = backend.records
+        decisions.append({p.name: [d.text for d in p.decisions] for p in record.passes})
+        assert [c.op for c in record.collectives] == ["reduce_scatter", "reduce_scatter"]
+    for name in ("async_tp", "bucketing", "overlap"):
+        for per_rank in decisions:
+            (text,) = per_rank[name]
+            assert text.startswith("not run: sharded unevenly: reduce_scatter_tensor (its input padded by ")
