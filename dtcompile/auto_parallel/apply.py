@@ -6,11 +6,11 @@ that is the traced forward rebuilt as an FX graph over DTensors
 (``parallel_model.code`` shows it):
 
 - each op's tensor arguments are first redistributed to the layout its chosen
-  strategy reads (``x.redistribute(mesh, placements)``, also when nothing moves:
-  its backward lands every gradient where the solver assumed,
-  :func:`~dtcompile.auto_parallel.placements.grad_layout`), once per value and
-  layout, so a value's readers share one redistribution and their gradients are
-  summed before one backward redistribution;
+  strategy reads (``x.redistribute(mesh, placements)``; its backward lands the
+  gradient where the solver assumed, :func:`~dtcompile.auto_parallel.placements.grad_layout`),
+  or taken as they are where the solution reads them so (same layout, gradient
+  coming back as the producer wants it); once per value, so a value's readers
+  share one redistribution and their gradients are summed before its backward;
 - the op is the traced aten op itself, which DTensor dispatches; given inputs in
   exactly those layouts its propagation runs the chosen strategy (the
   candidates were filtered to those it does, :mod:`~dtcompile.auto_parallel.strategies`),
@@ -73,7 +73,7 @@ def _build_graph(solution: Solution) -> tuple[fx.Graph, dict[str, Any]]:
         return graph.get_attr(layout_names[layout])
 
     values: dict[tuple[str, int], fx.Node] = {}
-    read: dict[tuple[str, tuple[Any, ...]], fx.Node] = {}
+    read: dict[tuple[str, int], fx.Node] = {}
     mesh = None
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":  # named for the parameter or input it is
@@ -87,16 +87,19 @@ def _build_graph(solution: Solution) -> tuple[fx.Graph, dict[str, Any]]:
         return values[ref]
 
     def reading(name: str, slot: int) -> fx.Node:
-        pnode = problem.nodes[name]
-        ref = pnode.inputs[slot]
-        source, layout = solution.read_layout(name, slot)
-        key = (source, ref, layout)
-        if key not in read:
+        # The edge into the reader, or into the fan-out its readers share.
+        fan = solution.fanout_of(name, slot)
+        edge_end, edge_slot = (fan, 0) if fan is not None else (name, slot)
+        if (edge_end, edge_slot) not in read:
+            ref = problem.nodes[edge_end].inputs[edge_slot]
             v = value(ref)
             if problem.nodes[ref[0]].kind == "constant":
                 v = graph.call_function(_replicated, (v, mesh))
-            read[key] = graph.call_method("redistribute", (v, mesh, layout_node(layout)))
-        return read[key]
+            if not solution.edge_transfer(edge_end, edge_slot).passthrough:
+                layout = solution.choice(edge_end).inputs[edge_slot]
+                v = graph.call_method("redistribute", (v, mesh, layout_node(layout)))
+            read[(edge_end, edge_slot)] = v
+        return read[(edge_end, edge_slot)]
 
     for node in traced.gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:

@@ -5,8 +5,7 @@ solution's estimate is the estimate of the graphs dtcompile will compile:
 
 - :func:`measure_op`: one op, with its inputs in the layouts of one candidate
   strategy, is run by DTensor on fake local shards *with its backward* (the
-  gradient of its output arriving in
-  :func:`~dtcompile.auto_parallel.placements.output_grad_layout`), traced with
+  gradient of each output arriving in a given layout), traced with
   ``make_fx`` down to the local aten ops and functional collectives DTensor
   issues.  Each traced node is timed by :func:`dtcompile.simulate.node_time_us`
   (the roofline) and each collective read by
@@ -32,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, local_numel, output_grad_layout
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, local_numel
 from dtcompile.collectives import collective_info
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.simulate import node_time_us
@@ -103,7 +102,7 @@ def measure_op(
     tensors: Sequence[tuple[tuple[int, ...], torch.dtype, bool]],
     in_layouts: Sequence[Layout],
     out_metas: Sequence[tuple[tuple[int, ...], torch.dtype] | None],
-    out_layouts: Sequence[Layout | None],
+    grad_layouts: Sequence[Layout | None],
     mesh: Any,
     profile: HardwareProfile,
     fake_mode: Any,
@@ -112,14 +111,14 @@ def measure_op(
 
     ``args``/``kwargs`` hold :class:`_TensorSlot` markers where tensors go;
     ``tensors[i]`` is ``(global shape, dtype, requires_grad)`` of the i-th;
-    ``out_metas``/``out_layouts`` are the outputs' global ``(shape, dtype)`` and
-    the strategy's layouts (their gradients arrive in :func:`grad_layout` of them).
+    ``out_metas`` are the outputs' global ``(shape, dtype)``, and
+    ``grad_layouts`` the layouts their gradients arrive in (``None``: no gradient).
     """
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
     num_in = len(tensors)
     differentiable = [
-        i for i, (meta, layout) in enumerate(zip(out_metas, out_layouts))
+        i for i, (meta, layout) in enumerate(zip(out_metas, grad_layouts))
         if meta is not None and layout is not None and meta[1].is_floating_point
     ]
     wants_grad = any(rg for _, _, rg in tensors)
@@ -127,8 +126,7 @@ def measure_op(
     if wants_grad:
         for i in differentiable:
             shape, dtype = out_metas[i]
-            layout = out_layouts[i]
-            grad_outs.append((shape, dtype, output_grad_layout(layout)))
+            grad_outs.append((shape, dtype, grad_layouts[i]))
     seen: dict[str, Any] = {}
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:

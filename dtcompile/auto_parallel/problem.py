@@ -24,7 +24,12 @@ Built from the traced forward (:mod:`dtcompile.auto_parallel.trace`):
 An **edge** carries a value from its producer to one consumer (or its fan-out):
 the forward ``redistribute`` from the producer's output layout to the layout the
 consumer's strategy reads, and the backward one of the gradient back
-(:func:`~dtcompile.auto_parallel.measure.plan_redistribution`).  An edge is
+(:func:`~dtcompile.auto_parallel.measure.plan_redistribution`).  The
+collectives of an edge out of a parameter (its all-gather, its gradient's
+reduction) wait for no activation, and dtcompile's ``bucketing`` pass merges
+them per kind and mesh axis into one collective (up to ``bucket_cap_bytes``):
+such an edge costs its bytes on the wire, and each bucket its launch latency once
+(:func:`bucketed_time_us`; the solver adds one variable per bucket).  An edge is
 impossible where it would need to *make* a ``Partial`` value (``redistribute``
 cannot), or where a ``Partial`` value's gradient would stay ``Partial`` (its
 producer's backward was measured with a replicated gradient).
@@ -34,6 +39,7 @@ Every cost is in microseconds under one :class:`~dtcompile.cost_model.HardwarePr
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import time
@@ -47,15 +53,23 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
 from dtcompile.auto_parallel.measure import _TensorSlot, measure_op, plan_redistribution
-from dtcompile.auto_parallel.placements import Layout, PlannedCollective, grad_layout, layouts, local_numel
+from dtcompile.auto_parallel.placements import (
+    Layout,
+    PlannedCollective,
+    grad_layout,
+    layouts,
+    local_numel,
+    output_grad_layout,
+)
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
-from dtcompile.cost_model import HardwareProfile
+from dtcompile.cost_model import HardwareProfile, collective_time_us
 from dtcompile.simulate import node_time_us
 
 __all__ = ["Candidate", "Edge", "Link", "PNode", "Problem", "build_problem", "transfer"]
 
 INF = math.inf
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ class Candidate:
     """Per output, the layout it gives (``None``: not a tensor)."""
     grads: tuple[Layout | None, ...] = ()
     """Per tensor argument, the layout of the gradient it hands back (``None``: none)."""
+    grad_out: tuple[Layout | None, ...] = ()
+    """Per output, the layout its gradient must reach it in (``None``: none flows back)."""
     forward_us: float = 0.0
     backward_us: float = 0.0
     collectives: tuple[PlannedCollective, ...] = ()
@@ -110,6 +126,35 @@ class Edge:
     slot: int
     cost: Any
     """``cost[i][j]``: producer candidate ``i``, consumer candidate ``j`` (``inf``: impossible)."""
+    buckets: list[list[tuple[BucketKey, ...]]] | None = None
+    """For an edge out of a parameter: per pair, the buckets its collectives join
+    (their launch latency is paid once per bucket, not in ``cost``)."""
+
+
+BucketKey = tuple[str, str, str, int, int]
+"""``(direction, op, axis, group size, group span)``: collectives dtcompile's bucketing merges."""
+
+
+def bucket_key(c: PlannedCollective) -> BucketKey:
+    return (c.direction, c.op, c.axis, c.group_size, c.group_span)
+
+
+def launch_latency_us(key: BucketKey, profile: HardwareProfile) -> float:
+    """The part of a collective's time that does not grow with its bytes."""
+    direction, op, axis, size, span = key
+    return collective_time_us(op, 0, size, profile.link(span))
+
+
+def bucketed_time_us(t: Transfer, profile: HardwareProfile, cap_bytes: int) -> tuple[float, tuple[BucketKey, ...]]:
+    """A parameter edge's time with its collectives bucketed: each one's bytes on the wire,
+    plus its share (``bytes / cap``) of one more bucket's launch; and the buckets it joins."""
+    total, keys = 0.0, []
+    for c in t.collectives:
+        key = bucket_key(c)
+        latency = launch_latency_us(key, profile)
+        total += c.time_us(profile) - latency + latency * c.bytes / cap_bytes
+        keys.append(key)
+    return total, tuple(dict.fromkeys(keys))
 
 
 @dataclass
@@ -132,6 +177,8 @@ class Problem:
     traced: TracedModel
     param_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Parameter node -> its bytes per rank under each candidate."""
+    bucket_cap_bytes: int = 256 * 1024 * 1024
+    """dtcompile's ``bucket_cap_bytes``: how many bytes one bucket takes."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where building took its time: ``trace``, ``strategies``, ``measure``, ``edges``."""
 
@@ -148,32 +195,45 @@ class Transfer:
 
     collectives: tuple[PlannedCollective, ...]
     time_us: float
+    passthrough: bool = False
+    """The reader takes the value as it is: no ``redistribute``, and the gradient goes back as it came."""
 
 
 def transfer(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     out: Layout | None,
+    want: Layout | None,
     read: Layout,
     grad: Layout | None,
     mesh: Any,
     profile: HardwareProfile,
     cache: dict[Any, Transfer | None],
 ) -> Transfer | None:
-    """The forward redistribution ``out -> read`` and, when ``grad`` is given, the backward
-    one ``grad -> grad_layout(grad, out)``; ``None`` where impossible (see the module docstring)."""
-    key = (shape, dtype, out, read, grad)
+    """A value of layout ``out`` (whose gradient must come back as ``want``) read in layout
+    ``read`` by a node that hands its gradient back as ``grad``; ``None`` where impossible.
+
+    Read as it is (``read == out``) when the gradient comes back as wanted; else through
+    ``redistribute``: forward ``out -> read``, backward ``grad -> grad_layout(grad, out)``,
+    which must be ``want`` (so a ``Partial`` value's gradient cannot stay ``Partial``), and
+    ``read`` must not make a ``Partial`` that ``out`` is not.
+    """
+    key = (shape, dtype, out, want, read, grad)
     if key in cache:
         return cache[key]
     result: Transfer | None
-    if out is None or any(isinstance(r, Partial) and r != o for r, o in zip(read, out)):
+    if out is None:
         result = None
-    elif grad is not None and any(isinstance(g, Partial) and isinstance(o, Partial) for g, o in zip(grad, out)):
+    elif read == out and (grad is None or grad == want):
+        result = Transfer((), 0.0, passthrough=True)
+    elif any(isinstance(r, Partial) and r != o for r, o in zip(read, out)):
+        result = None
+    elif grad is not None and grad_layout(grad, out) != want:
         result = None
     else:
         found = plan_redistribution(shape, dtype, out, read, mesh, "forward")
         if grad is not None:
-            found += plan_redistribution(shape, dtype, grad, grad_layout(grad, out), mesh, "backward")
+            found += plan_redistribution(shape, dtype, grad, want, mesh, "backward")
         result = Transfer(found, sum(c.time_us(profile) for c in found))
     cache[key] = result
     return result
@@ -206,8 +266,10 @@ def _resolve(node: fx.Node) -> tuple[fx.Node, int]:
 
 
 class _Builder:
-    def __init__(self, traced: TracedModel, mesh: Any, profile: HardwareProfile, fixed: Mapping[str, Layout]) -> None:
+    def __init__(self, traced: TracedModel, mesh: Any, profile: HardwareProfile, fixed: Mapping[str, Layout],
+                 bucket_cap_bytes: int) -> None:
         self.traced, self.mesh, self.profile, self.fixed = traced, mesh, profile, fixed
+        self.bucket_cap_bytes = bucket_cap_bytes
         self.nodes: dict[str, PNode] = {}
         self.measures: dict[Any, Candidate] = {}
         self.transfers: dict[Any, Transfer | None] = {}
@@ -232,7 +294,8 @@ class _Builder:
                 raise ValueError(f"auto_parallel: no layout of {label} (shape {list(shape)}) shards evenly over mesh {tuple(self.mesh.shape)}")
             rg = t.requires_grad[node.name]
             self.nodes[node.name] = PNode(
-                node.name, kind, [], [meta], [rg], [Candidate((), (layout,)) for layout in options],
+                node.name, kind, [], [meta], [rg],
+                [Candidate((), (layout,), grad_out=(layout if rg else None,)) for layout in options],
                 target=label, fx_node=node, group=node.name,
             )
 
@@ -278,25 +341,29 @@ class _Builder:
             )
         start = time.perf_counter()
         candidates = []
+        out_rg = [bool(m is not None and m[1].is_floating_point and any(in_rg)) for m in metas]
         signature = (node.target, repr((args, kwargs)), tuple(in_metas), tuple(in_rg))
         for ins, outs in strategies:
-            key = (signature, ins, outs)
-            if key not in self.measures:
-                m = measure_op(
-                    node.target, args, kwargs, [(s, d, rg) for (s, d), rg in zip(in_metas, in_rg)], ins, metas, outs,
-                    self.mesh, self.profile, self.traced.fake_mode,
-                )
-                if any(o is not None and g != o for g, o in zip(m.out_layouts, outs)):
-                    self.measures[key] = None
-                    continue
-                self.measures[key] = Candidate(
-                    ins, outs, m.grad_layouts, m.forward_us, m.backward_us, m.collectives,
-                    sum(c.time_us(self.profile) for c in m.collectives),
-                )
-            if self.measures[key] is not None:
-                candidates.append(self.measures[key])
+            for grad_out in _grad_variants(node.target, outs, out_rg):
+                key = (signature, ins, outs, grad_out)
+                if key not in self.measures:
+                    try:
+                        m = measure_op(
+                            node.target, args, kwargs, [(s, d, rg) for (s, d), rg in zip(in_metas, in_rg)], ins, metas,
+                            grad_out, self.mesh, self.profile, self.traced.fake_mode,
+                        )
+                    except Exception as e:  # DTensor cannot run it (forward or backward): not a candidate
+                        log.debug("auto_parallel: %s %s -> %s dropped: %s", node.name, ins, outs, e)
+                        self.measures[key] = None
+                        continue
+                    same = all(o is None or g == o for g, o in zip(m.out_layouts, outs))
+                    self.measures[key] = None if not same else Candidate(
+                        ins, outs, m.grad_layouts, grad_out, m.forward_us, m.backward_us, m.collectives,
+                        sum(c.time_us(self.profile) for c in m.collectives),
+                    )
+                if self.measures[key] is not None:
+                    candidates.append(self.measures[key])
         self.seconds["measure"] += time.perf_counter() - start
-        out_rg = [bool(m is not None and m[1].is_floating_point and any(in_rg)) for m in metas]
         self.nodes[node.name] = PNode(
             node.name, "op", refs, metas, out_rg, candidates, target=_op_text(node.target), fx_node=node, group=node.name
         )
@@ -316,6 +383,32 @@ class _Builder:
                 [Candidate((layout,), (layout,), (layout if rg else None,)) for layout in options],
                 target="output", group=name,
             )
+
+
+# Ops whose backward only moves the gradient (a view of it): a ``Partial`` gradient
+# passes through them unchanged, so a replicated output may take its gradient partial
+# (the transposed weight of a data-parallel matmul: its gradient reduces at the weight).
+_VIEWS = {"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "alias"}
+
+
+def _grad_variants(target: Any, outs: tuple[Layout | None, ...], out_rg: list[bool]) -> list[tuple[Layout | None, ...]]:
+    """The layouts the outputs' gradients may arrive in: replicated where an output is
+    ``Partial`` (``redistribute``'s backward), else the output's own layout; for a view
+    with one output, also ``Partial`` on any subset of its replicated axes."""
+    base = tuple(output_grad_layout(o) if o is not None and rg else None for o, rg in zip(outs, out_rg))
+    name = getattr(target, "_opname", "")
+    if name not in _VIEWS or len(outs) != 1 or base[0] is None:
+        return [base]
+    layout = base[0]
+    replicated = [axis for axis, p in enumerate(layout) if isinstance(p, Replicate) and not isinstance(outs[0][axis], Partial)]
+    variants = [base]
+    for mask in range(1, 1 << len(replicated)):
+        g = list(layout)
+        for bit, axis in enumerate(replicated):
+            if mask >> bit & 1:
+                g[axis] = Partial()
+        variants.append((tuple(g),))
+    return variants
 
 
 def _ref(arg: fx.Node) -> tuple[str, int]:
@@ -340,20 +433,36 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
         shape, dtype = producer.outputs[k]
         rg = producer.requires_grad[k]
 
-        def cost_matrix(consumer: PNode, slot: int) -> list[list[float]]:
-            rows = []
+        # A parameter's all-gather waits for nothing, its gradient's reduction is the last
+        # use of that gradient: dtcompile's bucketing merges them (not so for a collective
+        # on a value computed in the graph, even from parameters alone: its input is ready
+        # late, or its result is read at once).
+        bucketed = producer.kind == "param"
+
+        def edge(consumer: PNode, slot: int) -> Edge:
+            rows, buckets = [], []
             for pc in producer.candidates:
-                row = []
+                row, row_buckets = [], []
                 for cc in consumer.candidates:
                     grad = cc.grads[slot] if rg and cc.grads else None
-                    t = transfer(shape, dtype, pc.outputs[k], cc.inputs[slot], grad, b.mesh, b.profile, b.transfers)
-                    row.append(INF if t is None else t.time_us)
+                    want = pc.grad_out[k] if pc.grad_out else None
+                    t = transfer(shape, dtype, pc.outputs[k], want, cc.inputs[slot], grad, b.mesh, b.profile, b.transfers)
+                    if t is None:
+                        row.append(INF)
+                        row_buckets.append(())
+                    elif bucketed:
+                        time_us, keys = bucketed_time_us(t, b.profile, b.bucket_cap_bytes)
+                        row.append(time_us)
+                        row_buckets.append(keys)
+                    else:
+                        row.append(t.time_us)
                 rows.append(row)
-            return rows
+                buckets.append(row_buckets)
+            return Edge(p, k, consumer.name, slot, rows, buckets if bucketed else None)
 
         if len(users) == 1:
             c, slot = users[0]
-            edges.append(Edge(p, k, c, slot, cost_matrix(b.nodes[c], slot)))
+            edges.append(edge(b.nodes[c], slot))
             continue
         pairs: dict[tuple[Layout, Layout | None], None] = {}
         for c, slot in users:
@@ -362,10 +471,10 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
         name = f"{p}_fanout{k}" if k else f"{p}_fanout"
         fan = PNode(
             name, "fanout", [(p, k)], [(shape, dtype)], [rg],
-            [Candidate((t,), (t,), (g,)) for t, g in pairs], target="fanout", group=name,
+            [Candidate((t,), (t,), (g,), (g,)) for t, g in pairs], target="fanout", group=name,
         )
         b.nodes[name] = fan
-        edges.append(Edge(p, k, name, 0, cost_matrix(fan, 0)))
+        edges.append(edge(fan, 0))
         for c, slot in users:
             consumer = b.nodes[c]
             ok = [
@@ -384,10 +493,11 @@ def build_problem(
     *,
     fixed: Mapping[str, Layout] | None = None,
     output_layouts: Mapping[int, Layout] | None = None,
+    bucket_cap_bytes: int = 256 * 1024 * 1024,
 ) -> Problem:
     """The problem for ``traced`` on ``mesh``; ``fixed`` pins parameters (by name) or
     inputs (``input0``...) to one layout, ``output_layouts`` pins outputs by position."""
-    b = _Builder(traced, mesh, profile, dict(fixed or {}))
+    b = _Builder(traced, mesh, profile, dict(fixed or {}), bucket_cap_bytes)
     b.placeholders()
     for node in traced.gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
@@ -403,4 +513,4 @@ def build_problem(
         pnode = b.nodes[node.name]
         shape, dtype = pnode.outputs[0]
         param_bytes[node.name] = [local_numel(shape, c.outputs[0], mesh.shape) * dtype.itemsize for c in pnode.candidates]
-    return Problem(mesh, profile, b.nodes, edges, links, traced, param_bytes, b.seconds)
+    return Problem(mesh, profile, b.nodes, edges, links, traced, param_bytes, bucket_cap_bytes, b.seconds)

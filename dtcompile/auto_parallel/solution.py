@@ -9,7 +9,8 @@
 and ``cost=[own, arg 0, arg 1, ...]`` in microseconds: the node's own forward and
 backward (roofline compute plus the collectives DTensor issues inside its
 backward), then per tensor argument the redistributions that bring it to the
-node and its gradient back.  A value several nodes read is redistributed once,
+node and its gradient back (an edge out of a parameter without its collectives'
+launch latency, which its bucket's ``# bucket`` line counts once).  A value several nodes read is redistributed once,
 by its fan-out line (``x_fanout = redistribute(x)``), whose readers then cost
 nothing for it.  ``solution.explain(name)`` lists every candidate of one node with
 what it would cost if that node alone changed, and why it lost.
@@ -23,7 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
-from dtcompile.auto_parallel.problem import Candidate, Problem, Transfer, transfer
+from dtcompile.auto_parallel.problem import (
+    Candidate,
+    Problem,
+    Transfer,
+    bucketed_time_us,
+    launch_latency_us,
+    transfer,
+)
 from dtcompile.auto_parallel.solver import SolveResult
 
 __all__ = ["Solution"]
@@ -85,6 +93,10 @@ class Solution:
     def param_bytes_per_rank(self) -> int:
         return sum(sizes[self.result.choice[name]] for name, sizes in self.problem.param_bytes.items())
 
+    def fanout_of(self, name: str, slot: int) -> str | None:
+        """The fan-out node argument ``slot`` of ``name`` reads through, if its value has several readers."""
+        return self._fanout_of.get((name, slot))
+
     def read_layout(self, name: str, slot: int) -> tuple[str, Layout]:
         """``(value's problem node, layout)`` that node ``name`` reads argument ``slot`` from:
         its producer directly, or the producer's fan-out."""
@@ -96,8 +108,25 @@ class Solution:
         pc, cc = p.candidates[producer_choice], c.candidates[consumer_choice]
         shape, dtype = p.outputs[edge.index]
         grad = cc.grads[edge.slot] if p.requires_grad[edge.index] and cc.grads else None
-        return transfer(shape, dtype, pc.outputs[edge.index], cc.inputs[edge.slot], grad,
+        want = pc.grad_out[edge.index] if pc.grad_out else None
+        return transfer(shape, dtype, pc.outputs[edge.index], want, cc.inputs[edge.slot], grad,
                         self.problem.mesh, self.problem.profile, self._cache)
+
+    def _edge_us(self, edge: Any, producer_choice: int, consumer_choice: int) -> float | None:
+        """An edge's time as the solver costed it (a parameter edge's collectives bucketed)."""
+        t = self._transfer(edge, producer_choice, consumer_choice)
+        if t is None:
+            return None
+        if edge.buckets is not None:
+            return bucketed_time_us(t, self.problem.profile, self.problem.bucket_cap_bytes)[0]
+        return t.time_us
+
+    def edge_us(self, consumer: str, slot: int) -> float:
+        """The chosen edge into ``consumer``'s argument ``slot``, as costed (0 when it reads a fan-out)."""
+        edge = self._edges.get((consumer, slot))
+        if edge is None:
+            return 0.0
+        return self._edge_us(edge, self.result.choice[edge.producer], self.result.choice[consumer])
 
     def edge_transfer(self, consumer: str, slot: int) -> Transfer | None:
         """The chosen redistributions into ``consumer``'s argument ``slot`` (``None``: it reads a fan-out)."""
@@ -129,7 +158,7 @@ class Solution:
     def _line(self, name: str) -> str:
         node = self.problem.nodes[name]
         c = self.choice(name)
-        costs = [c.cost_us] + [(t.time_us if (t := self.edge_transfer(name, s)) else 0.0) for s in range(len(node.inputs))]
+        costs = [c.cost_us] + [self.edge_us(name, s) for s in range(len(node.inputs))]
         cost = ", ".join(f"{x:.2f}" for x in costs)
         outs = [text(o) for o in c.outputs if o is not None]
         placement = f"({', '.join(text(i) for i in c.inputs)}) -> {', '.join(outs)}"
@@ -146,6 +175,12 @@ class Solution:
         ``input0``...), that node's candidates and why each lost."""
         if name is None:
             lines = [self._line(n) for n in self.problem.nodes]
+            for bucket in self.result.buckets:
+                direction, op, axis, size, _ = bucket
+                lines.append(
+                    f"# bucket: {direction} {op}[{axis}] x{size} of parameter collectives, "
+                    f"launch {launch_latency_us(bucket, self.problem.profile):.2f} us"
+                )
             lines.append(
                 f"# estimated step: {self.cost_us:.2f} us ({self.problem.profile.name}); "
                 f"parameters {self.param_bytes_per_rank()} B per rank"
@@ -170,10 +205,10 @@ class Solution:
         for slot in range(len(node.inputs)):
             edge = self._edges.get((name, slot))
             if edge is not None:
-                t = self._transfer(edge, self.result.choice[edge.producer], index)
+                t = self._edge_us(edge, self.result.choice[edge.producer], index)
                 if t is None:
                     return math.inf, f"argument {slot} cannot come from {self._name(edge.producer)} in {text(cand.inputs[slot])}"
-                total += t.time_us
+                total += t
             else:
                 fan = self._fanout_of[(name, slot)]
                 fc = self.choice(fan)
@@ -181,10 +216,10 @@ class Solution:
                     return math.inf, f"the other readers of {self._name(node.inputs[slot][0])} read it as {text(fc.inputs[0])}"
         for consumer, slot in self._readers.get(name, []):
             edge = self._edges[(consumer, slot)]
-            t = self._transfer(edge, index, self.result.choice[consumer])
+            t = self._edge_us(edge, index, self.result.choice[consumer])
             if t is None:
                 return math.inf, f"{self._name(consumer)} cannot read it in its chosen layout"
-            total += t.time_us
+            total += t
         if name in self.problem.param_bytes and self.param_memory_budget_bytes is not None:
             sizes = self.problem.param_bytes[name]
             over = self.param_bytes_per_rank() - sizes[self.result.choice[name]] + sizes[index]

@@ -12,6 +12,9 @@ Variables, constraints and objective (``x`` binary, ``y`` continuous in ``[0, 1]
   impossible pair has no ``y``, so it cannot be chosen (autoparallel's
   linearisation, one variable per pair rather than per input choice);
 - a fan-out must suit each consumer: ``x[f, a] <= sum_{j ok with a} x[c, j]``;
+- ``z[k]`` binary per bucket ``k`` (kind, mesh axis, direction) of parameter
+  collectives: ``z[k] >= y[b, i, j]`` for each pair whose collectives join it;
+  a bucket's launch latency counts once (:func:`~dtcompile.auto_parallel.problem.bucketed_time_us`);
 - optional parameter memory: ``sum bytes(p, s) x[p, s] <= budget``;
 - objective: every group's candidate cost times its number of copies, plus every
   block's ``cost . y``.
@@ -28,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dtcompile.auto_parallel.problem import Problem
+from dtcompile.auto_parallel.problem import Problem, launch_latency_us
 
 __all__ = ["Infeasible", "SolveResult", "solve"]
 
@@ -41,6 +44,8 @@ class Infeasible(ValueError):
 class SolveResult:
     choice: dict[str, int]
     """Node name -> index of its chosen candidate."""
+    buckets: tuple[Any, ...]
+    """The buckets of parameter collectives the plan uses (see :mod:`dtcompile.auto_parallel.problem`)."""
     objective_us: float
     seconds: float
     num_variables: int
@@ -81,6 +86,7 @@ def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, tim
         rows.append((list(range(x[g], x[g] + n)), [1.0] * n, 1.0, 1.0))
 
     blocks: dict[tuple[str, str], Any] = {}
+    block_buckets: dict[tuple[str, str], Any] = {}
     for edge in problem.edges:
         gp, gc = problem.nodes[edge.producer].group, problem.nodes[edge.consumer].group
         if gp == gc:
@@ -88,15 +94,25 @@ def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, tim
         matrix = np.asarray(edge.cost, dtype=float)
         key = (gp, gc)
         blocks[key] = matrix if key not in blocks else blocks[key] + matrix
+        if edge.buckets is not None:
+            block_buckets[key] = edge.buckets  # tied copies of one edge join the same buckets
+    z: dict[Any, int] = {}  # bucket -> its column: 1 when any parameter collective joins it
     for (gp, gc), matrix in blocks.items():
         by_row: dict[int, list[int]] = {}
         by_col: dict[int, list[int]] = {}
+        buckets = block_buckets.get((gp, gc))
         for i, j in zip(*np.nonzero(np.isfinite(matrix))):
             col = len(col_cost)
             col_cost.append(float(matrix[i, j]))
             col_int.append(0)
             by_row.setdefault(int(i), []).append(col)
             by_col.setdefault(int(j), []).append(col)
+            for bucket in buckets[i][j] if buckets is not None else ():
+                if bucket not in z:
+                    z[bucket] = len(col_cost)
+                    col_cost.append(launch_latency_us(bucket, problem.profile))
+                    col_int.append(1)
+                rows.append(([col, z[bucket]], [1.0, -1.0], -math.inf, 0.0))
         for i in range(matrix.shape[0]):
             cols = by_row.get(i, [])
             rows.append((cols + [x[gp] + i], [1.0] * len(cols) + [-1.0], 0.0, 0.0))
@@ -160,7 +176,8 @@ def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, tim
         best = max(range(n), key=lambda s: values[x[g] + s])
         for name in names:
             choice[name] = best
+    used = tuple(bucket for bucket, col in z.items() if values[col] > 0.5)
     return SolveResult(
-        choice, float(h.getInfo().objective_function_value), time.perf_counter() - start,
+        choice, used, float(h.getInfo().objective_function_value), time.perf_counter() - start,
         len(col_cost), len(rows), len(groups),
     )

@@ -84,24 +84,37 @@ def op_strategies(
     propagator = _propagator()
     metas = [_meta(shape, dtype) for shape, dtype in tensors]
 
-    def strategy(slot: _TensorSlot) -> Any:
-        meta = metas[slot.index]
-        return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(layout), tensor_meta=meta)) for layout in options[slot.index]])
-
     def first_spec(slot: _TensorSlot) -> Any:
         return DTensorSpec(mesh, tuple(options[slot.index][0]), tensor_meta=metas[slot.index])
 
-    schema = _schema(op, args, kwargs, strategy)
     single = propagator.op_single_dim_strategy_funcs.get(op)
-    if single is not None:
-        out_meta = propagator._propagate_tensor_meta_non_cached(_schema(op, args, kwargs, first_spec))
-        result = _expand_single_dim(op, schema, single, out_meta, options, len(tensors), mesh)
-    elif op in propagator.op_strategy_funcs:
-        result = propagator.op_strategy_funcs[op](schema)
-    else:
+    if single is None and op not in propagator.op_strategy_funcs:
         raise UnsupportedOp(f"{op}: DTensor has no registered sharding strategy for it")
+
+    def strategies_for(opts: Sequence[Sequence[Layout]]) -> list[Any]:
+        def strategy(slot: _TensorSlot) -> Any:
+            meta = metas[slot.index]
+            return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(layout), tensor_meta=meta)) for layout in opts[slot.index]])
+
+        schema = _schema(op, args, kwargs, strategy)
+        if single is not None:
+            out_meta = propagator._propagate_tensor_meta_non_cached(_schema(op, args, kwargs, first_spec))
+            return _expand_single_dim(op, schema, single, out_meta, opts, len(tensors), mesh).strategies
+        return propagator.op_strategy_funcs[op](schema).strategies
+
+    try:
+        specs = strategies_for(options)
+    except Exception:
+        # Some strategy functions (views) raise for one input layout instead of leaving it
+        # out: ask once per layout of the first input and keep what DTensor answers.
+        specs = []
+        for layout in options[0]:
+            try:
+                specs += strategies_for([[layout], *options[1:]])
+            except Exception:
+                continue
     found: dict[tuple[Any, Any], None] = {}
-    for spec in result.strategies:
+    for spec in specs:
         ins = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * len(tensors)
         in_layouts = tuple(tuple(s.placements) for s in ins)
         out_layouts = _layouts_of(spec.output_specs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from ap_cases import KEEP_COLLECTIVES, compiled_collectives, compiled_records, predicted_collectives, step_us
 from expecttest import assert_expected_inline
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import dtcompile
 from dtcompile._testing.models import build_mlp
@@ -33,33 +33,36 @@ def test_without_a_budget_a_tiny_mlp_stays_replicated(mlp):
     assert solution.predicted_collectives() == []
 
 
-def test_explain_with_the_hand_plans_memory_is_megatron(mlp):
+def test_explain_under_the_hand_plans_memory(mlp):
+    # One bucketed all-gather of every parameter (~8.4 us) beats the Megatron plan's
+    # all-reduce (~10.2 us) at this size: the solver knows dtcompile buckets parameter collectives.
     _, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
     assert_expected_inline(solution.explain(), """\
-w1.weight = param(float32[32, 16])  # placement=() -> S(0), cost=[0.00]
+w1.weight = param(float32[32, 16])  # placement=() -> S(1), cost=[0.00]
 w1.bias = param(float32[32])  # placement=() -> S(0), cost=[0.00]
 w2.weight = param(float32[16, 32])  # placement=() -> S(1), cost=[0.00]
 w2.bias = param(float32[16])  # placement=() -> R, cost=[0.00]
 input0 = input(float32[4, 16])  # placement=() -> R, cost=[0.00]
-t = aten.t(w1.weight)  # placement=(S(0)) -> S(1), cost=[0.00, 0.00]
-addmm = aten.addmm(w1.bias, input0, t)  # placement=(S(0), R, S(1)) -> S(1), cost=[0.00, 0.00, 0.00, 0.00]
-gelu = aten.gelu(addmm)  # placement=(S(1)) -> S(1), cost=[0.00, 0.00]
-t_1 = aten.t(w2.weight)  # placement=(S(1)) -> S(0), cost=[0.00, 0.00]
-addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, S(1), S(0)) -> P(sum), cost=[0.00, 0.00, 0.00, 0.00]
-output0 = output(addmm_1)  # placement=(R) -> R, cost=[0.00, 10.20]
-# estimated step: 10.21 us (h100); parameters 1120 B per rank""")
+t = aten.t(w1.weight)  # placement=(R) -> R, cost=[0.00, 0.00]
+addmm = aten.addmm(w1.bias, input0, t)  # placement=(R, R, R) -> R, cost=[0.00, 0.00, 0.00, 0.00]
+gelu = aten.gelu(addmm)  # placement=(R) -> R, cost=[0.00, 0.00]
+t_1 = aten.t(w2.weight)  # placement=(R) -> R, cost=[0.00, 0.00]
+addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, R, R) -> R, cost=[0.00, 0.00, 0.00, 0.00]
+output0 = output(addmm_1)  # placement=(R) -> R, cost=[0.00, 0.00]
+# bucket: forward all_gather[tp] x4 of parameter collectives, launch 8.40 us
+# estimated step: 8.41 us (h100); parameters 1120 B per rank""")
 
 
 def test_explain_one_node_lists_the_alternatives_and_why_they_lost(mlp):
     _, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
     assert_expected_inline(solution.explain("addmm_1"), """\
-addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, S(1), S(0)) -> P(sum), cost=[0.00, 0.00, 0.00, 0.00]
+addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, R, R) -> R, cost=[0.00, 0.00, 0.00, 0.00]
 # 9 candidates; cost around it with the neighbours' choices kept:
-  (R, R, R) -> R                           16.81 us  lost by 6.60 us
+  (R, R, R) -> R                           0.00 us  chosen
   (P(sum), S(1), S(0)) -> P(sum)           impossible: argument 0 cannot come from w2.bias in P(sum)
-  (R, S(1), S(0)) -> P(sum)                10.20 us  chosen
-  (R, S(0), R) -> S(0)                     52.21 us  lost by 42.01 us
-  (S(0), R, S(1)) -> S(1)                  50.41 us  lost by 40.21 us
+  (R, S(1), S(0)) -> P(sum)                27.01 us  lost by 27.01 us
+  (R, S(0), R) -> S(0)                     27.01 us  lost by 27.01 us
+  (S(0), R, S(1)) -> S(1)                  27.01 us  lost by 27.01 us
   (P(sum), P(sum), R) -> P(sum)            impossible: argument 0 cannot come from w2.bias in P(sum)
   (P(sum), R, P(sum)) -> P(sum)            impossible: argument 0 cannot come from w2.bias in P(sum)
   (P(avg), P(avg), R) -> P(avg)            impossible: argument 0 cannot come from w2.bias in P(avg)
@@ -89,4 +92,41 @@ def test_predicted_collectives_equal_the_compiled_ones(mlp):
     model, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
     compiled = compiled_collectives(compiled_records(model, mlp[3], disable_passes=KEEP_COLLECTIVES))
     assert predicted_collectives(solution) == compiled
-    assert compiled == {("forward", "all_reduce", "tp", 4 * 16 * 4): 1}
+    # w1's weight and bias and w2's weight gathered (w2's bias stays replicated).
+    assert compiled == {("forward", "all_gather", "tp", 2048): 2, ("forward", "all_gather", "tp", 128): 1}
+
+
+MEGATRON = {"w1.weight": (Shard(0),), "w1.bias": (Shard(0),), "w2.weight": (Shard(1),), "w2.bias": R}
+
+
+def test_pinned_parameters_keep_their_placements_and_collectives_still_match(mlp):
+    model, solution = _plan(mlp, fixed=MEGATRON)
+    assert solution.param_placements == MEGATRON
+    assert {n: p.placements for n, p in model.module.named_parameters()} == MEGATRON
+    compiled = compiled_collectives(compiled_records(model, mlp[3], disable_passes=KEEP_COLLECTIVES))
+    assert predicted_collectives(solution) == compiled
+
+
+def test_arguments_are_checked_with_the_fix_in_the_message(mlp):
+    mesh, reference, _, x, _ = mlp
+    with pytest.raises(ValueError, match=r"fixed names 'w3.weight', which is neither a parameter"):
+        dtcompile.auto_parallel(reference, mesh, (x,), fixed={"w3.weight": R})
+    with pytest.raises(ValueError, match=r"input_placements\[0\] has 2 placements for a 1-D mesh"):
+        dtcompile.auto_parallel(reference, mesh, (x,), input_placements=[(Replicate(), Replicate())])
+    with pytest.raises(ValueError, match="a pinned layout cannot be Partial"):
+        dtcompile.auto_parallel(reference, mesh, (x,), output_placements=[(Partial(),)])
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        dtcompile.auto_parallel(lambda t: t, mesh, (x,))
+    with pytest.raises(ValueError, match="param_memory_budget_bytes must be an int >= 0"):
+        dtcompile.auto_parallel(reference, mesh, (x,), param_memory_budget_bytes=-1)
+    with pytest.raises(ValueError, match="the solver found no placement"):
+        dtcompile.auto_parallel(reference, mesh, (x,), param_memory_budget_bytes=16)
+
+
+def test_without_highspy_the_error_says_how_to_install_it(mlp, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "highspy", None)
+    mesh, reference, _, x, _ = mlp
+    with pytest.raises(ImportError, match=r"pip install 'dtcompile\[autoparallel\]'"):
+        dtcompile.auto_parallel(reference, mesh, (x,))
