@@ -44,7 +44,7 @@ from torch import fx
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
 from dtcompile.artifacts import emit_artifacts, format_compiled_graph
-from dtcompile.collectives import graph_collectives, mesh_axes
+from dtcompile.collectives import graph_collectives, is_collective, mesh_axes
 from dtcompile.config import DTCompileConfig, inductor_settings
 from dtcompile.cost_model import get_profile
 from dtcompile.lowering import inline_regions
@@ -146,7 +146,10 @@ def _default_partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Seq
     forever (found by the fuzzer).  Here a collective traced in the forward
     (``partitioner_tag == "is_forward"``) stays in the forward graph, one traced
     in the backward stays in the backward graph; the copies the partitioner makes
-    of a collective in the other graph go, as before.
+    of a collective in the other graph go, as before.  A forward collective is
+    never recomputed in the backward either (``partitioners._must_be_in_forward``):
+    on a rank with an empty share the partitioner recomputed one there instead of
+    saving its result, and the other ranks' backwards issue no such collective.
     """
     from torch._functorch import partitioners
 
@@ -165,6 +168,17 @@ def _default_partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Seq
 
             is_not_collective._dtcompile = True  # type: ignore[attr-defined]
             partitioners.is_not_collective = is_not_collective
+        if not getattr(partitioners._must_be_in_forward, "_dtcompile", False):
+            must_be_in_forward_before = partitioners._must_be_in_forward
+
+            def _must_be_in_forward(node: fx.Node) -> bool:
+                if getattr(_keeping, "joint", None) is not None and node.meta.get("partitioner_tag") == "is_forward":
+                    if is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default:
+                        return True
+                return must_be_in_forward_before(node)
+
+            _must_be_in_forward._dtcompile = True  # type: ignore[attr-defined]
+            partitioners._must_be_in_forward = _must_be_in_forward
     _keeping.joint = gm.graph
     try:
         return partitioners.default_partition(gm, joint_inputs, **kwargs)

@@ -102,6 +102,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._functorch.partitioners", "min_cut_rematerialization_partition", ("joint_module", "_joint_inputs", "compiler")),
     # the default partitioner's dead-code pass looks it up by name at call time
     ("torch._functorch.partitioners", "is_not_collective", ("node",)),
+    ("torch._functorch.partitioners", "_must_be_in_forward", ("node",)),
     ("torch._functorch.aot_autograd", "make_boxed_func", ("f",)),
     ("torch._functorch.config", "enable_autograd_cache", None),
     ("torch._guards", "CompileContext.current_compile_id", ()),

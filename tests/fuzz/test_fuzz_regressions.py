@@ -168,6 +168,23 @@ return t0
 """, fails_as="^hang")
 
 
+def test_forward_reduce_scatter_recomputed_in_one_ranks_backward():
+    """Was a hang (found by the 500 batch): on the rank whose share of x0's uneven
+    reduce-scatter (a dim of 1 over 4) is empty, the default partitioner recomputed the
+    forward's reduce-scatter in the backward instead of saving its result; the other
+    ranks' backwards issue no such collective.  Forward collectives stay in the forward."""
+    _passes("2d", [
+        Input("x0", (1, 4, 4), ("Partial()", "Partial()"), True, 0),
+        Input("x1", (6,), ("_StridedShard(0, split_factor=2)", "Shard(0)"), True, 1144),
+        Input("x2", (2, 2), ("_StridedShard(1, split_factor=2)", "Shard(1)"), True, 131),
+    ], """
+t0 = x2.redistribute(mesh, [Replicate(), Shard(0)])
+t1 = x0.redistribute(mesh, [Shard(0), Shard(0)])
+t2 = torch.bmm(x0, t1)
+return t0, t2
+""", fails_as="^hang", loss=(("t0", "to_local"), ("t2", "to_local")))
+
+
 def test_backward_of_a_strided_shard_gathered_to_one_row():
     """Was a hang, as above: with a backward, the empty-share rank's forward also held a
     (dead) copy of the backward's all-gather, which the other ranks issue in the backward."""
