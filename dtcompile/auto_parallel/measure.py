@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, local_numel
@@ -60,11 +61,11 @@ def _axis_names(mesh: Any) -> dict[str, str]:
     return {mesh.get_group(axis).group_name: name for axis, name in enumerate(names)}
 
 
-def _read_graph(gm: torch.fx.GraphModule, boundary: int, mesh: Any, profile: HardwareProfile) -> tuple[float, float, list[PlannedCollective]]:
+def _read_graph(graph: fx.Graph, boundary: int, mesh: Any, profile: HardwareProfile) -> tuple[float, float, list[PlannedCollective]]:
     axes = _axis_names(mesh)
     forward = backward = 0.0
     found = []
-    for index, node in enumerate(gm.graph.nodes):
+    for index, node in enumerate(graph.nodes):
         direction = "forward" if index < boundary else "backward"
         info = collective_info(node, axes)
         if info is not None:
@@ -114,8 +115,6 @@ def measure_op(
     ``out_metas`` are the outputs' global ``(shape, dtype)``, and
     ``grad_layouts`` the layouts their gradients arrive in (``None``: no gradient).
     """
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-
     num_in = len(tensors)
     differentiable = [
         i for i, (meta, layout) in enumerate(zip(out_metas, grad_layouts))
@@ -127,42 +126,112 @@ def measure_op(
         for i in differentiable:
             shape, dtype = out_metas[i]
             grad_outs.append((shape, dtype, grad_layouts[i]))
-    seen: dict[str, Any] = {}
-
-    def run(*flat: torch.Tensor) -> list[torch.Tensor]:
-        dts = []
-        for (shape, _, _), layout, local in zip(tensors, in_layouts, flat[:num_in]):
-            dts.append(DTensor.from_local(local, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape)))
-        call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
-        out = target(*call_args, **call_kwargs)
-        seen["boundary"] = len(get_proxy_mode().tracer.graph.nodes)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        seen["out"] = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
-        seen["grads"] = (None,) * num_in
-        if not grad_outs:
-            return [o.to_local() for o in outs if isinstance(o, DTensor)]
-        diff = [outs[i] for i in differentiable]
-        grads = [
-            DTensor.from_local(g, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
-            for (shape, _, layout), g in zip(grad_outs, flat[num_in:])
-        ]
-        wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
-        got = torch.autograd.grad(diff, wrt, grads, allow_unused=True)
-        it = iter(got)
-        seen["grads"] = tuple(
-            (lambda g: g.placements if isinstance(g, DTensor) else None)(next(it)) if rg else None
-            for _, _, rg in tensors
-        )
-        return [g.to_local() for g in got if isinstance(g, DTensor)]
-
     flat = [
         _fake_local(fake_mode, shape, dtype, layout, mesh, rg)
         for (shape, dtype, rg), layout in zip(tensors, in_layouts)
     ]
-    flat += [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
-    gm = make_fx(run, tracing_mode="fake")(*flat)
-    forward, backward, found = _read_graph(gm, seen["boundary"], mesh, profile)
-    return OpMeasure(forward, backward, tuple(found), seen["out"], seen["grads"])
+    grads_local = [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
+    recorder = _Recorder()
+    recorder.known(flat + grads_local)
+    with recorder:
+        dts = [
+            DTensor.from_local(local, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
+            for (shape, _, _), layout, local in zip(tensors, in_layouts, flat)
+        ]
+        call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
+        out = target(*call_args, **call_kwargs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        out_layouts = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
+        boundary = len(recorder.graph.nodes)
+        grad_layouts_in: tuple[Layout | None, ...] = (None,) * num_in
+        if grad_outs:
+            diff = [outs[i] for i in differentiable]
+            grads = [
+                DTensor.from_local(g, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
+                for (shape, _, layout), g in zip(grad_outs, grads_local)
+            ]
+            wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
+            got = iter(torch.autograd.grad(diff, wrt, grads, allow_unused=True))
+            grad_layouts_in = tuple(
+                (lambda g: tuple(g.placements) if isinstance(g, DTensor) else None)(next(got)) if rg else None
+                for _, _, rg in tensors
+            )
+    forward, backward, found = _read_graph(recorder.graph, boundary, mesh, profile)
+    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in)
+
+
+_NOT_WORK = {"empty", "empty_strided", "detach", "alias", "device", "lift_fresh", "lift_fresh_copy"}
+
+
+class _Recorder:
+    """Records the local aten ops and functional collectives DTensor runs, as an FX graph.
+
+    A ``TorchDispatchMode`` that steps aside for DTensor's own dispatch (so it sees what
+    DTensor issues on the local shards) and runs everything else as it is: the shards are
+    fake tensors, so nothing is computed and no collective moves data.  Unlike tracing
+    with ``make_fx``, DTensor does not think it is being traced, so it keeps using its
+    cached sharding decisions: a measurement takes milliseconds.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.graph = fx.Graph()
+        self._depth = 0
+        self._nodes: dict[int, fx.Node] = {}
+        self._alive: list[Any] = []  # ids stay unique while recorded tensors live
+        recorder = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented
+                outer = recorder._depth == 0
+                recorder._depth += 1
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    recorder._depth -= 1
+                # Fake tensors run an op again inside (its meta kernel): only the outer call counts;
+                # making and detaching the shells of tensors is no work a compiled graph keeps.
+                if outer and getattr(func, "_opname", "") not in _NOT_WORK:
+                    recorder._record(func, args, kwargs, out)
+                return out
+
+        self._mode = Mode()
+
+    def __enter__(self) -> _Recorder:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def _node(self, t: torch.Tensor) -> fx.Node:
+        if id(t) not in self._nodes:
+            node = self.graph.placeholder(f"input{len(self._nodes)}")
+            node.meta["val"] = t
+            self._nodes[id(t)] = node
+            self._alive.append(t)
+        return self._nodes[id(t)]
+
+    def known(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Make ``tensors`` the program's inputs: ops on other tensors (DTensor's own
+        shape propagation on fake tensors of its own) are not part of the program."""
+        for t in tensors:
+            self._node(t)
+
+    def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if any(isinstance(a, torch.Tensor) and id(a) not in self._nodes for a in pytree.tree_leaves((args, kwargs))):
+            return
+        call_args, call_kwargs = pytree.tree_map_only(torch.Tensor, self._node, (args, kwargs))
+        node = self.graph.call_function(func, tuple(call_args), dict(call_kwargs))
+        node.meta["val"] = out
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._nodes[id(leaf)] = node
+                self._alive.append(leaf)
 
 
 @dataclass(frozen=True)
@@ -243,4 +312,4 @@ def trace_redistribution(
 
     local = _fake_local(FakeTensorMode(), shape, dtype, src, mesh, False)
     gm = make_fx(run, tracing_mode="fake")(local)
-    return tuple(_read_graph(gm, len(gm.graph.nodes), mesh, profile)[2])
+    return tuple(_read_graph(gm.graph, len(gm.graph.nodes), mesh, profile)[2])

@@ -9,6 +9,7 @@ communication passes leave such graphs alone, so the solver does not choose them
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ def output_grad_layout(value: Layout) -> Layout:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in value)
 
 
+@functools.lru_cache(maxsize=256)
 def axis_span(mesh: Any, axis: int) -> int:
     """How many consecutive ranks one group of ``axis`` spans (``max - min + 1``)."""
     ranks = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.mesh.shape[axis])[0]

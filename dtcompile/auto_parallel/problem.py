@@ -270,6 +270,7 @@ class _Builder:
                  bucket_cap_bytes: int) -> None:
         self.traced, self.mesh, self.profile, self.fixed = traced, mesh, profile, fixed
         self.bucket_cap_bytes = bucket_cap_bytes
+        self.param_derived: dict[str, bool] = {}
         self.nodes: dict[str, PNode] = {}
         self.measures: dict[Any, Candidate] = {}
         self.transfers: dict[Any, Transfer | None] = {}
@@ -293,6 +294,7 @@ class _Builder:
             if not options:
                 raise ValueError(f"auto_parallel: no layout of {label} (shape {list(shape)}) shards evenly over mesh {tuple(self.mesh.shape)}")
             rg = t.requires_grad[node.name]
+            self.param_derived[node.name] = kind == "param"
             self.nodes[node.name] = PNode(
                 node.name, kind, [], [meta], [rg],
                 [Candidate((), (layout,), grad_out=(layout if rg else None,)) for layout in options],
@@ -322,10 +324,15 @@ class _Builder:
         args, kwargs = pytree.tree_map_only(fx.Node, lambda _: _TensorSlot(next(slots)), (node.args, node.kwargs))
         in_metas = [self.nodes[p].outputs[k] for p, k in refs]
         in_rg = [self.nodes[p].requires_grad[k] for p, k in refs]
-        options = []
-        for (p, k), (shape, _) in zip(refs, in_metas):
-            produced = [c.outputs[k] for c in self.nodes[p].candidates if c.outputs[k] is not None]
-            options.append(list(dict.fromkeys(produced + layouts(shape, self.mesh.shape))))
+        options, produced_by = [], []
+        for (p, k), (_shape, _) in zip(refs, in_metas):
+            produced = list(dict.fromkeys(c.outputs[k] for c in self.nodes[p].candidates if c.outputs[k] is not None))
+            produced_by.append(produced)
+            # What the producer can give, and the replicated layout: strategies that follow
+            # their input (views, reductions) are offered for these; a strategy that reads
+            # another layout gets it by a redistribution on the edge.
+            replicated = tuple([Replicate()] * self.mesh.ndim)
+            options.append(produced + ([replicated] if replicated not in produced else []))
         start = time.perf_counter()
         try:
             strategies = op_strategies(
@@ -339,12 +346,22 @@ class _Builder:
                 f"auto_parallel: node {node.name} ({_op_text(node.target)}): DTensor lists no strategy that "
                 f"shards its tensors evenly over mesh {tuple(self.mesh.shape)}"
             )
+        # A Partial input only comes from a producer that makes it (redistribute cannot); the
+        # strategy's variant that is handed it replicated stays (see strategies.py).
+        strategies = [
+            (ins, outs) for ins, outs in strategies
+            if all(not isinstance(p, Partial) or layout in options[i][: len(produced_by[i])]
+                   for i, layout in enumerate(ins) for p in layout)
+        ]
+        # A view of parameters alone (a transposed weight) may take its gradient Partial.
+        weight_only = [all(self.param_derived.get(p, False) for p, _ in refs)]
+        self.param_derived[node.name] = weight_only[0]
         start = time.perf_counter()
         candidates = []
         out_rg = [bool(m is not None and m[1].is_floating_point and any(in_rg)) for m in metas]
         signature = (node.target, repr((args, kwargs)), tuple(in_metas), tuple(in_rg))
         for ins, outs in strategies:
-            for grad_out in _grad_variants(node.target, outs, out_rg):
+            for grad_out in _grad_variants(node.target, outs, out_rg, weight_only[0]):
                 key = (signature, ins, outs, grad_out)
                 if key not in self.measures:
                     try:
@@ -356,7 +373,10 @@ class _Builder:
                         log.debug("auto_parallel: %s %s -> %s dropped: %s", node.name, ins, outs, e)
                         self.measures[key] = None
                         continue
-                    same = all(o is None or g == o for g, o in zip(m.out_layouts, outs))
+                    # DTensor ran the strategy as chosen: nothing moved before the op, same outputs.
+                    same = all(o is None or g == o for g, o in zip(m.out_layouts, outs)) and not any(
+                        c.direction == "forward" for c in m.collectives
+                    )
                     self.measures[key] = None if not same else Candidate(
                         ins, outs, m.grad_layouts, grad_out, m.forward_us, m.backward_us, m.collectives,
                         sum(c.time_us(self.profile) for c in m.collectives),
@@ -391,13 +411,15 @@ class _Builder:
 _VIEWS = {"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "alias"}
 
 
-def _grad_variants(target: Any, outs: tuple[Layout | None, ...], out_rg: list[bool]) -> list[tuple[Layout | None, ...]]:
+def _grad_variants(
+    target: Any, outs: tuple[Layout | None, ...], out_rg: list[bool], of_weights: bool
+) -> list[tuple[Layout | None, ...]]:
     """The layouts the outputs' gradients may arrive in: replicated where an output is
     ``Partial`` (``redistribute``'s backward), else the output's own layout; for a view
-    with one output, also ``Partial`` on any subset of its replicated axes."""
+    of parameters alone, also ``Partial`` on any subset of its replicated axes."""
     base = tuple(output_grad_layout(o) if o is not None and rg else None for o, rg in zip(outs, out_rg))
     name = getattr(target, "_opname", "")
-    if name not in _VIEWS or len(outs) != 1 or base[0] is None:
+    if not of_weights or name not in _VIEWS or len(outs) != 1 or base[0] is None:
         return [base]
     layout = base[0]
     replicated = [axis for axis, p in enumerate(layout) if isinstance(p, Replicate) and not isinstance(outs[0][axis], Partial)]

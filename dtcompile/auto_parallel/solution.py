@@ -150,7 +150,12 @@ class Solution:
     # Explanations.
 
     def display_name(self, node_name: str) -> str:
-        """A placeholder's parameter name (``w1.weight``) or ``input0``; other nodes' own names."""
+        """A placeholder's parameter name (``w1.weight``) or ``input0``; a fan-out's
+        ``<value>_fanout``; other nodes' own names."""
+        node = self.problem.nodes.get(node_name)
+        if node is not None and node.kind == "fanout":
+            producer, index = node.inputs[0]
+            return f"{self.display_name(producer)}_fanout" + (str(index) if index else "")
         return self._display.get(node_name, node_name)
 
     _name = display_name
@@ -165,16 +170,42 @@ class Solution:
         if node.kind in ("param", "buffer", "input"):
             shape, dtype = node.outputs[0]
             call = f"{node.kind}({str(dtype).removeprefix('torch.')}{list(shape)})"
+        elif node.fx_node is not None:
+            call = f"{node.target}({self._args_text(node.fx_node)})"
         else:
             args = ", ".join(self._name(p) if k == 0 else f"{self._name(p)}[{k}]" for p, k in node.inputs)
             call = f"{'redistribute' if node.kind == 'fanout' else node.target}({args})"
         return f"{self._name(name)} = {call}  # placement={placement}, cost=[{cost}]"
 
+    def _args_text(self, fx_node: Any) -> str:
+        """The node's arguments as in the traced graph: values by name, constants as written."""
+        import operator
+
+        def one(a: Any) -> str:
+            if hasattr(a, "op"):  # an fx.Node
+                if a.op == "call_function" and a.target is operator.getitem:
+                    return f"{self._name(a.args[0].name)}[{a.args[1]}]"
+                return self._name(a.name)
+            if isinstance(a, (list, tuple)):
+                inner = ", ".join(one(x) for x in a)
+                return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+            return repr(a)
+
+        parts = [one(a) for a in fx_node.args] + [f"{k}={one(v)}" for k, v in fx_node.kwargs.items()]
+        return ", ".join(parts)
+
     def explain(self, name: str | None = None) -> str:
         """Every node's line (see the module docstring); with ``name`` (a node, parameter or
         ``input0``...), that node's candidates and why each lost."""
         if name is None:
-            lines = [self._line(n) for n in self.problem.nodes]
+            fanouts: dict[str, list[str]] = {}
+            for n in self.problem.nodes.values():
+                if n.kind == "fanout":
+                    fanouts.setdefault(n.inputs[0][0], []).append(n.name)
+            lines = []
+            for n in self.problem.nodes.values():  # a fan-out's line follows its value's
+                if n.kind != "fanout":
+                    lines += [self._line(n.name)] + [self._line(f) for f in fanouts.get(n.name, [])]
             for bucket in self.result.buckets:
                 direction, op, axis, size, _ = bucket
                 lines.append(

@@ -8,10 +8,12 @@ dispatch takes first), else its registered strategy function
 (``op_strategy_funcs``).  Each ``OpSpec`` is one candidate: input layouts, output
 layouts.
 
-A candidate is kept only if DTensor, handed inputs in exactly those layouts,
-runs that very strategy (:func:`runs_as_chosen`: no redistribution of an input
-and the same output layouts; DTensor breaks ties between strategies its own way)
-and shards every tensor evenly.  A strategy that reads a ``Partial`` input is
+A candidate is kept only if it shards every tensor evenly and DTensor, handed
+inputs in exactly those layouts, runs that very strategy: no communication
+before the op and the same output layouts (DTensor breaks ties between
+strategies its own way).  The problem checks that on the measured run
+(:func:`dtcompile.auto_parallel.measure.measure_op`); :func:`runs_as_chosen`
+asks DTensor's propagator the same question without running the op.  A strategy that reads a ``Partial`` input is
 also offered with that input handed over replicated, where DTensor's dispatch
 makes it ``Partial`` locally (an explicit ``redistribute`` may not: the
 row-wise linear's bias).  So the applied model, which redistributes each
@@ -77,7 +79,7 @@ def op_strategies(
 ) -> list[tuple[tuple[Layout, ...], tuple[Layout | None, ...]]]:
     """``(input layouts, output layouts)`` of every strategy DTensor lists for ``op`` when
     tensor argument ``i`` may come in any layout of ``options[i]``; kept only where
-    every input and output shards evenly and :func:`runs_as_chosen`."""
+    every input and output shards evenly."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
@@ -96,11 +98,13 @@ def op_strategies(
             meta = metas[slot.index]
             return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(layout), tensor_meta=meta)) for layout in opts[slot.index]])
 
-        schema = _schema(op, args, kwargs, strategy)
         if single is not None:
+            # The expansion lists every combination of the op's rules whatever the inputs'
+            # layouts (only its redistribution costs, unused here, read them): one each.
+            schema = _schema(op, args, kwargs, lambda slot: OpStrategy([OpSpec(first_spec(slot))]))
             out_meta = propagator._propagate_tensor_meta_non_cached(_schema(op, args, kwargs, first_spec))
             return _expand_single_dim(op, schema, single, out_meta, opts, len(tensors), mesh).strategies
-        return propagator.op_strategy_funcs[op](schema).strategies
+        return propagator.op_strategy_funcs[op](_schema(op, args, kwargs, strategy)).strategies
 
     try:
         specs = strategies_for(options)
@@ -134,7 +138,7 @@ def op_strategies(
             # for a row-wise linear's replicated bias.
             handed = tuple(tuple(Replicate() if isinstance(p, Partial) else p for p in layout) for layout in in_layouts)
             found[(handed, out_layouts)] = None
-    return [key for key in found if runs_as_chosen(op, args, kwargs, tensors, key[0], key[1], mesh)]
+    return list(found)
 
 
 def _expand_single_dim(op: Any, schema: Any, single: Any, out_meta: Any, options: Sequence[Sequence[Layout]],
