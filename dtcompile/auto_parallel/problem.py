@@ -271,6 +271,7 @@ class _Builder:
         self.traced, self.mesh, self.profile, self.fixed = traced, mesh, profile, fixed
         self.bucket_cap_bytes = bucket_cap_bytes
         self.param_derived: dict[str, bool] = {}
+        self.node_cache: dict[Any, list[Candidate]] = {}
         self.nodes: dict[str, PNode] = {}
         self.measures: dict[Any, Candidate] = {}
         self.transfers: dict[Any, Transfer | None] = {}
@@ -333,6 +334,25 @@ class _Builder:
             # another layout gets it by a redistribution on the edge.
             replicated = tuple([Replicate()] * self.mesh.ndim)
             options.append(produced + ([replicated] if replicated not in produced else []))
+        # A view of parameters alone (a transposed weight) may take its gradient Partial.
+        weight_only = all(self.param_derived.get(p, False) for p, _ in refs)
+        self.param_derived[node.name] = weight_only
+        out_rg = [bool(m is not None and m[1].is_floating_point and any(in_rg)) for m in metas]
+        # Repeated layers ask the same question again: answer it once.
+        key = (node.target, repr((args, kwargs)), tuple(in_metas), tuple(in_rg), tuple(map(tuple, options)),
+               tuple(map(len, produced_by)), weight_only)
+        if key not in self.node_cache:
+            self.node_cache[key] = self._candidates(node, args, kwargs, in_metas, in_rg, metas, out_rg, options,
+                                                    produced_by, weight_only)
+        candidates = self.node_cache[key]
+        self.nodes[node.name] = PNode(
+            node.name, "op", refs, metas, out_rg, candidates, target=_op_text(node.target), fx_node=node, group=node.name
+        )
+
+    def _candidates(self, node: fx.Node, args: Any, kwargs: Any, in_metas: list[Any], in_rg: list[bool],
+                    metas: list[Any], out_rg: list[bool], options: list[list[Layout]],
+                    produced_by: list[list[Layout]], weight_only: bool) -> list[Candidate]:
+        """DTensor's strategies for ``node``, each measured (see the module docstring)."""
         start = time.perf_counter()
         try:
             strategies = op_strategies(
@@ -353,15 +373,11 @@ class _Builder:
             if all(not isinstance(p, Partial) or layout in options[i][: len(produced_by[i])]
                    for i, layout in enumerate(ins) for p in layout)
         ]
-        # A view of parameters alone (a transposed weight) may take its gradient Partial.
-        weight_only = [all(self.param_derived.get(p, False) for p, _ in refs)]
-        self.param_derived[node.name] = weight_only[0]
         start = time.perf_counter()
         candidates = []
-        out_rg = [bool(m is not None and m[1].is_floating_point and any(in_rg)) for m in metas]
         signature = (node.target, repr((args, kwargs)), tuple(in_metas), tuple(in_rg))
         for ins, outs in strategies:
-            for grad_out in _grad_variants(node.target, outs, out_rg, weight_only[0]):
+            for grad_out in _grad_variants(node.target, outs, out_rg, weight_only):
                 key = (signature, ins, outs, grad_out)
                 if key not in self.measures:
                     try:
@@ -384,9 +400,7 @@ class _Builder:
                 if self.measures[key] is not None:
                     candidates.append(self.measures[key])
         self.seconds["measure"] += time.perf_counter() - start
-        self.nodes[node.name] = PNode(
-            node.name, "op", refs, metas, out_rg, candidates, target=_op_text(node.target), fx_node=node, group=node.name
-        )
+        return candidates
 
     def outputs(self, output_layouts: Mapping[int, Layout]) -> None:
         (out_args,) = [n for n in self.traced.gm.graph.nodes if n.op == "output"][0].args

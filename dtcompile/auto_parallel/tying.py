@@ -7,7 +7,8 @@ order, match one to one: same op, same non-tensor arguments, same shapes and
 dtypes, and the same candidates.  Tied nodes (and tied parameters) then form one
 group: one set of choice variables, whose cost counts once per copy, and edges
 between two groups merge into one block (:mod:`dtcompile.auto_parallel.solver`).
-The first instance is the representative; the others copy its choice.  The
+The first of the matching instances is the representative; the others copy its
+choice.  The
 copies' *measurements* still run (each instance is traced as the model runs), but
 through the builder's cache of identical op signatures.
 """
@@ -59,13 +60,15 @@ def tie_repeated_layers(problem: Problem) -> int:
         instances.setdefault(pattern, {}).setdefault(instance, []).append(name)
     tied = 0
     for by_instance in instances.values():
-        names = list(by_instance.values())
-        first = names[0]
-        reference = [_signature(problem, n) for n in first]
-        for other in names[1:]:
-            if len(other) != len(first) or [_signature(problem, n) for n in other] != reference:
+        # Instances that match one another share the first one's choices (the first layer,
+        # which reads the model's input, often matches no other).
+        representative: dict[Any, list[str]] = {}
+        for names in by_instance.values():
+            key = tuple(_signature(problem, n) for n in names)
+            if key not in representative:
+                representative[key] = names
                 continue
-            for rep, copy in zip(first, other):
+            for rep, copy in zip(representative[key], names):
                 problem.nodes[copy].group = problem.nodes[rep].group
                 tied += 1
     _tie_fanouts(problem)
