@@ -4,7 +4,9 @@
 ``(parallel_model, solution)``: the model with DTensor parameters in the
 placements a cost-driven solver chose over DTensor's own op strategies, and
 what it chose and why (:class:`Solution`: ``explain()``,
-``predicted_collectives()``).  ``plan(...)`` only solves.
+``predicted_collectives()``).  ``plan(...)`` only solves; ``parallelize(model,
+solution, mesh)`` applies a solution, also on another mesh of the same shape
+(plan once on a fake process group, apply on every rank).
 
 The modules, in the order the work flows:
 
@@ -35,15 +37,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dtcompile.auto_parallel.api import auto_parallel, plan
-    from dtcompile.auto_parallel.apply import AutoParallelModule
+    from dtcompile.auto_parallel.apply import AutoParallelModule, parallelize
     from dtcompile.auto_parallel.solution import Solution
 
-__all__ = ["AutoParallelModule", "Solution", "auto_parallel", "plan"]
+__all__ = ["AutoParallelModule", "Solution", "auto_parallel", "parallelize", "plan"]
 
 _WHERE = {
     "AutoParallelModule": "dtcompile.auto_parallel.apply",
     "Solution": "dtcompile.auto_parallel.solution",
     "auto_parallel": "dtcompile.auto_parallel.api",
+    "parallelize": "dtcompile.auto_parallel.apply",
     "plan": "dtcompile.auto_parallel.api",
 }
 

@@ -58,12 +58,12 @@ def _replicated(value: torch.Tensor, mesh: Any) -> DTensor:
     return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _build_graph(solution: Solution) -> tuple[fx.Graph, dict[str, Any]]:
-    """The forward over DTensors (see the module docstring) and the constants it reads by ``get_attr``."""
+def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any]]:
+    """The forward over DTensors on ``mesh`` (see the module docstring) and the constants it reads by ``get_attr``."""
     problem = solution.problem
     traced = problem.traced
     graph = fx.Graph()
-    consts: dict[str, Any] = {"mesh": problem.mesh}
+    consts: dict[str, Any] = {"mesh": mesh}
     layout_names: dict[tuple[Any, ...], str] = {}
 
     def layout_node(layout: tuple[Any, ...]) -> fx.Node:
@@ -129,10 +129,10 @@ def _build_graph(solution: Solution) -> tuple[fx.Graph, dict[str, Any]]:
 class AutoParallelModule(nn.Module):
     """The user's module with DTensor parameters, run as the solution chose (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, solution: Solution) -> None:
+    def __init__(self, module: nn.Module, solution: Solution, mesh: Any) -> None:
         super().__init__()
         self.module = module
-        graph, consts = _build_graph(solution)
+        graph, consts = _build_graph(solution, mesh)
         self.plan = fx.GraphModule(consts, graph, class_name="AutoParallelForward")
         traced = solution.problem.traced
         self._param_names = [name for name, _ in traced.params]
@@ -140,7 +140,7 @@ class AutoParallelModule(nn.Module):
         self._input_spec = traced.input_spec
         self._output_spec = traced.output_spec
         self._input_layouts = tuple(solution.input_placements)
-        self._mesh = solution.problem.mesh
+        self._mesh = mesh
         self.solution = solution
 
     @property
@@ -170,14 +170,25 @@ class AutoParallelModule(nn.Module):
         return pytree.tree_unflatten(list(outs), self._output_spec)
 
 
-def parallelize(model: nn.Module, solution: Solution) -> AutoParallelModule:
-    """A copy of ``model`` with its parameters distributed as ``solution`` chose, and its forward."""
+def parallelize(model: nn.Module, solution: Solution, mesh: Any = None) -> AutoParallelModule:
+    """A copy of ``model`` with its parameters distributed as ``solution`` chose, and its forward.
+
+    ``mesh`` (default: the one planned on) may be another mesh of the same shape and axis
+    names: plan once, on a fake process group, and apply the plan on every real rank.
+    """
+    planned = solution.problem.mesh
+    if mesh is None:
+        mesh = planned
+    elif tuple(mesh.shape) != tuple(planned.shape) or mesh.mesh_dim_names != planned.mesh_dim_names:
+        raise ValueError(
+            f"auto_parallel: the solution was planned on mesh {tuple(planned.shape)} {planned.mesh_dim_names}, "
+            f"not {tuple(mesh.shape)} {mesh.mesh_dim_names}; plan again on this mesh"
+        )
     module = copy.deepcopy(model)
     placements = solution.param_placements
-    mesh = solution.problem.mesh
     for name, param in list(module.named_parameters()):
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         dist = distribute_tensor(param.detach(), mesh, placements[name])
         setattr(owner, attr, nn.Parameter(dist, requires_grad=param.requires_grad))
-    return AutoParallelModule(module, solution)
+    return AutoParallelModule(module, solution, mesh)

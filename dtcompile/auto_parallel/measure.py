@@ -37,7 +37,7 @@ from dtcompile.collectives import collective_info
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.simulate import node_time_us
 
-__all__ = ["OpMeasure", "measure_op", "plan_redistribution", "trace_redistribution"]
+__all__ = ["OpMeasure", "measure_op", "plan_redistribution", "redistribution_copy_bytes", "trace_redistribution"]
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,9 @@ class _TensorSlot:
 
 
 @functools.cache
-def _plan_cached(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str) -> tuple[PlannedCollective, ...]:
+def _plan_cached(
+    shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str
+) -> tuple[tuple[PlannedCollective, ...], int]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import (
         _FlattenedTransformInfo,
@@ -258,6 +260,7 @@ def _plan_cached(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: L
     itemsize = dtype.itemsize
     current = list(src)
     found = []
+    moved = 0  # elements read and written by the local copies around the collectives
     for info in infos:
         before = local_numel(shape, tuple(current), mesh.shape)
         a, b = info.src_dst_placements
@@ -273,19 +276,30 @@ def _plan_cached(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: L
             gathered[d] = Replicate()
             current[d] = b
         full = local_numel(shape, tuple(gathered), mesh.shape)
+        after = local_numel(shape, tuple(current), mesh.shape)
+        # Collectives run on dim 0: another dim is put back together (cat) after a
+        # gather, laid out (cat) before a reduce-scatter; a chunk is cloned.
         if isinstance(a, Partial) and isinstance(b, Replicate):
             op, numel = "all_reduce", before
         elif isinstance(a, Partial) and isinstance(b, Shard):
             op, numel = "reduce_scatter", before
+            moved += 2 * before if b.dim != 0 else 0
         elif isinstance(a, Shard) and isinstance(b, Replicate):
             op, numel = "all_gather", full
+            moved += 2 * full if a.dim != 0 else 0
         elif isinstance(a, Shard) and isinstance(b, Shard):
             # shard_dim_alltoall: gloo has no all-to-all, DTensor all-gathers and chunks on CPU.
-            op, numel = ("all_gather", full) if mesh.device_type == "cpu" else ("all_to_all", before)
+            if mesh.device_type == "cpu":
+                op, numel = "all_gather", full
+                moved += (2 * full if a.dim != 0 else 0) + (2 * after if b.dim != 0 else 0)
+            else:
+                op, numel = "all_to_all", before
         else:
+            if isinstance(a, Replicate) and isinstance(b, Shard):
+                moved += 2 * after
             continue  # a local chunk (replicate -> shard) or replicate -> partial: no communication
         found.append(PlannedCollective(direction, op, axis, size, numel * itemsize, span))
-    return tuple(found)
+    return tuple(found), moved * itemsize
 
 
 def plan_redistribution(
@@ -296,7 +310,15 @@ def plan_redistribution(
     flattened mesh where DTensor merges them)."""
     if tuple(src) == tuple(dst):
         return ()
-    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, direction)
+    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, direction)[0]
+
+
+def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> int:
+    """Bytes the local copies of that redistribution read and write (a ``cat`` putting a
+    gathered dim other than 0 back together, a cloned chunk), for the roofline."""
+    if tuple(src) == tuple(dst):
+        return 0
+    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, "forward")[1]
 
 
 def trace_redistribution(

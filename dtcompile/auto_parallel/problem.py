@@ -52,7 +52,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
-from dtcompile.auto_parallel.measure import _TensorSlot, measure_op, plan_redistribution
+from dtcompile.auto_parallel.measure import _TensorSlot, measure_op, plan_redistribution, redistribution_copy_bytes
 from dtcompile.auto_parallel.placements import (
     Layout,
     PlannedCollective,
@@ -148,11 +148,11 @@ def launch_latency_us(key: BucketKey, profile: HardwareProfile) -> float:
 def bucketed_time_us(t: Transfer, profile: HardwareProfile, cap_bytes: int) -> tuple[float, tuple[BucketKey, ...]]:
     """A parameter edge's time with its collectives bucketed: each one's bytes on the wire,
     plus its share (``bytes / cap``) of one more bucket's launch; and the buckets it joins."""
-    total, keys = 0.0, []
+    total, keys = t.time_us, []
     for c in t.collectives:
         key = bucket_key(c)
         latency = launch_latency_us(key, profile)
-        total += c.time_us(profile) - latency + latency * c.bytes / cap_bytes
+        total += latency * c.bytes / cap_bytes - latency
         keys.append(key)
     return total, tuple(dict.fromkeys(keys))
 
@@ -232,9 +232,12 @@ def transfer(
         result = None
     else:
         found = plan_redistribution(shape, dtype, out, read, mesh, "forward")
+        copied = redistribution_copy_bytes(shape, dtype, out, read, mesh)
         if grad is not None:
             found += plan_redistribution(shape, dtype, grad, want, mesh, "backward")
-        result = Transfer(found, sum(c.time_us(profile) for c in found))
+            copied += redistribution_copy_bytes(shape, dtype, grad, want, mesh)
+        copy_us = copied / (profile.memory_gbps * 1e9) * 1e6
+        result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us)
     cache[key] = result
     return result
 

@@ -267,13 +267,13 @@ class Solution:
             cost, why = self._local_cost(name, index)
             placement = f"({', '.join(text(i) for i in cand.inputs)}) -> {', '.join(text(o) for o in cand.outputs if o is not None)}"
             if index == chosen:
-                verdict = f"{cost:.2f} us  chosen"
+                verdict = f"{cost:.3f} us  chosen"
             elif math.isinf(cost):
                 verdict = f"impossible: {why}"
             elif cost >= base:
-                verdict = f"{cost:.2f} us  lost by {cost - base:.2f} us"
+                verdict = f"{cost:.3f} us  lost by {cost - base:.3f} us"
             else:
-                verdict = f"{cost:.2f} us  cheaper alone, but the neighbours' best choices change with it"
+                verdict = f"{cost:.3f} us  cheaper alone, but the neighbours' best choices change with it"
             lines.append(f"  {placement:<40} {verdict}")
         return "\n".join(lines)
 

@@ -13,9 +13,11 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import dtcompile
 from dtcompile._testing import models
+from dtcompile._testing.cases import CASES
 from dtcompile.cost_model import get_profile
 from dtcompile.report import backward_from_sum
 from dtcompile.simulate import simulate
@@ -112,3 +114,47 @@ def assert_matches_reference(results: list[tuple[Any, ...]]) -> None:
             )
     placements = [r[5] for r in results]
     assert all(p == placements[0] for p in placements), f"ranks planned differently: {placements}"
+
+
+# Per case of dtcompile._testing.cases: the layout of its input and output, as the hand plan has them.
+BOUNDARY = {
+    "tp_mlp": (Replicate(),),
+    "tp_sp_block": (Replicate(),),
+    "tp_sp_block_local_map": (Replicate(),),
+    "fsdp_mlp": (Shard(0),),
+    "block_2d": (Shard(0), Replicate()),
+}
+
+
+def plan_case(case_name: str, mesh: Any, **options: Any) -> tuple[Any, Any, Any, Any, int]:
+    """On a fake world's ``mesh``: the case's reference, hand-parallel model and input, and
+    the solution under the hand plan's parameter memory (unless ``options`` say otherwise)."""
+    case = CASES[case_name]
+    reference, hand, x = case.build(mesh)
+    hand_bytes = sum(p.to_local().numel() * p.element_size() for p in hand.parameters())
+    options.setdefault("param_memory_budget_bytes", hand_bytes)
+    layout = BOUNDARY[case_name]
+    solution = dtcompile.auto_parallel.plan(
+        reference, mesh, (x,), input_placements=[layout], output_placements=[layout], **options
+    )
+    return reference, hand, x, solution, hand_bytes
+
+
+def rank_apply(rank: int, case_name: str, world_size: int, solution: Any) -> tuple[Any, ...]:
+    """On one rank thread: apply ``solution`` (planned once, on a fake world) to this rank's
+    mesh, compile with dtcompile, one step; and the single-process step (see :func:`rank_step`)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    case = CASES[case_name]
+    mesh = case.mesh(world_size)
+    reference, _, x = case.build(mesh)
+    model = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
+    local_x = distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)
+    backend = dtcompile.backend(inductor=False)
+    out = torch.compile(model, backend=backend, fullgraph=True)(local_x).full_tensor()
+    out.pow(2).mean().backward()
+    grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
+    ref_out = reference(x)
+    ref_out.pow(2).mean().backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    return out.detach(), grads, ref_out.detach(), ref_grads, len(backend.records), solution.param_placements

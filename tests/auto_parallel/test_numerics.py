@@ -4,10 +4,11 @@ parameter gradients: on 4 threaded ranks, and the MLP on 2 real gloo ranks."""
 from __future__ import annotations
 
 import pytest
-from ap_cases import assert_matches_reference, rank_step
+from ap_cases import assert_matches_reference, plan_case, rank_apply, rank_step
 from torch.distributed.tensor import Replicate
 
-from dtcompile.testing import run_gloo, run_threaded
+from dtcompile._testing.cases import CASES
+from dtcompile.testing import fake_world, run_gloo, run_threaded
 
 R = (Replicate(),)
 
@@ -24,3 +25,12 @@ def test_tp_mlp_on_4_threaded_ranks():
 def test_tp_mlp_on_2_gloo_ranks():
     budget = (16 * 32 * 2 + 32 + 16) * 4 // 2
     assert_matches_reference(run_gloo(2, rank_step, "mlp", (2,), ("tp",), [R], [R], budget))
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("case_name, shape", [("tp_sp_block", (4,)), ("fsdp_mlp", (4,)), ("block_2d", (2, 2))])
+def test_planned_once_applied_on_4_threaded_ranks(case_name, shape):
+    # Planned on the fake process group (as it would be offline), applied on each rank's mesh.
+    with fake_world(4, shape, CASES[case_name].mesh_dim_names) as mesh:
+        *_, solution, _ = plan_case(case_name, mesh)
+    assert_matches_reference(run_threaded(4, rank_apply, case_name, 4, solution))

@@ -1,0 +1,86 @@
+"""The solver's prices agree with what DTensor does: redistributions planned without tracing
+issue the collectives a traced redistribution issues, and an op measured on fake shards keeps
+its strategy's layouts and hands back its gradients where DTensor puts them."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from dtcompile.auto_parallel.measure import (
+    _TensorSlot,
+    measure_op,
+    plan_redistribution,
+    redistribution_copy_bytes,
+    trace_redistribution,
+)
+from dtcompile.cost_model import get_profile
+
+H100 = get_profile("h100")
+SHAPE = (16, 16, 8)  # every dim shards evenly over both axes: the layouts the solver offers
+PER_AXIS = [Replicate(), Shard(0), Shard(1), Shard(2), Partial()]
+
+
+def _pairs(ndim: int, step: int):
+    layouts = list(itertools.product(PER_AXIS, repeat=ndim))
+    pairs = [
+        (src, dst) for src in layouts for dst in layouts
+        if src != dst and not any(isinstance(d, Partial) and d != s for s, d in zip(src, dst))
+    ]
+    return pairs[::step]
+
+
+def _keys(collectives):
+    return [(c.op, c.axis, c.group_size, c.bytes) for c in collectives]
+
+
+@pytest.mark.parametrize("world, shape, names, step", [(4, (4,), ("tp",), 1), (8, (2, 4), ("dp", "tp"), 7)], ids=["1d", "2d"])
+def test_planned_redistributions_issue_the_traced_collectives(fake_world, world, shape, names, step):
+    mesh = fake_world(world, shape, names)
+    pairs = _pairs(len(shape), step)
+    assert len(pairs) > 15
+    for src, dst in pairs:
+        planned = plan_redistribution(SHAPE, torch.float32, src, dst, mesh)
+        traced = trace_redistribution(SHAPE, torch.float32, src, dst, mesh, H100)
+        assert _keys(planned) == _keys(traced), f"{src} -> {dst}"
+
+
+def test_copy_bytes_count_the_cat_after_gathering_another_dim(tp_mesh):
+    full = 16 * 16 * 8 * 4
+    assert redistribution_copy_bytes(SHAPE, torch.float32, (Shard(0),), (Replicate(),), tp_mesh) == 0
+    assert redistribution_copy_bytes(SHAPE, torch.float32, (Shard(1),), (Replicate(),), tp_mesh) == 2 * full
+    assert redistribution_copy_bytes(SHAPE, torch.float32, (Replicate(),), (Shard(1),), tp_mesh) == 2 * full // 4
+
+
+def test_a_measured_matmul_keeps_its_layouts_and_reports_its_gradients(tp_mesh):
+    # x replicated times w sharded on columns: output sharded on columns; backward
+    # gives x a partial gradient (a sum over the column shards) and w its own layout.
+    m = measure_op(
+        torch.ops.aten.mm.default, (_TensorSlot(0), _TensorSlot(1)), {},
+        [((4, 16), torch.float32, True), ((16, 32), torch.float32, True)],
+        [(Replicate(),), (Shard(1),)], [((4, 32), torch.float32)], [(Shard(1),)],
+        tp_mesh, H100, FakeTensorMode(),
+    )
+    assert m.out_layouts == ((Shard(1),),)
+    assert m.grad_layouts == ((Partial(),), (Shard(1),))
+    assert m.collectives == ()
+    # forward: one local [4, 16] x [16, 8] matmul; backward: two.
+    one = 2 * 4 * 8 * 16 / (H100.matmul_tflops * 1e12) * 1e6
+    assert m.forward_us == pytest.approx(one)
+    assert m.backward_us == pytest.approx(2 * one)
+
+
+def test_a_partial_gradient_passes_through_a_transpose(tp_mesh):
+    # The data-parallel weight's path: t(w) replicated, its gradient arriving Partial
+    # goes back to w Partial, to be reduced where w is read (the FSDP reduce-scatter).
+    m = measure_op(
+        torch.ops.aten.t.default, (_TensorSlot(0),), {}, [((32, 16), torch.float32, True)],
+        [(Replicate(),)], [((16, 32), torch.float32)], [(Partial(),)], tp_mesh, H100, FakeTensorMode(),
+    )
+    assert m.out_layouts == ((Replicate(),),)
+    assert m.grad_layouts == ((Partial(),),)
+    assert m.collectives == () and m.forward_us == m.backward_us == 0.0

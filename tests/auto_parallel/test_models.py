@@ -1,0 +1,60 @@
+"""Auto-parallel on the shared models, on the fake process group: under the hand plan's parameter
+memory the solution's step, estimated on the compiled graphs with the h100 profile, costs no more
+than the hand plan's (Megatron TP + SP for the block, FSDP for the MLP, TP + SP with data
+parallelism on the 2-D mesh); its predicted collectives are the compiled graphs' collectives."""
+
+from __future__ import annotations
+
+import pytest
+from ap_cases import (
+    BOUNDARY,
+    KEEP_COLLECTIVES,
+    compiled_collectives,
+    compiled_records,
+    plan_case,
+    predicted_collectives,
+    step_us,
+)
+from torch.distributed.tensor import distribute_tensor
+
+import dtcompile
+from dtcompile._testing.cases import CASES
+
+WORLDS = {"fsdp_mlp": (4, (4,)), "tp_sp_block": (4, (4,)), "block_2d": (8, (2, 4))}
+
+
+def _check_plan(case_name, fake_world):
+    world_size, shape = WORLDS[case_name]
+    case = CASES[case_name]
+    mesh = fake_world(world_size, shape, case.mesh_dim_names)
+    reference, hand, x, solution, hand_bytes = plan_case(case_name, mesh)
+    model = dtcompile.auto_parallel.parallelize(reference, solution)
+    auto_x = distribute_tensor(x, mesh, BOUNDARY[case_name], src_data_rank=None)
+    hand_x = case.local_input(x, mesh)
+
+    held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    assert held == solution.param_bytes_per_rank() <= hand_bytes
+
+    auto_us = step_us(compiled_records(model, auto_x))
+    hand_us = step_us(compiled_records(hand, hand_x))
+    assert auto_us <= hand_us * (1 + 1e-9), f"{case_name}: auto {auto_us:.2f} us > hand {hand_us:.2f} us"
+
+    compiled = compiled_collectives(compiled_records(model, auto_x, disable_passes=KEEP_COLLECTIVES))
+    assert predicted_collectives(solution) == compiled
+    return solution, auto_us, hand_us
+
+
+def test_fsdp_mlp_is_no_dearer_than_fsdp_and_predicts_its_collectives(fake_world):
+    solution, auto_us, hand_us = _check_plan("fsdp_mlp", fake_world)
+    assert auto_us == pytest.approx(hand_us)  # the solver finds FSDP itself
+    assert solution.cost_us == pytest.approx(auto_us, rel=0.01)
+
+
+@pytest.mark.models
+def test_tp_sp_block_is_no_dearer_than_megatron_and_predicts_its_collectives(fake_world):
+    _check_plan("tp_sp_block", fake_world)
+
+
+@pytest.mark.models
+def test_block_on_a_2d_mesh_is_no_dearer_than_tp_sp_with_dp_and_predicts_its_collectives(fake_world):
+    _check_plan("block_2d", fake_world)
