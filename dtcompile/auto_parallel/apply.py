@@ -54,6 +54,11 @@ def expect_layout(value: Any, placements: tuple[Any, ...], node: str) -> Any:
     return value
 
 
+def _call_region(fn: Any, *args: Any) -> tuple[Any, ...]:
+    """A ``local_map`` function's outputs, flat (the traced region op returns a list)."""
+    return tuple(pytree.tree_leaves(fn(*args)))
+
+
 def _replicated(value: torch.Tensor, mesh: Any) -> DTensor:
     return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
@@ -112,9 +117,13 @@ def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any
             args, kwargs = pytree.tree_map_only(
                 fx.Node, lambda _: reading(node.name, next(slots)), (node.args, node.kwargs)
             )
-            new = graph.call_function(node.target, tuple(args), dict(kwargs))
+            if pnode.kind == "region":  # the local_map function itself, on the DTensors
+                consts[f"region{node.args[1]}"] = traced.regions[node.args[1]].fn
+                new = graph.call_function(_call_region, (graph.get_attr(f"region{node.args[1]}"), *args[0]))
+            else:
+                new = graph.call_function(node.target, tuple(args), dict(kwargs))
             outs = solution.choice(node.name).outputs
-            if len(outs) == 1 and outs[0] is not None:
+            if pnode.kind != "region" and len(outs) == 1 and outs[0] is not None:
                 new = graph.call_function(expect_layout, (new, layout_node(outs[0]), node.name))
         multi = isinstance(node.meta.get("val"), (tuple, list))
         values[(node.name, -1 if multi else 0)] = new

@@ -11,6 +11,8 @@ Built from the traced forward (:mod:`dtcompile.auto_parallel.trace`):
   (:func:`~dtcompile.auto_parallel.measure.measure_op`: the roofline of its
   local ops, the collectives DTensor issues in its backward, and the layouts its
   inputs' gradients come out in);
+- a ``local_map`` **region** has one candidate: the placements it declares
+  (:mod:`dtcompile.auto_parallel.regions`), measured like an op;
 - a **constant** (a tensor made in the model from no input: a causal mask) is
   made whole on every rank, replicated;
 - an **output** takes any even layout, or the fixed one; the gradient of an output
@@ -61,6 +63,7 @@ from dtcompile.auto_parallel.placements import (
     local_numel,
     output_grad_layout,
 )
+from dtcompile.auto_parallel.regions import region_op
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.cost_model import HardwareProfile, collective_time_us
@@ -101,7 +104,7 @@ class PNode:
 
     name: str
     kind: str
-    """``param``, ``buffer``, ``input``, ``constant``, ``op``, ``fanout`` or ``output``."""
+    """``param``, ``buffer``, ``input``, ``constant``, ``op``, ``region``, ``fanout`` or ``output``."""
     inputs: list[tuple[str, int]]
     """Per tensor argument, the value it reads: ``(producer, output index)``."""
     outputs: list[tuple[tuple[int, ...], torch.dtype] | None]
@@ -324,6 +327,9 @@ class _Builder:
             )
             return
         refs = [_ref(a) for a in tensor_args]
+        if node.target is region_op()._opoverload:
+            self.region(node, refs, metas)
+            return
         slots = iter(range(len(tensor_args)))
         args, kwargs = pytree.tree_map_only(fx.Node, lambda _: _TensorSlot(next(slots)), (node.args, node.kwargs))
         in_metas = [self.nodes[p].outputs[k] for p, k in refs]
@@ -404,6 +410,32 @@ class _Builder:
                     candidates.append(self.measures[key])
         self.seconds["measure"] += time.perf_counter() - start
         return candidates
+
+    def region(self, node: fx.Node, refs: list[tuple[str, int]], metas: list[Any]) -> None:
+        """A ``local_map`` region: its one candidate, its declared placements, measured."""
+        region = self.traced.regions[node.args[1]]
+        in_metas = [self.nodes[p].outputs[k] for p, k in refs]
+        in_rg = [self.nodes[p].requires_grad[k] for p, k in refs]
+        out_rg = [bool(m is not None and m[1].is_floating_point and any(in_rg)) for m in metas]
+        if len(region.in_placements) != len(refs) or len(region.out_placements) != len(metas):
+            raise ValueError(
+                f"auto_parallel: local_map region {region.name} declares {len(region.in_placements)} inputs and "
+                f"{len(region.out_placements)} outputs but is called with {len(refs)} and returns {len(metas)}"
+            )
+        grad_out = tuple(output_grad_layout(o) if rg else None for o, rg in zip(region.out_placements, out_rg))
+        m = measure_op(
+            region.fn, tuple(_TensorSlot(i) for i in range(len(refs))), {},
+            [(s, d, rg) for (s, d), rg in zip(in_metas, in_rg)], region.in_placements, metas, grad_out,
+            self.mesh, self.profile, self.traced.fake_mode,
+        )
+        candidate = Candidate(
+            region.in_placements, region.out_placements, m.grad_layouts, grad_out, m.forward_us, m.backward_us,
+            m.collectives, sum(c.time_us(self.profile) for c in m.collectives),
+        )
+        self.nodes[node.name] = PNode(
+            node.name, "region", refs, metas, out_rg, [candidate], target=f"local_map[{region.name}]",
+            fx_node=node, group=node.name,
+        )
 
     def outputs(self, output_layouts: Mapping[int, Layout]) -> None:
         (out_args,) = [n for n in self.traced.gm.graph.nodes if n.op == "output"][0].args

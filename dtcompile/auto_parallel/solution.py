@@ -170,7 +170,7 @@ class Solution:
         if node.kind in ("param", "buffer", "input"):
             shape, dtype = node.outputs[0]
             call = f"{node.kind}({str(dtype).removeprefix('torch.')}{list(shape)})"
-        elif node.fx_node is not None:
+        elif node.fx_node is not None and node.kind != "region":
             call = f"{node.target}({self._args_text(node.fx_node)})"
         else:
             args = ", ".join(self._name(p) if k == 0 else f"{self._name(p)}[{k}]" for p, k in node.inputs)

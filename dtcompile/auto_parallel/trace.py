@@ -6,7 +6,8 @@ laptop; parameters on the ``meta`` device work too) with its parameters,
 buffers and inputs as the graph's placeholders.  The ops are the aten ops
 DTensor dispatches on (``linear`` is ``t`` + ``addmm``), each node keeps the
 module it was called from (``nn_module_stack``), which is how repeated layers
-are recognised (:mod:`dtcompile.auto_parallel.tying`).
+are recognised (:mod:`dtcompile.auto_parallel.tying`).  A ``local_map`` region
+stays one node (:mod:`dtcompile.auto_parallel.regions`).
 
 Only the forward is traced: the backward of each op is measured under each of
 its strategies (:mod:`dtcompile.auto_parallel.measure`), because the model that
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+
+from dtcompile.auto_parallel.regions import keep_regions
 
 __all__ = ["TracedModel", "trace_forward"]
 
@@ -41,6 +44,8 @@ class TracedModel:
     output_spec: Any
     """The pytree spec of the model's output."""
     fake_mode: Any
+    regions: dict[int, Any]
+    """Region index -> its :class:`~dtcompile.auto_parallel.regions.Region` (``local_map`` functions)."""
     requires_grad: dict[str, bool]
     """Placeholder name -> whether that parameter or input requires grad."""
     module_of: dict[str, str]
@@ -99,12 +104,14 @@ def trace_forward(model: nn.Module, example_inputs: Sequence[Any], device: str) 
         handles.append(module.register_forward_pre_hook(lambda *_: starts.append(graph_len())))
         handles.append(module.register_forward_hook(lambda *_, path=path: spans.append((path, starts.pop(), graph_len()))))
     try:
-        with fake_mode:
+        with keep_regions(model) as regions, fake_mode:
             gm = make_fx(forward, tracing_mode="real")(*fake_params, *fake_buffers, *fake_inputs)
     finally:
         for handle in handles:
             handle.remove()
     all_nodes = list(gm.graph.nodes)
+    regions: dict[int, Any]
+    """Region index -> its :class:`~dtcompile.auto_parallel.regions.Region` (``local_map`` functions)."""
     requires_grad: dict[str, bool]
     """Placeholder name -> whether that parameter or input requires grad."""
     module_of: dict[str, str] = {}
@@ -122,5 +129,5 @@ def trace_forward(model: nn.Module, example_inputs: Sequence[Any], device: str) 
     requires_grad = {node.name: flag for node, flag in zip(placeholders, flags)}
     return TracedModel(
         gm, param_nodes, buffer_nodes, placeholders[num_states:], input_spec, out_spec[0], fake_mode,
-        requires_grad, module_of,
+        regions, requires_grad, module_of,
     )

@@ -22,16 +22,17 @@ from dtcompile.auto_parallel.problem import Problem
 
 __all__ = ["tie_repeated_layers"]
 
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 
 
 def _instance(path: str) -> tuple[str, str] | None:
-    """``layers.3.attention.wq`` -> (``layers.*``, ``layers.3``): the outermost indexed prefix."""
+    """``layers.3.attention.wq`` -> (``layers.*``, ``layers.3``): the outermost indexed prefix
+    (``3.w1`` -> (``*``, ``3``) in an ``nn.Sequential``)."""
     match = _INDEX.search(path)
     if match is None:
         return None
-    end = match.end()
-    return path[: match.start()] + ".*", path[:end]
+    start, end = match.span(1)
+    return path[:start] + "*", path[:end]
 
 
 def _signature(problem: Problem, name: str) -> Any:
