@@ -4,7 +4,8 @@
 solves it and returns the :class:`~dtcompile.auto_parallel.solution.Solution`;
 :func:`auto_parallel` also applies it (:mod:`dtcompile.auto_parallel.apply`).
 Arguments are checked first, and a wrong one is a ``TypeError`` or
-``ValueError`` that names it.
+``ValueError`` that names it.  With ``TORCH_TRACE=DIR`` set, every plan also
+logs its ``explain()`` as the ``dtcompile_auto_parallel_solution`` artifact.
 """
 
 from __future__ import annotations
@@ -124,7 +125,14 @@ def plan(
         "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
         len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,
     )
-    return Solution(problem, result, param_memory_budget_bytes)
+    solution = Solution(problem, result, param_memory_budget_bytes)
+    # tlparse shows it beside the compiles' artifacts (TORCH_TRACE=DIR).
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "dtcompile_auto_parallel_solution", "encoding": "string"},
+        payload_fn=solution.explain,
+    )
+    return solution
 
 
 def auto_parallel(

@@ -131,3 +131,29 @@ def test_without_highspy_the_error_says_how_to_install_it(mlp, monkeypatch):
     mesh, reference, _, x, _ = mlp
     with pytest.raises(ImportError, match=r"pip install 'dtcompile\[autoparallel\]'"):
         dtcompile.auto_parallel(reference, mesh, (x,))
+
+
+def test_the_solution_is_logged_for_tlparse(mlp, monkeypatch):
+    import torch
+
+    logged = []
+    monkeypatch.setattr(
+        torch._logging, "trace_structured",
+        lambda kind, metadata_fn, payload_fn: logged.append((kind, metadata_fn()["name"], payload_fn())),
+    )
+    _, solution = _plan(mlp)
+    assert logged == [("artifact", "dtcompile_auto_parallel_solution", solution.explain())]
+
+
+@pytest.mark.subprocess
+def test_importing_the_package_registers_nothing_and_it_is_callable():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dtcompile.auto_parallel as ap, dtcompile; "
+        "assert not hasattr(torch.ops.dtcompile_autoparallel, 'region'); "
+        "assert callable(dtcompile.auto_parallel) and dtcompile.auto_parallel is ap; "
+        "assert ap.plan.__module__ == 'dtcompile.auto_parallel.api'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
