@@ -37,7 +37,14 @@ from dtcompile.collectives import collective_info
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.simulate import node_time_us
 
-__all__ = ["OpMeasure", "measure_op", "plan_redistribution", "redistribution_copy_bytes", "trace_redistribution"]
+__all__ = [
+    "OpMeasure",
+    "measure_op",
+    "plan_redistribution",
+    "redistribution_copy_bytes",
+    "result_read_at_once",
+    "trace_redistribution",
+]
 
 
 @dataclass(frozen=True)
@@ -244,7 +251,7 @@ class _TensorSlot:
 @functools.cache
 def _plan_cached(
     shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str
-) -> tuple[tuple[PlannedCollective, ...], int]:
+) -> tuple[tuple[PlannedCollective, ...], int, bool]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import (
         _FlattenedTransformInfo,
@@ -261,6 +268,7 @@ def _plan_cached(
     current = list(src)
     found = []
     moved = 0  # elements read and written by the local copies around the collectives
+    read_at_once = False  # local work follows the last collective: its result is read at once
     for info in infos:
         before = local_numel(shape, tuple(current), mesh.shape)
         a, b = info.src_dst_placements
@@ -279,6 +287,7 @@ def _plan_cached(
         after = local_numel(shape, tuple(current), mesh.shape)
         # Collectives run on dim 0: another dim is put back together (cat) after a
         # gather, laid out (cat) before a reduce-scatter; a chunk is cloned.
+        read_at_once = False
         if isinstance(a, Partial) and isinstance(b, Replicate):
             op, numel = "all_reduce", before
         elif isinstance(a, Partial) and isinstance(b, Shard):
@@ -287,19 +296,22 @@ def _plan_cached(
         elif isinstance(a, Shard) and isinstance(b, Replicate):
             op, numel = "all_gather", full
             moved += 2 * full if a.dim != 0 else 0
+            read_at_once = a.dim != 0
         elif isinstance(a, Shard) and isinstance(b, Shard):
             # shard_dim_alltoall: gloo has no all-to-all, DTensor all-gathers and chunks on CPU.
             if mesh.device_type == "cpu":
                 op, numel = "all_gather", full
                 moved += (2 * full if a.dim != 0 else 0) + (2 * after if b.dim != 0 else 0)
+                read_at_once = True
             else:
                 op, numel = "all_to_all", before
         else:
             if isinstance(a, Replicate) and isinstance(b, Shard):
                 moved += 2 * after
+                read_at_once = bool(found)
             continue  # a local chunk (replicate -> shard) or replicate -> partial: no communication
         found.append(PlannedCollective(direction, op, axis, size, numel * itemsize, span))
-    return tuple(found), moved * itemsize
+    return tuple(found), moved * itemsize, read_at_once
 
 
 def plan_redistribution(
@@ -311,6 +323,14 @@ def plan_redistribution(
     if tuple(src) == tuple(dst):
         return ()
     return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, direction)[0]
+
+
+def result_read_at_once(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> bool:
+    """Whether local work (a cat, a chunk) follows that redistribution's last collective, so
+    its result is read as soon as it arrives (dtcompile's bucketing cannot wait for others)."""
+    if tuple(src) == tuple(dst):
+        return False
+    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, "forward")[2]
 
 
 def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> int:

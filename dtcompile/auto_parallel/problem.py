@@ -54,7 +54,13 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
-from dtcompile.auto_parallel.measure import _TensorSlot, measure_op, plan_redistribution, redistribution_copy_bytes
+from dtcompile.auto_parallel.measure import (
+    _TensorSlot,
+    measure_op,
+    plan_redistribution,
+    redistribution_copy_bytes,
+    result_read_at_once,
+)
 from dtcompile.auto_parallel.placements import (
     Layout,
     PlannedCollective,
@@ -150,9 +156,15 @@ def launch_latency_us(key: BucketKey, profile: HardwareProfile) -> float:
 
 def bucketed_time_us(t: Transfer, profile: HardwareProfile, cap_bytes: int) -> tuple[float, tuple[BucketKey, ...]]:
     """A parameter edge's time with its collectives bucketed: each one's bytes on the wire,
-    plus its share (``bytes / cap``) of one more bucket's launch; and the buckets it joins."""
+    plus its share (``bytes / cap``) of one more bucket's launch; and the buckets it joins.
+
+    Not bucketed: a backward collective followed by local work (the chunk to the
+    parameter's shard, a cat): the pass keeps a bucket only where no member's result
+    is read before the last member's input exists, and that result is read at once."""
     total, keys = t.time_us, []
     for c in t.collectives:
+        if c in t.held:
+            continue  # a gradient reduction whose result a local chunk or cat reads at once
         key = bucket_key(c)
         latency = launch_latency_us(key, profile)
         total += latency * c.bytes / cap_bytes - latency
@@ -199,6 +211,8 @@ class Transfer:
     collectives: tuple[PlannedCollective, ...]
     time_us: float
     passthrough: bool = False
+    held: tuple[PlannedCollective, ...] = ()
+    """Of the collectives, those whose result is read at once (see :func:`bucketed_time_us`)."""
     """The reader takes the value as it is: no ``redistribute``, and the gradient goes back as it came."""
 
 
@@ -236,11 +250,15 @@ def transfer(
     else:
         found = plan_redistribution(shape, dtype, out, read, mesh, "forward")
         copied = redistribution_copy_bytes(shape, dtype, out, read, mesh)
+        held: tuple[PlannedCollective, ...] = ()
         if grad is not None:
-            found += plan_redistribution(shape, dtype, grad, want, mesh, "backward")
+            backward = plan_redistribution(shape, dtype, grad, want, mesh, "backward")
+            found += backward
             copied += redistribution_copy_bytes(shape, dtype, grad, want, mesh)
+            if result_read_at_once(shape, dtype, grad, want, mesh):
+                held = backward
         copy_us = copied / (profile.memory_gbps * 1e9) * 1e6
-        result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us)
+        result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us, held=held)
     cache[key] = result
     return result
 
