@@ -111,7 +111,6 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed._symmetric_memory", "enable_symm_mem_for_group", ("group_name",)),
     # dtcompile.auto_parallel: DTensor's strategies, sharding propagation and redistribution planner
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator", None),
-    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding_non_cached", ("self", "op_schema")),
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_non_cached", ("self", "op_schema")),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs", None),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs", None),
@@ -120,10 +119,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor._op_schema", "OpSchema", ("op", "args_schema", "kwargs_schema", "schema_info")),
     ("torch.distributed.tensor._op_schema", "OpSchema.args_meta", None),
     ("torch.distributed.tensor._op_schema", "OpSchema.kwargs_meta", None),
-    ("torch.distributed.tensor._op_schema", "OpSchema.args_spec", None),
     ("torch.distributed.tensor._op_schema", "OpSpec", ("output_specs", "input_specs", "redistribute_cost")),
     ("torch.distributed.tensor._op_schema", "OpStrategy", ("strategies",)),
-    ("torch.distributed.tensor._op_schema", "OutputSharding", ("output_spec", "redistribute_schema")),
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
     # dynamo_vars.dtensor_api: DTensor.__tensor_unflatten__ rebuilds the spec it was given
     (

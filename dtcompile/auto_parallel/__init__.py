@@ -14,6 +14,7 @@ The modules, in the order the work flows:
 - :mod:`~dtcompile.auto_parallel.strategies` -- DTensor's candidate strategies per op;
 - :mod:`~dtcompile.auto_parallel.measure` -- an op's forward and backward, and a
   redistribution, priced with dtcompile's cost model;
+- :mod:`~dtcompile.auto_parallel.transfer` -- an edge's redistributions, bucketed parameter collectives;
 - :mod:`~dtcompile.auto_parallel.problem` -- candidates, edges, fan-outs;
 - :mod:`~dtcompile.auto_parallel.tying` -- repeated layers share one choice;
 - :mod:`~dtcompile.auto_parallel.solver` -- the integer program (HiGHS);

@@ -26,15 +26,17 @@ Built from the traced forward (:mod:`dtcompile.auto_parallel.trace`):
 An **edge** carries a value from its producer to one consumer (or its fan-out):
 the forward ``redistribute`` from the producer's output layout to the layout the
 consumer's strategy reads, and the backward one of the gradient back
-(:func:`~dtcompile.auto_parallel.measure.plan_redistribution`).  The
+(:func:`~dtcompile.auto_parallel.transfer.transfer`).  The
 collectives of an edge out of a parameter (its all-gather, its gradient's
 reduction) wait for no activation, and dtcompile's ``bucketing`` pass merges
 them per kind and mesh axis into one collective (up to ``bucket_cap_bytes``):
 such an edge costs its bytes on the wire, and each bucket its launch latency once
-(:func:`bucketed_time_us`; the solver adds one variable per bucket).  An edge is
-impossible where it would need to *make* a ``Partial`` value (``redistribute``
-cannot), or where a ``Partial`` value's gradient would stay ``Partial`` (its
-producer's backward was measured with a replicated gradient).
+(:func:`~dtcompile.auto_parallel.transfer.bucketed_time_us`; the solver adds one
+variable per bucket).  A reader that takes the value as it is (same layout, its
+gradient coming back as the producer's candidate wants it) costs nothing and
+needs no ``redistribute``.  An edge is impossible where it would need to *make*
+a ``Partial`` value (``redistribute`` cannot), or where the gradient would reach
+the producer in another layout than the one its backward was measured with.
 
 Every cost is in microseconds under one :class:`~dtcompile.cost_model.HardwareProfile`.
 """
@@ -54,28 +56,16 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
-from dtcompile.auto_parallel.measure import (
-    _TensorSlot,
-    measure_op,
-    plan_redistribution,
-    redistribution_copy_bytes,
-    result_read_at_once,
-)
-from dtcompile.auto_parallel.placements import (
-    Layout,
-    PlannedCollective,
-    grad_layout,
-    layouts,
-    local_numel,
-    output_grad_layout,
-)
+from dtcompile.auto_parallel.measure import _TensorSlot, measure_op
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, layouts, local_numel, output_grad_layout
 from dtcompile.auto_parallel.regions import region_op
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
-from dtcompile.cost_model import HardwareProfile, collective_time_us
+from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
+from dtcompile.cost_model import HardwareProfile
 from dtcompile.simulate import node_time_us
 
-__all__ = ["Candidate", "Edge", "Link", "PNode", "Problem", "build_problem", "transfer"]
+__all__ = ["Candidate", "Edge", "Link", "PNode", "Problem", "build_problem"]
 
 INF = math.inf
 log = logging.getLogger(__name__)
@@ -140,38 +130,6 @@ class Edge:
     (their launch latency is paid once per bucket, not in ``cost``)."""
 
 
-BucketKey = tuple[str, str, str, int, int]
-"""``(direction, op, axis, group size, group span)``: collectives dtcompile's bucketing merges."""
-
-
-def bucket_key(c: PlannedCollective) -> BucketKey:
-    return (c.direction, c.op, c.axis, c.group_size, c.group_span)
-
-
-def launch_latency_us(key: BucketKey, profile: HardwareProfile) -> float:
-    """The part of a collective's time that does not grow with its bytes."""
-    direction, op, axis, size, span = key
-    return collective_time_us(op, 0, size, profile.link(span))
-
-
-def bucketed_time_us(t: Transfer, profile: HardwareProfile, cap_bytes: int) -> tuple[float, tuple[BucketKey, ...]]:
-    """A parameter edge's time with its collectives bucketed: each one's bytes on the wire,
-    plus its share (``bytes / cap``) of one more bucket's launch; and the buckets it joins.
-
-    Not bucketed: a backward collective followed by local work (the chunk to the
-    parameter's shard, a cat): the pass keeps a bucket only where no member's result
-    is read before the last member's input exists, and that result is read at once."""
-    total, keys = t.time_us, []
-    for c in t.collectives:
-        if c in t.held:
-            continue  # a gradient reduction whose result a local chunk or cat reads at once
-        key = bucket_key(c)
-        latency = launch_latency_us(key, profile)
-        total += latency * c.bytes / cap_bytes - latency
-        keys.append(key)
-    return total, tuple(dict.fromkeys(keys))
-
-
 @dataclass
 class Link:
     """A fan-out's choice must suit a consumer's: ``ok[f][j]`` for fan-out candidate ``f``, consumer candidate ``j``."""
@@ -202,65 +160,6 @@ class Problem:
         for node in self.nodes.values():
             found.setdefault(node.group, []).append(node.name)
         return found
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One edge under one pair of candidates: its collectives and their time."""
-
-    collectives: tuple[PlannedCollective, ...]
-    time_us: float
-    passthrough: bool = False
-    held: tuple[PlannedCollective, ...] = ()
-    """Of the collectives, those whose result is read at once (see :func:`bucketed_time_us`)."""
-    """The reader takes the value as it is: no ``redistribute``, and the gradient goes back as it came."""
-
-
-def transfer(
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    out: Layout | None,
-    want: Layout | None,
-    read: Layout,
-    grad: Layout | None,
-    mesh: Any,
-    profile: HardwareProfile,
-    cache: dict[Any, Transfer | None],
-) -> Transfer | None:
-    """A value of layout ``out`` (whose gradient must come back as ``want``) read in layout
-    ``read`` by a node that hands its gradient back as ``grad``; ``None`` where impossible.
-
-    Read as it is (``read == out``) when the gradient comes back as wanted; else through
-    ``redistribute``: forward ``out -> read``, backward ``grad -> grad_layout(grad, out)``,
-    which must be ``want`` (so a ``Partial`` value's gradient cannot stay ``Partial``), and
-    ``read`` must not make a ``Partial`` that ``out`` is not.
-    """
-    key = (shape, dtype, out, want, read, grad)
-    if key in cache:
-        return cache[key]
-    result: Transfer | None
-    if out is None:
-        result = None
-    elif read == out and (grad is None or grad == want):
-        result = Transfer((), 0.0, passthrough=True)
-    elif any(isinstance(r, Partial) and r != o for r, o in zip(read, out)):
-        result = None
-    elif grad is not None and grad_layout(grad, out) != want:
-        result = None
-    else:
-        found = plan_redistribution(shape, dtype, out, read, mesh, "forward")
-        copied = redistribution_copy_bytes(shape, dtype, out, read, mesh)
-        held: tuple[PlannedCollective, ...] = ()
-        if grad is not None:
-            backward = plan_redistribution(shape, dtype, grad, want, mesh, "backward")
-            found += backward
-            copied += redistribution_copy_bytes(shape, dtype, grad, want, mesh)
-            if result_read_at_once(shape, dtype, grad, want, mesh):
-                held = backward
-        copy_us = copied / (profile.memory_gbps * 1e9) * 1e6
-        result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us, held=held)
-    cache[key] = result
-    return result
 
 
 def _tensor_meta(value: Any) -> tuple[tuple[int, ...], torch.dtype] | None:

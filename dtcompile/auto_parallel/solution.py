@@ -24,15 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
-from dtcompile.auto_parallel.problem import (
-    Candidate,
-    Problem,
-    Transfer,
-    bucketed_time_us,
-    launch_latency_us,
-    transfer,
-)
+from dtcompile.auto_parallel.problem import Candidate, Problem
 from dtcompile.auto_parallel.solver import SolveResult
+from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, launch_latency_us, transfer
 
 __all__ = ["Solution"]
 

@@ -14,7 +14,7 @@ Variables, constraints and objective (``x`` binary, ``y`` continuous in ``[0, 1]
 - a fan-out must suit each consumer: ``x[f, a] <= sum_{j ok with a} x[c, j]``;
 - ``z[k]`` binary per bucket ``k`` (kind, mesh axis, direction) of parameter
   collectives: ``z[k] >= y[b, i, j]`` for each pair whose collectives join it;
-  a bucket's launch latency counts once (:func:`~dtcompile.auto_parallel.problem.bucketed_time_us`);
+  a bucket's launch latency counts once (:func:`~dtcompile.auto_parallel.transfer.bucketed_time_us`);
 - optional parameter memory: ``sum bytes(p, s) x[p, s] <= budget``;
 - objective: every group's candidate cost times its number of copies, plus every
   block's ``cost . y``.
@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dtcompile.auto_parallel.problem import Problem, launch_latency_us
+from dtcompile.auto_parallel.problem import Problem
+from dtcompile.auto_parallel.transfer import launch_latency_us
 
 __all__ = ["Infeasible", "SolveResult", "solve"]
 

@@ -12,8 +12,8 @@ A candidate is kept only if it shards every tensor evenly and DTensor, handed
 inputs in exactly those layouts, runs that very strategy: no communication
 before the op and the same output layouts (DTensor breaks ties between
 strategies its own way).  The problem checks that on the measured run
-(:func:`dtcompile.auto_parallel.measure.measure_op`); :func:`runs_as_chosen`
-asks DTensor's propagator the same question without running the op.  A strategy that reads a ``Partial`` input is
+(:func:`dtcompile.auto_parallel.measure.measure_op`), where DTensor's dispatch
+makes the decision itself.  A strategy that reads a ``Partial`` input is
 also offered with that input handed over replicated, where DTensor's dispatch
 makes it ``Partial`` locally (an explicit ``redistribute`` may not: the
 row-wise linear's bias).  So the applied model, which redistributes each
@@ -32,7 +32,7 @@ from torch.distributed.tensor import Partial, Replicate
 from dtcompile.auto_parallel.measure import _global_stride, _TensorSlot
 from dtcompile.auto_parallel.placements import Layout, even
 
-__all__ = ["UnsupportedOp", "op_strategies", "runs_as_chosen"]
+__all__ = ["UnsupportedOp", "op_strategies"]
 
 
 class UnsupportedOp(ValueError):
@@ -169,34 +169,3 @@ def _expand_single_dim(op: Any, schema: Any, single: Any, out_meta: Any, options
     return expand_to_full_mesh_op_strategy(
         mesh, schema, rules, output_tensor_meta=out_meta, input_index=num_outputs, allow_uneven_sharding=False
     )
-
-
-def runs_as_chosen(
-    op: Any,
-    args: Any,
-    kwargs: Any,
-    tensors: Sequence[tuple[tuple[int, ...], torch.dtype]],
-    in_layouts: Sequence[Layout],
-    out_layouts: Sequence[Layout | None],
-    mesh: Any,
-) -> bool:
-    """Whether DTensor's dispatch, given inputs in ``in_layouts``, runs them as they are
-    and produces ``out_layouts``."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    metas = [_meta(shape, dtype) for shape, dtype in tensors]
-    schema = _schema(op, args, kwargs, lambda slot: DTensorSpec(mesh, tuple(in_layouts[slot.index]), tensor_meta=metas[slot.index]))
-    try:
-        sharding = _propagator().propagate_op_sharding_non_cached(schema)
-    except Exception:  # DTensor refuses this combination outright
-        return False
-    if sharding.redistribute_schema is not None:
-        wanted = [tuple(s.placements) for s in sharding.redistribute_schema.args_spec]
-        if len(wanted) != len(in_layouts):
-            return False
-        for want, have in zip(wanted, in_layouts):
-            # Only DTensor's local replicate -> Partial step is allowed: no communication.
-            if any(w != h and not (isinstance(w, Partial) and isinstance(h, Replicate)) for w, h in zip(want, have)):
-                return False
-    got = _layouts_of(sharding.output_spec) if sharding.output_spec is not None else (None,)
-    return len(got) == len(out_layouts) and all(g == o for g, o in zip(got, out_layouts) if o is not None)

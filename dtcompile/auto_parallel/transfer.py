@@ -1,0 +1,119 @@
+"""What one edge costs under one pair of candidates: redistributions, and bucketed parameter collectives.
+
+A value read in another layout than it is made in goes through ``redistribute``:
+forward from the producer's layout to the reader's, backward the gradient from
+the reader's gradient layout to the one its producer wants (:func:`transfer`,
+priced with :func:`~dtcompile.auto_parallel.measure.plan_redistribution` and the
+local copies around it).  The collectives of an edge out of a parameter (its
+all-gather, its gradient's reduction) wait for no activation, and dtcompile's
+``bucketing`` pass merges them per kind and mesh axis into one collective (up to
+``bucket_cap_bytes``): :func:`bucketed_time_us` prices such an edge by its bytes,
+and the solver counts each bucket's launch latency once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial
+
+from dtcompile.auto_parallel.measure import plan_redistribution, redistribution_copy_bytes, result_read_at_once
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, grad_layout
+from dtcompile.cost_model import HardwareProfile, collective_time_us
+
+__all__ = ["BucketKey", "Transfer", "bucket_key", "bucketed_time_us", "launch_latency_us", "transfer"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One edge under one pair of candidates: its collectives and their time."""
+
+    collectives: tuple[PlannedCollective, ...]
+    time_us: float
+    passthrough: bool = False
+    held: tuple[PlannedCollective, ...] = ()
+    """Of the collectives, those whose result is read at once (see :func:`bucketed_time_us`)."""
+    """The reader takes the value as it is: no ``redistribute``, and the gradient goes back as it came."""
+
+
+def transfer(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    out: Layout | None,
+    want: Layout | None,
+    read: Layout,
+    grad: Layout | None,
+    mesh: Any,
+    profile: HardwareProfile,
+    cache: dict[Any, Transfer | None],
+) -> Transfer | None:
+    """A value of layout ``out`` (whose gradient must come back as ``want``) read in layout
+    ``read`` by a node that hands its gradient back as ``grad``; ``None`` where impossible.
+
+    Read as it is (``read == out``) when the gradient comes back as wanted; else through
+    ``redistribute``: forward ``out -> read``, backward ``grad -> grad_layout(grad, out)``,
+    which must be ``want`` (so a ``Partial`` value's gradient cannot stay ``Partial``), and
+    ``read`` must not make a ``Partial`` that ``out`` is not.
+    """
+    key = (shape, dtype, out, want, read, grad)
+    if key in cache:
+        return cache[key]
+    result: Transfer | None
+    if out is None:
+        result = None
+    elif read == out and (grad is None or grad == want):
+        result = Transfer((), 0.0, passthrough=True)
+    elif any(isinstance(r, Partial) and r != o for r, o in zip(read, out)):
+        result = None
+    elif grad is not None and grad_layout(grad, out) != want:
+        result = None
+    else:
+        found = plan_redistribution(shape, dtype, out, read, mesh, "forward")
+        copied = redistribution_copy_bytes(shape, dtype, out, read, mesh)
+        held: tuple[PlannedCollective, ...] = ()
+        if grad is not None:
+            backward = plan_redistribution(shape, dtype, grad, want, mesh, "backward")
+            found += backward
+            copied += redistribution_copy_bytes(shape, dtype, grad, want, mesh)
+            if result_read_at_once(shape, dtype, grad, want, mesh):
+                held = backward
+        copy_us = copied / (profile.memory_gbps * 1e9) * 1e6
+        result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us, held=held)
+    cache[key] = result
+    return result
+
+
+BucketKey = tuple[str, str, str, int, int]
+"""``(direction, op, axis, group size, group span)``: collectives dtcompile's bucketing merges."""
+
+
+def bucket_key(c: PlannedCollective) -> BucketKey:
+    return (c.direction, c.op, c.axis, c.group_size, c.group_span)
+
+
+def launch_latency_us(key: BucketKey, profile: HardwareProfile) -> float:
+    """The part of a collective's time that does not grow with its bytes."""
+    direction, op, axis, size, span = key
+    return collective_time_us(op, 0, size, profile.link(span))
+
+
+def bucketed_time_us(t: Transfer, profile: HardwareProfile, cap_bytes: int) -> tuple[float, tuple[BucketKey, ...]]:
+    """A parameter edge's time with its collectives bucketed: each one's bytes on the wire,
+    plus its share (``bytes / cap``) of one more bucket's launch; and the buckets it joins.
+
+    Not bucketed: a backward collective followed by local work (the chunk to the
+    parameter's shard, a cat): the pass keeps a bucket only where no member's result
+    is read before the last member's input exists, and that result is read at once."""
+    total, keys = t.time_us, []
+    for c in t.collectives:
+        if c in t.held:
+            continue  # a gradient reduction whose result a local chunk or cat reads at once
+        key = bucket_key(c)
+        latency = launch_latency_us(key, profile)
+        total += latency * c.bytes / cap_bytes - latency
+        keys.append(key)
+    return total, tuple(dict.fromkeys(keys))
+
+
