@@ -96,6 +96,9 @@ def rank_step(
     out = torch.compile(model, backend=backend, fullgraph=True)(local_x)
     out = out.full_tensor()
     out.pow(2).mean().backward()
+    # A parameter's gradient comes back in the parameter's own placements.
+    for name, p in model.named_parameters():
+        assert p.grad.placements == p.placements, f"rank {rank}: grad of {name} is {p.grad.placements}, not {p.placements}"
     grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
     ref_out = reference(x)
     ref_out.pow(2).mean().backward()
@@ -153,6 +156,9 @@ def rank_apply(rank: int, case_name: str, world_size: int, solution: Any) -> tup
     backend = dtcompile.backend(inductor=False)
     out = torch.compile(model, backend=backend, fullgraph=True)(local_x).full_tensor()
     out.pow(2).mean().backward()
+    # A parameter's gradient comes back in the parameter's own placements.
+    for name, p in model.named_parameters():
+        assert p.grad.placements == p.placements, f"rank {rank}: grad of {name} is {p.grad.placements}, not {p.placements}"
     grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
     ref_out = reference(x)
     ref_out.pow(2).mean().backward()

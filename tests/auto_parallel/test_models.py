@@ -58,3 +58,31 @@ def test_tp_sp_block_is_no_dearer_than_megatron_and_predicts_its_collectives(fak
 @pytest.mark.models
 def test_block_on_a_2d_mesh_is_no_dearer_than_tp_sp_with_dp_and_predicts_its_collectives(fake_world):
     _check_plan("block_2d", fake_world)
+
+
+def test_mlp_on_a_2d_mesh_is_no_dearer_than_tp_with_data_parallelism(fake_world):
+    # The hand plan: Megatron over tp, parameters replicated over dp (gradients all-reduced),
+    # as the 2-D block's; the batch sharded over dp.
+    import copy
+
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from dtcompile._testing import models
+
+    mesh = fake_world(8, (2, 4), ("dp", "tp"))
+    layout = (Shard(0), Replicate())
+    with models._plain_tensors(0) as gen:
+        reference = models._init_weights(models.MLP(16, 32), gen)
+        x = torch.randn(2 * 4, 16, generator=gen)
+    hand = models._data_parallel(models.parallelize_mlp(copy.deepcopy(reference), mesh["tp"]), mesh, shard=False)
+    hand_bytes = sum(p.to_local().numel() * p.element_size() for p in hand.parameters())
+    model, solution = dtcompile.auto_parallel(
+        reference, mesh, (x,), input_placements=[layout], output_placements=[layout], param_memory_budget_bytes=hand_bytes
+    )
+    auto_x = distribute_tensor(x, mesh, layout, src_data_rank=None)
+    auto_us = step_us(compiled_records(model, auto_x))
+    hand_us = step_us(compiled_records(hand, x.chunk(2)[mesh.get_coordinate()[0]]))
+    assert auto_us <= hand_us * (1 + 1e-9)
+    compiled = compiled_collectives(compiled_records(model, auto_x, disable_passes=KEEP_COLLECTIVES))
+    assert predicted_collectives(solution) == compiled
