@@ -82,7 +82,8 @@ def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any
     mesh = None
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":  # named for the parameter or input it is
-            values[(node.name, 0)] = graph.placeholder(re.sub(r"\W", "_", solution.display_name(node.name)))
+            name = re.sub(r"\W", "_", solution.display_name(node.name))
+            values[(node.name, 0)] = graph.placeholder(f"p_{name}" if name[0].isdigit() else name)
     mesh = graph.get_attr("mesh")
 
     def value(ref: tuple[str, int]) -> fx.Node:

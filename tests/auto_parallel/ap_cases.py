@@ -143,14 +143,31 @@ def plan_case(case_name: str, mesh: Any, **options: Any) -> tuple[Any, Any, Any,
     return reference, hand, x, solution, hand_bytes
 
 
+def build_block_stack(mesh: Any, layers: int = 3) -> tuple[Any, None, Any]:
+    r"""``(reference, None, input)``: ``layers`` shared :class:`~dtcompile._testing.models.Block`\ s
+    in an ``nn.Sequential`` (repeated layers, for tying), seeded as the shared models are."""
+    from torch import nn
+
+    with models._plain_tensors(0) as gen:
+        reference = models._init_weights(nn.Sequential(*[models.Block(models.BlockArgs()) for _ in range(layers)]), gen)
+        x = torch.randn(2, 8, models.BlockArgs().dim, generator=gen)
+    return reference, None, x
+
+
 def rank_apply(rank: int, case_name: str, world_size: int, solution: Any) -> tuple[Any, ...]:
     """On one rank thread: apply ``solution`` (planned once, on a fake world) to this rank's
-    mesh, compile with dtcompile, one step; and the single-process step (see :func:`rank_step`)."""
+    mesh, compile with dtcompile, one step; and the single-process step (see :func:`rank_step`).
+    ``case_name``: a case of ``dtcompile._testing.cases``, or ``block_stack`` (1-D ``tp``)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    case = CASES[case_name]
-    mesh = case.mesh(world_size)
-    reference, _, x = case.build(mesh)
+    if case_name == "block_stack":
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        reference, _, x = build_block_stack(mesh)
+    else:
+        case = CASES[case_name]
+        mesh = case.mesh(world_size)
+        reference, _, x = case.build(mesh)
     model = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
     local_x = distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)
     backend = dtcompile.backend(inductor=False)

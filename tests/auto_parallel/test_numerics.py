@@ -34,3 +34,24 @@ def test_planned_once_applied_on_4_threaded_ranks(case_name, shape):
     with fake_world(4, shape, CASES[case_name].mesh_dim_names) as mesh:
         *_, solution, _ = plan_case(case_name, mesh)
     assert_matches_reference(run_threaded(4, rank_apply, case_name, 4, solution))
+
+
+@pytest.mark.models
+def test_a_stack_of_tied_blocks_on_4_threaded_ranks():
+    from ap_cases import build_block_stack
+
+    import dtcompile
+
+    with fake_world(4, (4,), ("tp",)) as mesh:
+        reference, _, x = build_block_stack(mesh)
+        budget = sum(p.numel() * p.element_size() for p in reference.parameters()) // 4
+        solution = dtcompile.auto_parallel.plan(
+            reference, mesh, (x,), input_placements=[R], output_placements=[R], param_memory_budget_bytes=budget
+        )
+    assert solution.result.num_groups < len(solution.problem.nodes) * 0.8  # layers 1 and 2 tied
+    results = run_threaded(4, rank_apply, "block_stack", 4, solution)
+    assert_matches_reference(results)
+    placements = results[0][5]
+    assert {n.removeprefix("2."): p for n, p in placements.items() if n.startswith("2.")} == {
+        n.removeprefix("1."): p for n, p in placements.items() if n.startswith("1.")
+    }
