@@ -157,3 +157,25 @@ def test_importing_the_package_registers_nothing_and_it_is_callable():
         "assert ap.plan.__module__ == 'dtcompile.auto_parallel.api'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_buffer_is_replicated_and_the_model_runs_eagerly(tp_mesh):
+    import torch
+    from torch import nn
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.register_buffer("scale", torch.full((16,), 2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    reference, x = Scaled(), torch.randn(4, 16)
+    model, solution = dtcompile.auto_parallel(reference, tp_mesh, (x,), input_placements=[R], output_placements=[R])
+    scale = next(n for n in solution.problem.nodes.values() if n.target == "scale")
+    assert [c.outputs[0] for c in scale.candidates] == [R]
+    out = model(x)  # eagerly, on the fake process group
+    assert isinstance(out, DTensor) and out.placements == R and out.shape == (4, 16)
