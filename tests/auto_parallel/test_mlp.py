@@ -179,3 +179,14 @@ def test_a_buffer_is_replicated_and_the_model_runs_eagerly(tp_mesh):
     assert [c.outputs[0] for c in scale.candidates] == [R]
     out = model(x)  # eagerly, on the fake process group
     assert isinstance(out, DTensor) and out.placements == R and out.shape == (4, 16)
+
+
+def test_the_planned_mlp_compiles_with_inductor(mlp):
+    import torch
+
+    model, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="dtcompile", fullgraph=True)(mlp[3])
+    assert out.placements == R and out.shape == (4, 16)
+    out.to_local().sum().backward()
+    assert all(p.grad is not None and p.grad.placements == p.placements for p in model.parameters())
