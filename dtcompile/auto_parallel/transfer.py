@@ -33,8 +33,9 @@ class Transfer:
     collectives: tuple[PlannedCollective, ...]
     time_us: float
     passthrough: bool = False
-    held: tuple[PlannedCollective, ...] = ()
-    """Of the collectives, those whose result is read at once (see :func:`bucketed_time_us`)."""
+    bucketable: tuple[bool, ...] = ()
+    """Per collective, whether dtcompile's bucketing can merge it with others of its kind
+    when the edge leaves a parameter (see :func:`bucketed_time_us`)."""
     """The reader takes the value as it is: no ``redistribute``, and the gradient goes back as it came."""
 
 
@@ -72,15 +73,19 @@ def transfer(
     else:
         found = plan_redistribution(shape, dtype, out, read, mesh, "forward")
         copied = redistribution_copy_bytes(shape, dtype, out, read, mesh)
-        held: tuple[PlannedCollective, ...] = ()
+        # Forward, only the first collective reads the parameter itself; a later one reads
+        # what the one before made, ready only as the graph reaches it.
+        bucketable = tuple(i == 0 for i in range(len(found)))
         if grad is not None:
             backward = plan_redistribution(shape, dtype, grad, want, mesh, "backward")
             found += backward
             copied += redistribution_copy_bytes(shape, dtype, grad, want, mesh)
-            if result_read_at_once(shape, dtype, grad, want, mesh):
-                held = backward
+            # Backward, only the last collective makes the gradient itself, read at the end,
+            # unless local work (a chunk, a cat) reads its result at once.
+            last_ok = not result_read_at_once(shape, dtype, grad, want, mesh)
+            bucketable += tuple(last_ok and i == len(backward) - 1 for i in range(len(backward)))
         copy_us = copied / (profile.memory_gbps * 1e9) * 1e6
-        result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us, held=held)
+        result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us, bucketable=bucketable)
     cache[key] = result
     return result
 
@@ -103,13 +108,16 @@ def bucketed_time_us(t: Transfer, profile: HardwareProfile, cap_bytes: int) -> t
     """A parameter edge's time with its collectives bucketed: each one's bytes on the wire,
     plus its share (``bytes / cap``) of one more bucket's launch; and the buckets it joins.
 
-    Not bucketed: a backward collective followed by local work (the chunk to the
-    parameter's shard, a cat): the pass keeps a bucket only where no member's result
-    is read before the last member's input exists, and that result is read at once."""
+    The pass keeps a bucket only where no member's result is read before the last
+    member's input exists, and it moves no node: of a parameter's gather in several
+    steps (one per mesh axis) only the first, which reads the parameter, joins a bucket;
+    of its gradient's reduction only the last, and not when local work (the chunk to
+    the parameter's shard, a cat) reads its result at once.  The others keep their
+    own launch latency."""
     total, keys = t.time_us, []
-    for c in t.collectives:
-        if c in t.held:
-            continue  # a gradient reduction whose result a local chunk or cat reads at once
+    for c, ok in zip(t.collectives, t.bucketable):
+        if not ok:
+            continue
         key = bucket_key(c)
         latency = launch_latency_us(key, profile)
         total += latency * c.bytes / cap_bytes - latency
