@@ -38,6 +38,8 @@ def _check_plan(case_name, fake_world):
     auto_us = step_us(compiled_records(model, auto_x))
     hand_us = step_us(compiled_records(hand, hand_x))
     assert auto_us <= hand_us * (1 + 1e-9), f"{case_name}: auto {auto_us:.2f} us > hand {hand_us:.2f} us"
+    # The solver's own estimate is the compiled graphs' (bucketing included) within 3%.
+    assert solution.cost_us == pytest.approx(auto_us, rel=0.03)
 
     compiled = compiled_collectives(compiled_records(model, auto_x, disable_passes=KEEP_COLLECTIVES))
     assert predicted_collectives(solution) == compiled
