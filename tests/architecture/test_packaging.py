@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import os
 from pathlib import Path
@@ -37,3 +38,10 @@ def test_ci_tests_the_installed_wheel_not_the_source_tree():
     import dtcompile_tools
 
     assert "site-packages" in Path(dtcompile_tools.__file__).resolve().parts
+
+
+def test_test_file_names_are_unique():
+    """Test folders are not packages: pytest imports each test file by its basename, and a
+    second file of the same name stops the whole run at collection ("import file mismatch")."""
+    names = collections.Counter(path.name for folder in ("tests", "examples") for path in (ROOT / folder).rglob("test_*.py"))
+    assert [name for name, count in names.items() if count > 1] == []
