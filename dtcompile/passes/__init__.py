@@ -179,6 +179,9 @@ def run_passes(
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
     """Runs ``passes`` (default :data:`PASSES`) in order, skipping those in ``ctx.config.disable_passes``."""
     records = []
+    # Judged on the graph as traced: a pass's own rewrites (bucketing's slices of
+    # its flat buffers) must not read as DTensor's padding to the passes after it.
+    rank_dependent = _rank_dependent(ctx, gm)
     for graph_pass in passes:
         nodes = len(gm.graph.nodes)
         collectives = _num_collectives(gm)
@@ -186,7 +189,7 @@ def run_passes(
             log.debug("%s: pass %s switched off", ctx.kind, graph_pass.name)
             records.append(PassRecord(graph_pass.name, False, nodes, nodes, collectives, collectives))
             continue
-        refused = _rank_dependent(ctx, gm) if graph_pass.changes_collectives else None
+        refused = rank_dependent if graph_pass.changes_collectives else None
         if refused is not None:
             log.info("%s: %s: %s", ctx.kind, graph_pass.name, refused)
             records.append(PassRecord(graph_pass.name, True, nodes, nodes, collectives, collectives, (refused,)))
