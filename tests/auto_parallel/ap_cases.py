@@ -66,6 +66,25 @@ BUILDS = {
 }
 
 
+def _step_against_reference(rank: int, model: Any, reference: Any, x: Any, mesh: Any, solution: Any) -> tuple[Any, ...]:
+    """One compiled step of the applied ``model`` and the same step of ``reference``: both
+    outputs and gradients (full tensors), the number of compiled graphs, the parameter layouts."""
+    from torch.distributed.tensor import distribute_tensor
+
+    local_x = distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)
+    backend = dtcompile.backend(inductor=False)
+    out = torch.compile(model, backend=backend, fullgraph=True)(local_x).full_tensor()
+    out.pow(2).mean().backward()
+    # A parameter's gradient comes back in the parameter's own placements.
+    for name, p in model.named_parameters():
+        assert p.grad.placements == p.placements, f"rank {rank}: grad of {name} is {p.grad.placements}, not {p.placements}"
+    grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
+    ref_out = reference(x)
+    ref_out.pow(2).mean().backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    return out.detach(), grads, ref_out.detach(), ref_grads, len(backend.records), solution.param_placements
+
+
 def rank_step(
     rank: int,
     build: str,
@@ -79,7 +98,6 @@ def rank_step(
     (loss ``out.pow(2).mean()`` of the whole output); the same step on the single-process
     model.  Returns both outputs and gradients (full tensors), and the solution's layouts."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
     from dtcompile.auto_parallel.apply import parallelize
 
@@ -90,20 +108,7 @@ def rank_step(
             reference, mesh, (x,), input_placements=input_layouts, output_placements=output_layouts,
             param_memory_budget_bytes=budget,
         )
-    model = parallelize(reference, solution)
-    local_x = distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)
-    backend = dtcompile.backend(inductor=False)
-    out = torch.compile(model, backend=backend, fullgraph=True)(local_x)
-    out = out.full_tensor()
-    out.pow(2).mean().backward()
-    # A parameter's gradient comes back in the parameter's own placements.
-    for name, p in model.named_parameters():
-        assert p.grad.placements == p.placements, f"rank {rank}: grad of {name} is {p.grad.placements}, not {p.placements}"
-    grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
-    ref_out = reference(x)
-    ref_out.pow(2).mean().backward()
-    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
-    return out.detach(), grads, ref_out.detach(), ref_grads, len(backend.records), solution.param_placements
+    return _step_against_reference(rank, parallelize(reference, solution), reference, x, mesh, solution)
 
 
 def assert_matches_reference(results: list[tuple[Any, ...]]) -> None:
@@ -159,7 +164,6 @@ def rank_apply(rank: int, case_name: str, world_size: int, solution: Any) -> tup
     mesh, compile with dtcompile, one step; and the single-process step (see :func:`rank_step`).
     ``case_name``: a case of ``dtcompile._testing.cases``, or ``block_stack`` (1-D ``tp``)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
     if case_name == "block_stack":
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
@@ -168,16 +172,4 @@ def rank_apply(rank: int, case_name: str, world_size: int, solution: Any) -> tup
         case = CASES[case_name]
         mesh = case.mesh(world_size)
         reference, _, x = case.build(mesh)
-    model = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
-    local_x = distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)
-    backend = dtcompile.backend(inductor=False)
-    out = torch.compile(model, backend=backend, fullgraph=True)(local_x).full_tensor()
-    out.pow(2).mean().backward()
-    # A parameter's gradient comes back in the parameter's own placements.
-    for name, p in model.named_parameters():
-        assert p.grad.placements == p.placements, f"rank {rank}: grad of {name} is {p.grad.placements}, not {p.placements}"
-    grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
-    ref_out = reference(x)
-    ref_out.pow(2).mean().backward()
-    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
-    return out.detach(), grads, ref_out.detach(), ref_grads, len(backend.records), solution.param_placements
+    return _step_against_reference(rank, dtcompile.auto_parallel.parallelize(reference, solution, mesh), reference, x, mesh, solution)
