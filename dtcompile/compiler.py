@@ -153,37 +153,47 @@ def _default_partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Seq
     """
     from torch._functorch import partitioners
 
-    with _keeping_lock:
-        if not getattr(partitioners.is_not_collective, "_dtcompile", False):
-            original = partitioners.is_not_collective
-
-            def is_not_collective(node: fx.Node) -> bool:
-                joint = getattr(_keeping, "joint", None)
-                if original(node) or joint is None:
-                    return original(node)
-                if node.graph is joint:
-                    return True
-                traced_in_forward = node.meta.get("partitioner_tag") == "is_forward"
-                return traced_in_forward != _is_backward_graph(node.graph)
-
-            is_not_collective._dtcompile = True  # type: ignore[attr-defined]
-            partitioners.is_not_collective = is_not_collective
-        if not getattr(partitioners._must_be_in_forward, "_dtcompile", False):
-            must_be_in_forward_before = partitioners._must_be_in_forward
-
-            def _must_be_in_forward(node: fx.Node) -> bool:
-                if getattr(_keeping, "joint", None) is not None and node.meta.get("partitioner_tag") == "is_forward":
-                    if is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default:
-                        return True
-                return must_be_in_forward_before(node)
-
-            _must_be_in_forward._dtcompile = True  # type: ignore[attr-defined]
-            partitioners._must_be_in_forward = _must_be_in_forward
+    _wrap_once(partitioners, "is_not_collective", _keep_collectives_in_their_phase)
+    _wrap_once(partitioners, "_must_be_in_forward", _forward_collectives_stay_forward)
     _keeping.joint = gm.graph
     try:
         return partitioners.default_partition(gm, joint_inputs, **kwargs)
     finally:
         _keeping.joint = None
+
+
+def _wrap_once(module: Any, name: str, make: Callable[[Any], Any]) -> None:
+    """Replaces ``module.name`` by ``make(original)``, once per process.  The wrappers
+    change nothing outside :func:`_default_partition_keeping_collectives`
+    (``_keeping.joint`` is set only there, per thread)."""
+    with _keeping_lock:
+        if not getattr(getattr(module, name), "_dtcompile", False):
+            wrapper = make(getattr(module, name))
+            wrapper._dtcompile = True
+            setattr(module, name, wrapper)
+
+
+def _keep_collectives_in_their_phase(original: Callable[[fx.Node], bool]) -> Callable[[fx.Node], bool]:
+    def is_not_collective(node: fx.Node) -> bool:
+        joint = getattr(_keeping, "joint", None)
+        if joint is None:
+            return original(node)
+        if original(node) or node.graph is joint:
+            return True
+        traced_in_forward = node.meta.get("partitioner_tag") == "is_forward"
+        return traced_in_forward != _is_backward_graph(node.graph)
+
+    return is_not_collective
+
+
+def _forward_collectives_stay_forward(original: Callable[[fx.Node], bool]) -> Callable[[fx.Node], bool]:
+    def _must_be_in_forward(node: fx.Node) -> bool:
+        if getattr(_keeping, "joint", None) is not None and node.meta.get("partitioner_tag") == "is_forward":
+            if is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default:
+                return True
+        return original(node)
+
+    return _must_be_in_forward
 
 
 def _is_backward_graph(graph: fx.Graph) -> bool:
