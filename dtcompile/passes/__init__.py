@@ -117,40 +117,57 @@ def padded_collective(gm: fx.GraphModule, hops: int = 6) -> str | None:
     of a part of it after its wait).  Only ranks whose own shard is short pad
     before an all-gather, so the slice after it is what every rank sees.
     """
+    wait = torch.ops._c10d_functional.wait_tensor.default
     for node in gm.graph.nodes:
         if not is_collective(node):
             continue
-        frontier, seen = list(node.all_input_nodes), set()
-        for _ in range(hops):
-            upstream = []
-            for n in frontier:
-                if n in seen or n.op != "call_function":
-                    continue
-                seen.add(n)
-                if _op_name(n) == "constant_pad_nd":
-                    return f"{node.name} (its input padded by {n.name})"
-                if _op_name(n) in _RESHAPING:
-                    upstream.extend(n.all_input_nodes)
-            frontier = upstream
-        frontier, seen = list(node.users), set()
-        for _ in range(hops):
-            downstream = []
-            for n in frontier:
-                if n in seen or n.op != "call_function":
-                    continue
-                seen.add(n)
-                if _op_name(n) in ("slice", "narrow") and _takes_a_part(n):
-                    return f"{node.name} (its result unpadded by {n.name})"
-                if _op_name(n) in _RESHAPING or n.target is torch.ops._c10d_functional.wait_tensor.default:
-                    downstream.extend(n.users)
-            frontier = downstream
+        pad = _first_within(
+            node.all_input_nodes, hops, lambda n: n.all_input_nodes,
+            found=lambda n: _op_name(n) == "constant_pad_nd",
+            through=lambda n: _op_name(n) in _RESHAPING,
+        )
+        if pad is not None:
+            return f"{node.name} (its input padded by {pad.name})"
+        unpad = _first_within(
+            list(node.users), hops, lambda n: list(n.users),
+            found=lambda n: _op_name(n) in ("slice", "narrow") and _takes_a_part(n),
+            through=lambda n: _op_name(n) in _RESHAPING or n.target is wait,
+        )
+        if unpad is not None:
+            return f"{node.name} (its result unpadded by {unpad.name})"
+    return None
+
+
+def _first_within(
+    start: list[fx.Node],
+    hops: int,
+    step: Callable[[fx.Node], list[fx.Node]],
+    *,
+    found: Callable[[fx.Node], bool],
+    through: Callable[[fx.Node], bool],
+) -> fx.Node | None:
+    """The first ``call_function`` node ``found`` accepts within ``hops`` steps of ``start``,
+    walking ``step`` only through nodes ``through`` accepts."""
+    frontier, seen = start, set()
+    for _ in range(hops):
+        following = []
+        for n in frontier:
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if found(n):
+                return n
+            if through(n):
+                following.extend(step(n))
+        frontier = following
     return None
 
 
 def _takes_a_part(node: fx.Node) -> bool:
     """Whether a slice/narrow keeps less than the whole of its input's dim."""
     source = node.args[0]
-    value, dim = source.meta.get("val") if isinstance(source, fx.Node) else None, node.args[1] if len(node.args) > 1 else 0
+    value = source.meta.get("val") if isinstance(source, fx.Node) else None
+    dim = node.args[1] if len(node.args) > 1 else 0
     out = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or not isinstance(out, torch.Tensor):
         return True
