@@ -93,6 +93,9 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._dynamo.backends.registry", "_BACKENDS", None),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", None),
     ("torch.distributed.device_mesh", "_mesh_resources", None),
+    # dtcompile.sharding_cache and the threaded world: per-rank plans, a shared fake mode
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear", None),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._fake_mode_lock", None),
     # the backend
     ("torch._inductor.compile_fx", "compile_fx", ("model_", "example_inputs_", "inner_compile", "config_patches")),
     ("torch._inductor.compile_fx", "compile_fx_inner", ("gm", "example_inputs")),

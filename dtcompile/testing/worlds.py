@@ -156,8 +156,17 @@ def run_threaded(
     - torch looks up a backend name (``backend="dtcompile"``) by check-then-
       register, which two threads can interleave ("duplicate name"): the name
       is resolved once before the ranks start.
+    - DTensor's redistribute plans are cached per mesh, and a mesh made on a
+      rank thread compares equal to one made on an earlier world's thread
+      with the same ident (CPython reuses them), whose rank may differ: the
+      caches are emptied before and after the world.  DTensor's fake-mode
+      metadata pass is serialized across the rank threads, as torch's own
+      threaded DTensor tests do (``ShardingPropagator._fake_mode_lock``).
     """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
+
+    from dtcompile.sharding_cache import clear_sharding_caches
 
     if dist.is_initialized():
         raise RuntimeError(
@@ -194,6 +203,9 @@ def run_threaded(
     _resolve_backend_names()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     threaded._install_threaded_pg()
+    clear_sharding_caches()
+    fake_mode_lock = ShardingPropagator._fake_mode_lock
+    ShardingPropagator._fake_mode_lock = threading.Lock()
     try:
         threads = [
             threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
@@ -208,6 +220,8 @@ def run_threaded(
                 failures.put((rank, f"did not finish within {timeout} s"))
                 threaded.ProcessLocalGroup.exception_handle(TimeoutError(f"rank {rank}"))
     finally:
+        ShardingPropagator._fake_mode_lock = fake_mode_lock
+        clear_sharding_caches()
         threaded.ProcessLocalGroup.reset()
         threaded._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)

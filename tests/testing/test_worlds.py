@@ -43,6 +43,35 @@ def test_threaded_ranks_have_real_collectives():
     assert run_threaded(4, _all_reduce_rank) == [10.0] * 4
 
 
+def _uneven_round_trips(rank: int) -> list[bool]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dtcompile.testing.worlds import _mesh
+
+    mesh = _mesh(4, (2, 2), None)
+    cases = [
+        ((2, 2), [_StridedShard(1, split_factor=2), Shard(1)], [Replicate(), Shard(0)]),
+        ((5,), [Shard(0), Shard(0)], [Replicate(), Replicate()]),
+        ((3, 5), [Shard(1), Shard(1)], [Shard(0), Replicate()]),
+    ]
+    same = []
+    for shape, src, dst in cases:
+        full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        x = distribute_tensor(full, mesh, [Replicate(), Replicate()]).redistribute(mesh, src)
+        same.append(torch.equal(x.redistribute(mesh, dst).full_tensor(), full))
+    return same
+
+
+def test_consecutive_threaded_worlds_do_not_share_a_ranks_redistribute_plans():
+    """CPython gives a new rank thread a dead one's ident, so a mesh of the next world
+    compares equal to one of the last, whose rank (and so its sizes of an uneven shard)
+    may differ; DTensor's cached plan for that rank was used (a shape error, or wrong
+    sizes) until run_threaded emptied the caches around each world."""
+    for _ in range(6):
+        assert run_threaded(4, _uneven_round_trips, timeout=120) == [[True] * 3] * 4
+
+
 def test_threaded_failure_names_the_rank():
     with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] failed") as err:
         run_threaded(3, _raise_on_rank_one, timeout=60)
