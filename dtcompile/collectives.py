@@ -120,7 +120,9 @@ def mesh_axes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, st
 
     Read from the Dynamo graph's inputs and node values before AOTAutograd
     desugars the DTensors away.  A 1-D mesh over the whole world reuses the
-    default group, so only the mesh knows that group's axis name.
+    default group, so only the mesh knows that group's axis name.  DTensor
+    issues a collective over several axes on their flattened mesh where the user
+    made one (``mesh["dp", "tp"]._flatten("dp_tp")``): its group is named after it.
     """
     from torch.distributed.tensor import DTensor
 
@@ -136,6 +138,8 @@ def mesh_axes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, st
         if names is None or not group_names:
             continue
         axes.update(zip(group_names, names))
+        for flat_name, flat in getattr(mesh._get_root_mesh(), "_flatten_mapping", {}).items():
+            axes.setdefault(flat._dim_group_names[0], flat_name)
     return axes
 
 

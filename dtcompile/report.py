@@ -9,7 +9,9 @@ backward), and returns a :class:`Report`; ``str(report)`` is, per compile id:
 - a collective table (graph, op, axis, group, bytes, estimated us) and totals;
 
 then the graph breaks and the recompile reasons (in placement and mesh words,
-see :mod:`dynamo_vars.guards`).  It sits above the backend: it builds one.
+see :mod:`dynamo_vars.guards`).  For a model made by ``dtcompile.auto_parallel``
+the report starts with its solution (``solution.explain()``: every node's
+placements and cost).  It sits above the backend: it builds one.
 The per-graph pieces and the ``TORCH_TRACE`` artifacts are in
 :mod:`dtcompile.artifacts`.
 """
@@ -47,6 +49,8 @@ class Report:
     graphs: tuple[CompiledGraph, ...]
     graph_breaks: tuple[str, ...]
     recompiles: tuple[str, ...]
+    solution: str = ""
+    """For a model made by ``dtcompile.auto_parallel``: its solution's ``explain()``."""
 
     def __str__(self) -> str:
         return self.text()
@@ -57,6 +61,8 @@ class Report:
         profile = self.graphs[0].info.profile if self.graphs else None
         if profile is not None:
             lines.append(f"dtcompile report; cost profile {profile.name}: {profile.description}")
+        if self.solution:
+            lines += ["== auto-parallel solution ==", self.solution]
         by_id: dict[str, list[CompiledGraph]] = {}
         for record in self.graphs:
             by_id.setdefault(record.compile_id, []).append(record)
@@ -73,6 +79,13 @@ class Report:
         lines.append("== recompiles ==")
         lines += [f"- {reason}" for reason in self.recompiles] or ["none"]
         return "\n".join(lines)
+
+
+def _solution_of(fn: Any) -> str:
+    """The solution's ``explain()`` where ``fn`` is a model ``dtcompile.auto_parallel`` made."""
+    from dtcompile.auto_parallel.apply import AutoParallelModule
+
+    return fn.solution.explain() if isinstance(fn, AutoParallelModule) else ""
 
 
 def _depyf(dump_dir: str | None) -> Any:
@@ -117,6 +130,6 @@ def explain(
             for code, reasons in guard_failures.items()
             for reason in reasons[failures_before.get(code, 0) :]
         )
-        return Report(tuple(backend.records), breaks, recompiles)
+        return Report(tuple(backend.records), breaks, recompiles, _solution_of(fn))
 
     return run

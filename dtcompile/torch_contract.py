@@ -93,6 +93,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._dynamo.backends.registry", "_BACKENDS", None),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", None),
     ("torch.distributed.device_mesh", "_mesh_resources", None),
+    ("torch.distributed.device_mesh", "DeviceMesh._get_root_mesh", ("self",)),
     # dtcompile.sharding_cache and the threaded world: per-rank plans, a shared fake mode
     ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear", None),
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._fake_mode_lock", None),

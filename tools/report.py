@@ -3,7 +3,8 @@
 Reads the structured logs that ``TORCH_TRACE=TRACE_DIR`` writes (one file per
 rank), keeps what dtcompile logged (``dtcompile_*`` artifacts, see
 :mod:`dtcompile.artifacts`) and what Dynamo logged about graph breaks and
-recompiles, and writes ``OUT/index.html``: per compile id the DTensor
+recompiles, and writes ``OUT/index.html``: the ``dtcompile.auto_parallel``
+solutions planned (each node's placements and cost); per compile id the DTensor
 placements, the annotated forward and backward graphs and the collective
 schedule; communication bytes and estimated time per step; a check that every
 rank issues the same collectives in the same order (a rank that differs would
@@ -57,6 +58,8 @@ class RankTrace:
     compiles: dict[str, CompileRecord] = field(default_factory=lambda: defaultdict(CompileRecord))
     graph_breaks: list[str] = field(default_factory=list)
     recompiles: list[str] = field(default_factory=list)
+    plans: list[str] = field(default_factory=list)
+    """``dtcompile.auto_parallel`` solutions, each its ``explain()`` (logged as it planned)."""
 
 
 @dataclass
@@ -153,7 +156,9 @@ def read_trace(trace_dir: str | Path) -> Trace:
             if not artifact:
                 continue
             name, cid = artifact.get("name", ""), _compile_id(meta)
-            if name == "dtcompile_placements":
+            if name == "dtcompile_auto_parallel_solution":
+                trace.plans.append(payload)
+            elif name == "dtcompile_placements":
                 trace.compiles[cid].placements = payload
             elif name.startswith("dtcompile_") and name.endswith("_graph"):
                 trace.compiles[cid].graphs[name.removeprefix("dtcompile_").removesuffix("_graph")] = payload
@@ -264,6 +269,11 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         parts.append(f'<p class="ok">all {len(ranks)} ranks issue the same collectives in the same order</p>')
     parts.append("</section>")
 
+    if lead.plans:
+        parts.append('<section id="auto-parallel"><h2>Auto-parallel plans</h2>')
+        parts += [f"<pre>{html.escape(plan)}</pre>" for plan in lead.plans]
+        parts.append("</section>")
+
     for cid, record in sorted(lead.compiles.items()):
         anchor = re.sub(r"[^0-9A-Za-z]", "_", cid)
         parts.append(f'<section class="compile" id="compile-{anchor}"><h2>Compile {html.escape(cid)}</h2>')
@@ -340,10 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for warning in trace.warnings:
         print(f"dtcompile-report: warning: {warning}", file=sys.stderr)
-    if not any(rank.compiles for rank in trace.ranks.values()):
+    if not any(rank.compiles or rank.plans for rank in trace.ranks.values()):
         print(
             f"dtcompile-report: {args.trace_dir}: no dtcompile artifacts (dtcompile_placements, "
-            "dtcompile_<kind>_graph, dtcompile_<kind>_collectives) in the trace: the program was not "
+            "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution) "
+            "in the trace: the program was not "
             'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
             "and run it again with TORCH_TRACE set",
             file=sys.stderr,

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
+    Placement,
     Replicate,
     Shard,
     distribute_tensor,
@@ -59,6 +60,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils import parametrize
 
 from hops import local_map
@@ -280,8 +282,9 @@ def _data_parallel(
     ``Replicate()`` (DDP: all-reduce in backward).  Parameters that already are
     DTensors on a sub-mesh of ``mesh`` (tensor parallel) keep their placements on
     the other axes and come back to the module as DTensors on that sub-mesh.
+    Sharded, such a parameter's ``dp_axis`` shards its tensor-parallel shard
+    (FSDP2's layout): ``_StridedShard(0)`` where a tensor-parallel axis shards dim 0 too.
     """
-    dp_placement = Shard(0) if shard else Replicate()
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
@@ -291,9 +294,18 @@ def _data_parallel(
             else:
                 compute_mesh = None
                 placements, local = [], param.data
-            placements.insert(dp_axis, dp_placement)
+            dp_placement: Placement = Replicate()
             if shard:
+                split = math.prod(
+                    compute_mesh.size(axis) for axis, p in enumerate(placements) if p.is_shard(0)
+                ) if compute_mesh is not None else 1
+                dp_placement = Shard(0) if split == 1 else _StridedShard(0, split_factor=split)
+            placements.insert(dp_axis, dp_placement)
+            if shard and compute_mesh is None:
                 stored = distribute_tensor(local.detach(), mesh, placements)
+            elif shard:
+                own = local.detach().chunk(mesh.size(dp_axis))[mesh.get_local_rank(dp_axis)]
+                stored = DTensor.from_local(own, mesh, placements, run_check=False)
             else:
                 stored = DTensor.from_local(local.detach(), mesh, placements, run_check=False)
             setattr(module, name, nn.Parameter(stored))

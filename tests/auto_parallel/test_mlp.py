@@ -145,6 +145,17 @@ def test_the_solution_is_logged_for_tlparse(mlp, monkeypatch):
     assert logged == [("artifact", "dtcompile_auto_parallel_solution", solution.explain())]
 
 
+def test_explain_of_the_applied_model_starts_with_its_solution(mlp):
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh, _, _, x, _ = mlp
+    model, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
+    report = dtcompile.explain(model)(distribute_tensor(x, mesh, R, src_data_rank=None))
+    assert report.solution == solution.explain()
+    text = report.text(aot_graphs=False)
+    assert text.index("== auto-parallel solution ==\n" + solution.explain()) < text.index("== compile 0/0 ==")
+
+
 @pytest.mark.subprocess
 def test_importing_the_package_registers_nothing_and_it_is_callable():
     import subprocess

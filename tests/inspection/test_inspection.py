@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -387,6 +388,8 @@ _TRACED_PROGRAM = textwrap.dedent(
         compiled = torch.compile(step, backend=dtcompile.backend(inductor=False))
         compiled(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)], src_data_rank=None))
         compiled(distribute_tensor(torch.randn(8, 4), mesh, [Replicate()], src_data_rank=None))
+        reference, _, x = CASES["tp_mlp"].build(mesh)
+        dtcompile.auto_parallel.plan(reference, mesh, (x,))
     """
 )
 
@@ -429,8 +432,10 @@ def test_tlparse_shows_the_dtcompile_artifacts(trace_dir, tmp_path):
 def test_report_tool_writes_every_section(trace_dir, tmp_path):
     assert report_tool.main([str(trace_dir), "-o", str(tmp_path)]) == 0
     page = (tmp_path / "index.html").read_text()
-    for section in ['id="summary"', 'id="divergence"', 'id="compile-0_0"', 'id="graph-breaks"', 'id="recompiles"']:
+    for section in ['id="summary"', 'id="divergence"', 'id="auto-parallel"', 'id="compile-0_0"', 'id="graph-breaks"', 'id="recompiles"']:
         assert section in page
+    # The auto-parallel plan, one line per node (the MLP's first matmul).
+    assert re.search(r"addmm = aten\.addmm\(w1\.bias, input0, t\)  # placement=\(.*\) -&gt; .*, cost=\[", page)
     assert "all_reduce[tp] x4 256 B" in page
     assert "<td class=\"l\">annotate</td>" in page  # the passes table
     assert "placements of arg d changed: (Shard(dim=0),) -&gt; (Replicate(),)" in page
