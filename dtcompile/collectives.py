@@ -138,9 +138,15 @@ def mesh_axes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, st
         if names is None or not group_names:
             continue
         axes.update(zip(group_names, names))
-        for flat_name, flat in getattr(mesh._get_root_mesh(), "_flatten_mapping", {}).items():
-            axes.setdefault(flat._dim_group_names[0], flat_name)
+        for group_name, name in flattened_axes(mesh).items():
+            axes.setdefault(group_name, name)
     return axes
+
+
+def flattened_axes(mesh: Any) -> dict[str, str]:
+    """Group name -> name, for every flattened mesh made from ``mesh``'s root mesh."""
+    flattened = getattr(mesh._get_root_mesh(), "_flatten_mapping", {})
+    return {flat._dim_group_names[0]: name for name, flat in flattened.items()}
 
 
 def is_collective(node: fx.Node) -> bool:

@@ -33,7 +33,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, local_numel
-from dtcompile.collectives import collective_info
+from dtcompile.collectives import collective_info, flattened_axes
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.simulate import node_time_us
 
@@ -65,7 +65,7 @@ class OpMeasure:
 
 def _axis_names(mesh: Any) -> dict[str, str]:
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return {mesh.get_group(axis).group_name: name for axis, name in enumerate(names)}
+    return {**flattened_axes(mesh), **{mesh.get_group(axis).group_name: name for axis, name in enumerate(names)}}
 
 
 def _read_graph(graph: fx.Graph, boundary: int, mesh: Any, profile: HardwareProfile) -> tuple[float, float, list[PlannedCollective]]:
@@ -248,9 +248,19 @@ class _TensorSlot:
     index: int
 
 
+def _plan(
+    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str
+) -> tuple[tuple[PlannedCollective, ...], int, bool]:
+    """:func:`_plan_cached` keyed by the mesh's flattenings too: a mesh compares equal
+    before and after ``_flatten``, but DTensor merges collectives over a flattened mesh."""
+    flattened = tuple(sorted(getattr(mesh._get_root_mesh(), "_flatten_mapping", {})))
+    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, flattened, direction)
+
+
 @functools.cache
 def _plan_cached(
-    shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str
+    shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, flattened: tuple[str, ...],
+    direction: str,
 ) -> tuple[tuple[PlannedCollective, ...], int, bool]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import (
@@ -322,7 +332,7 @@ def plan_redistribution(
     flattened mesh where DTensor merges them)."""
     if tuple(src) == tuple(dst):
         return ()
-    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, direction)[0]
+    return _plan(shape, dtype, src, dst, mesh, direction)[0]
 
 
 def result_read_at_once(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> bool:
@@ -330,7 +340,7 @@ def result_read_at_once(shape: Sequence[int], dtype: torch.dtype, src: Layout, d
     its result is read as soon as it arrives (dtcompile's bucketing cannot wait for others)."""
     if tuple(src) == tuple(dst):
         return False
-    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, "forward")[2]
+    return _plan(shape, dtype, src, dst, mesh, "forward")[2]
 
 
 def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> int:
@@ -338,7 +348,7 @@ def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Lay
     gathered dim other than 0 back together, a cloned chunk), for the roofline."""
     if tuple(src) == tuple(dst):
         return 0
-    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, "forward")[1]
+    return _plan(shape, dtype, src, dst, mesh, "forward")[1]
 
 
 def trace_redistribution(

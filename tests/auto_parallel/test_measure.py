@@ -49,6 +49,18 @@ def test_planned_redistributions_issue_the_traced_collectives(fake_world, world,
         assert _keys(planned) == _keys(traced), f"{src} -> {dst}"
 
 
+def test_a_plan_made_before_the_mesh_was_flattened_does_not_answer_after(fake_world):
+    # The mesh compares equal before and after _flatten; DTensor gathers over the flattened
+    # mesh once it exists, in one collective instead of one per axis.
+    mesh = fake_world(8, (2, 4), ("dp", "tp"))
+    src, dst = (Shard(0), Shard(0)), (Replicate(), Replicate())
+    assert [c.axis for c in plan_redistribution(SHAPE, torch.float32, src, dst, mesh)] == ["tp", "dp"]
+    mesh._flatten("dp_tp")
+    planned = plan_redistribution(SHAPE, torch.float32, src, dst, mesh)
+    assert _keys(planned) == [("all_gather", "dp_tp", 8, 16 * 16 * 8 * 4)]
+    assert _keys(planned) == _keys(trace_redistribution(SHAPE, torch.float32, src, dst, mesh, H100))
+
+
 def test_copy_bytes_count_the_cat_after_gathering_another_dim(tp_mesh):
     full = 16 * 16 * 8 * 4
     assert redistribution_copy_bytes(SHAPE, torch.float32, (Shard(0),), (Replicate(),), tp_mesh) == 0
