@@ -283,7 +283,7 @@ def _split_input_views(gm: fx.GraphModule) -> dict[int, tuple[tuple[int, ...], f
 _VIEW_METHODS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "narrow", "t", "transpose", "swapaxes", "permute", "movedim",
     "unsqueeze", "squeeze", "expand", "expand_as", "select", "flatten", "unflatten", "split", "chunk", "unbind",
-    "diagonal", "__getitem__",
+    "diagonal", "__getitem__", "contiguous",
 })
 _VIEW_FUNCTIONS = frozenset({
     torch.narrow, torch.t, torch.transpose, torch.swapaxes, torch.permute, torch.movedim, torch.unsqueeze,

@@ -315,9 +315,15 @@ class LocalMapVariable(WrapHigherOrderVariable):
 
         A DTensor's copy is its local shard's, wrapped with the same mesh, placements, shape
         and stride: ``clone`` would go through DTensor's sharding propagation, which may
-        choose other placements (``Partial('avg')`` comes back ``Replicate``).
+        choose other placements (``Partial('avg')`` comes back ``Replicate``).  Its
+        gradient passes through as the region returns it, in the declared
+        ``in_grad_placements``, local values and all: by default ``to_local`` and
+        ``from_local`` would make a ``Partial`` gradient ``Replicate`` (an all-reduce), the
+        same sum, but other per-rank values than eager's.
         """
         from torch.distributed.tensor import DTensor
+
+        from hops.spec import parse_placements
 
         seen = set()
         for i, (leaf, value) in enumerate(zip(call.leaves, call.values)):
@@ -326,7 +332,13 @@ class LocalMapVariable(WrapHigherOrderVariable):
             node = leaf.as_proxy().node
             if node in seen:
                 if isinstance(value, DTensor):
-                    local = leaf.call_method(tx, "to_local", [], {}).call_method(tx, "clone", [], {})
+                    declared_grad = placement_of[node][1]
+                    grads = (
+                        leaf.var_getattr(tx, "placements")
+                        if declared_grad is None
+                        else VariableTracker.build(tx, parse_placements(declared_grad))
+                    )
+                    local = leaf.call_method(tx, "to_local", [], {"grad_placements": grads}).call_method(tx, "clone", [], {})
                     copy = VariableTracker.build(tx, DTensor.from_local).call_function(
                         tx,
                         [local, leaf.var_getattr(tx, "device_mesh"), leaf.var_getattr(tx, "placements")],
@@ -334,6 +346,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
                             "run_check": VariableTracker.build(tx, False),
                             "shape": leaf.call_method(tx, "size", [], {}),
                             "stride": leaf.call_method(tx, "stride", [], {}),
+                            "grad_placements": grads,
                         },
                     )
                 else:

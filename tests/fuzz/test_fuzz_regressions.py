@@ -256,3 +256,30 @@ def test_eager_vector_times_matrix_shape(fake_world):
     dw_t = distribute_tensor(w.t().contiguous(), mesh, [Replicate()])
     assert (dv @ dw).shape == (v @ w).shape == (3,)
     assert F.linear(dv, dw_t).shape == F.linear(v, w.t()).shape == (3,)
+
+
+def test_local_map_region_given_a_partial_tensor_twice_with_a_backward():
+    """Was a mismatch (found by the run of 5000, seed 1): the copy made for the second use
+    of a tensor went through ``to_local``/``from_local``, whose backward made its
+    ``Partial`` gradient ``Replicate`` (an all-reduce): the same sum, other per-rank
+    values than eager's.  The copy's gradient now passes through in the declared
+    ``in_grad_placements``."""
+    _passes("1d2", [Input("x1", (5, 4), ("Partial()",), True, 546)], """
+@dtcompile.local_map(out_placements=[Partial()], in_placements=([Partial()], [Partial()]))
+def region_t0(a, b):
+    return a * b + 1.0
+
+t0 = region_t0(x1, x1)
+return t0
+""", fails_as="^mismatch: grad values", loss=(("t0", "full_tensor"),))
+
+
+def test_contiguous_of_a_narrow_of_a_sharded_dim_returned():
+    """Was an internal error (the run of 5000): as ``test_narrow_of_a_sharded_dim_returned``
+    with a ``contiguous()`` after the narrow; AOTAutograd regenerated the output with
+    ``as_strided``.  ``contiguous`` is among the ops an output is remade with."""
+    _passes("1d2", [Input("x2", (6,), ("Shard(0)",), False, 3486)], """
+t0 = x2.narrow(0, 3, 3)
+t1 = t0.contiguous()
+return t1
+""", fails_as="as_strided not supported with DTensor")
