@@ -157,9 +157,32 @@ def _default_partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Seq
     _wrap_once(partitioners, "_must_be_in_forward", _forward_collectives_stay_forward)
     _keeping.joint = gm.graph
     try:
-        return partitioners.default_partition(gm, joint_inputs, **kwargs)
+        graphs = partitioners.default_partition(gm, joint_inputs, **kwargs)
     finally:
         _keeping.joint = None
+    for module in graphs:
+        _drop_dead_copies(module)
+    return graphs
+
+
+def _drop_dead_copies(module: fx.GraphModule) -> None:
+    """Removes what is dead in a partitioned graph but what its phase traced: the
+    partitioner's own dead-code pass keeps every node but a collective, so a dead copy
+    of a backward collective (and the ops that feed and read it) stayed in the forward
+    on a rank whose share of it is empty, and that rank issued one collective more
+    than the others (a hang, found by the fuzzer's run of 5000)."""
+    backward = _is_backward_graph(module.graph)
+    wait = torch.ops._c10d_functional.wait_tensor.default
+
+    def keep(node: fx.Node) -> bool:
+        if node.op in ("placeholder", "output", "get_attr"):
+            return True
+        if is_collective(node) or node.target is wait:
+            return (node.meta.get("partitioner_tag") == "is_forward") != backward
+        return node.is_impure()
+
+    if module.graph.eliminate_dead_code(is_impure_node=keep):
+        module.recompile()
 
 
 def _wrap_once(module: Any, name: str, make: Callable[[Any], Any]) -> None:

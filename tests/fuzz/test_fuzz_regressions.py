@@ -283,3 +283,27 @@ t0 = x2.narrow(0, 3, 3)
 t1 = t0.contiguous()
 return t1
 """, fails_as="as_strided not supported with DTensor")
+
+
+def test_dead_copy_of_a_backward_collective_in_one_ranks_forward():
+    """Was a hang (the run of 5000): on the ranks whose share of x0 is empty, a backward
+    all-gather needs no gradient, so the default partitioner copied it (and the ops
+    around it) into the forward, dead; its dead-code pass keeps every node but a
+    collective, so the copy stayed, and those ranks issued one all-gather more in the
+    forward than rank 0.  Dead copies outside their traced phase now go."""
+    _passes("2d", [Input("x0", (5, 1), ("_StridedShard(1, split_factor=2)", "Shard(1)"), True, 1824)], """
+t0 = x0.redistribute(mesh, [Shard(1), Shard(0)])
+t1 = x0.narrow(1, 0, 1)
+return t0, t1
+""", fails_as="^hang", loss=(("t0", "to_local"), ("t1", "to_local")))
+
+
+def test_matmul_and_redistribute_of_an_uneven_2d_shard():
+    """Was a hang (the run of 5000): some ranks raised in the compiled backward (a
+    broadcast shape error) while the others waited in a collective."""
+    _passes("2d", [Input("x0", (2, 1, 1), ("Shard(0)", "Shard(0)"), True, 1695)], """
+t0 = x0.unsqueeze(3)
+t1 = t0.redistribute(mesh, [Shard(3), Shard(3)])
+t2 = x0 @ x0.transpose(-1, -2)
+return t1, t2
+""", fails_as="^hang", loss=(("t1", "full_tensor"), ("t2", "full_tensor")))
