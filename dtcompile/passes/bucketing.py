@@ -15,7 +15,8 @@ dtype, reduce op) when
 A bucket is issued right after its last input is computed: inputs are
 flattened and concatenated (for a reduce-scatter, rank by rank, so that each
 rank's chunk holds its piece of every input), one collective and one wait run,
-and each member's result is a slice of the output, reshaped.  Every decision,
+and each member's result is a slice of the output, reshaped (and, gathered, made
+contiguous, as the collective's own output was).  Every decision,
 taken or not, is recorded with its reason.
 """
 
@@ -187,10 +188,23 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
         elif kind == "reduce_scatter":
             shape[0] //= group_size
         result = cursor(aten.reshape.default, (part, shape))
+        if kind == "all_gather" and not _reshape_is_contiguous(group_size, sum(pieces), offset - piece, piece, shape):
+            # A gathered member is a column of the [group_size, total] result; reshaped, it
+            # is a copy (contiguous) unless its rows stay rows (a leading dim of 1): then a
+            # strided view, where the collective's own output was contiguous, and a view
+            # of it fails.
+            result = cursor(aten.clone.default, (result,), {"memory_format": torch.contiguous_format})
         member.wait.replace_all_uses_with(result)
     for member in bucket.members:
         graph.erase_node(member.wait)
         graph.erase_node(member.node)
+
+
+def _reshape_is_contiguous(rows: int, total: int, offset: int, piece: int, shape: list[int]) -> bool:
+    """Whether ``reshape(result[:, offset:offset + piece], shape)`` of a ``[rows, total]``
+    result is contiguous (a copy, or the whole result)."""
+    columns = torch.empty(rows, total, device="meta")[:, offset : offset + piece]
+    return columns.reshape(shape).is_contiguous()
 
 
 class _Cursor:
@@ -201,9 +215,9 @@ class _Cursor:
         self.last = node
         self.meta = meta
 
-    def __call__(self, target: Any, args: tuple[Any, ...]) -> fx.Node:
+    def __call__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> fx.Node:
         with self.graph.inserting_after(self.last):
-            self.last = self.graph.call_function(target, args)
+            self.last = self.graph.call_function(target, args, kwargs)
         self.last.meta.update(self.meta)
         return self.last
 

@@ -307,3 +307,18 @@ t1 = t0.redistribute(mesh, [Shard(3), Shard(3)])
 t2 = x0 @ x0.transpose(-1, -2)
 return t1, t2
 """, fails_as="^hang", loss=(("t1", "full_tensor"), ("t2", "full_tensor")))
+
+
+def test_bucketed_gathers_read_by_a_view():
+    """Was an internal error (the run of 5000): bucketing merged the all-gathers of x0 and
+    x1; each member's result, a column of the bucket's ``[ranks, total]`` output, was not
+    contiguous where the collective's own output was, and the ``view`` DTensor reads the
+    gathered ``_StridedShard`` with failed.  Gathered members are made contiguous."""
+    _passes("1d2", [
+        Input("x0", (1, 1, 4), ("Shard(2)",), True, 388),
+        Input("x1", (1, 1, 4), ("_StridedShard(2, split_factor=2)",), True, 1276),
+    ], """
+t0 = x0.full_tensor()
+t2 = x1.full_tensor()
+return t0, t2
+""", fails_as="view size is not compatible")
