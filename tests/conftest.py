@@ -9,7 +9,7 @@ runs real gloo ranks and gets the ``gloo`` marker; one whose id says
 fresh interpreter carry ``subprocess`` themselves, and those that compile a
 whole shared model on threaded ranks (or pin one whole) ``models``.  The fast
 tier is ``pytest -m "not gloo and not inductor and not subprocess and not models and not fuzz"``
-(``fuzz``: the differential fuzzer's batch, tests/fuzz; ``--fuzz-examples N`` and
+(``fuzz``: the differential fuzzer's batch and its pinned finds, tests/fuzz; ``--fuzz-examples N`` and
 ``--fuzz-seed S`` run it longer or elsewhere).
 """
 

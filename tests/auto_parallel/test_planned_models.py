@@ -91,6 +91,7 @@ def _auto_against_hand(reference, hand, hand_x, mesh, x, layout):
     return solution, step_us(compiled_records(model, auto_x)), step_us(compiled_records(hand, hand_x))
 
 
+@pytest.mark.models
 def test_mlp_on_a_2d_mesh_is_no_dearer_than_tp_with_data_parallelism(fake_world):
     # The hand plan: Megatron over tp, parameters replicated over dp (gradients all-reduced),
     # as the 2-D block's; the batch sharded over dp.
@@ -108,6 +109,7 @@ def test_mlp_on_a_2d_mesh_is_no_dearer_than_tp_with_data_parallelism(fake_world)
     assert auto_us <= hand_us * (1 + 1e-9)
 
 
+@pytest.mark.models
 def test_fsdp_mlp_on_a_2d_mesh_is_no_dearer_than_fsdp_over_both_axes(fake_world):
     # The hand plan: FSDP over all 8 ranks (the mesh flattened, as torchtitan's dp_shard_cp),
     # every parameter Shard(0), the batch sharded over both axes.  The solver finds it.
@@ -127,6 +129,7 @@ def test_fsdp_mlp_on_a_2d_mesh_is_no_dearer_than_fsdp_over_both_axes(fake_world)
     assert solution.cost_us == pytest.approx(auto_us, rel=0.01)
 
 
+@pytest.mark.models
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,

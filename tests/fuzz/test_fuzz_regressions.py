@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from fuzz_known import check_program
 from fuzz_programs import Input, program_from_text
 
+# Each runs a world of threaded ranks (2 to 5 s): the slow tier's, with the batch.
+pytestmark = pytest.mark.fuzz
+
 
 def _passes(mesh: str, inputs: list[Input], text: str, *, fails_as: str = "", loss: tuple[tuple[str, str], ...] = ()) -> None:
     """The program (and its backward from ``loss``) runs compiled as eagerly (or both refuse

@@ -111,7 +111,8 @@ def test_report_refuses_a_trace_without_dtcompile_artifacts(stock_trace, tmp_pat
     assert report_tool.main([str(stock_trace), "-o", str(out)]) == 2
     assert capsys.readouterr().err == (
         f"dtcompile-report: {stock_trace}: no dtcompile artifacts (dtcompile_placements, "
-        "dtcompile_<kind>_graph, dtcompile_<kind>_collectives) in the trace: the program was not "
+        "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution) "
+        "in the trace: the program was not "
         'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
         "and run it again with TORCH_TRACE set\n"
     )
