@@ -164,6 +164,42 @@ def shared_models() -> None:
             hand_us = compiled_us(hand, case.local_input(x, mesh))
             print(f"| {name} | {tuple(shape)} | {seconds:.1f} | {solution.cost_us:.2f} | {auto_us:.2f} | "
                   f"{hand_us:.2f} | {auto_us / hand_us:.3f} |")
+    # The MLP on the 2-D mesh against three hand plans (as tests/auto_parallel/test_planned_models.py).
+    import copy
+
+    from dtcompile._testing import models
+
+    with fake_world(8, (2, 4), ("dp", "tp")) as mesh:
+        with models._plain_tensors(0) as gen:
+            reference = models._init_weights(models.MLP(16, 32), gen)
+            x = torch.randn(32, 16, generator=gen)
+        dp_rank = mesh.get_coordinate()[0]
+        rows = x[:8]
+
+        def tp_with(shard: bool) -> nn.Module:
+            return models._data_parallel(models.parallelize_mlp(copy.deepcopy(reference), mesh["tp"]), mesh, shard=shard)
+
+        hands = [
+            ("mlp vs TP + DDP", rows, (Shard(0), Replicate()), lambda: (tp_with(False), rows.chunk(2)[dp_rank])),
+            ("mlp vs TP + FSDP2 (no _StridedShard offered)", rows, (Shard(0), Replicate()),
+             lambda: (tp_with(True), rows.chunk(2)[dp_rank])),
+            ("fsdp_mlp vs FSDP over both axes (flattened)", x, (Shard(0), Shard(0)),
+             lambda: (models.parallelize_fsdp_mlp(copy.deepcopy(reference), mesh._flatten("dp_tp")),
+                      x.chunk(8)[mesh.get_rank()])),
+        ]
+        for name, inputs, layout, make_hand in hands:
+            hand, hand_x = make_hand()
+            budget = sum(p.to_local().numel() * p.element_size() for p in hand.parameters())
+            start = time.perf_counter()
+            model, solution = dtcompile.auto_parallel(
+                reference, mesh, (inputs,), input_placements=[layout], output_placements=[layout],
+                param_memory_budget_bytes=budget,
+            )
+            seconds = time.perf_counter() - start
+            auto_us = compiled_us(model, distribute_tensor(inputs, mesh, layout, src_data_rank=None))
+            hand_us = compiled_us(hand, hand_x)
+            print(f"| {name} | (2, 4) | {seconds:.1f} | {solution.cost_us:.2f} | {auto_us:.2f} | "
+                  f"{hand_us:.2f} | {auto_us / hand_us:.3f} |")
     # This benchmark's model, small enough to compile: the "hand" column is the hand TP + FSDP
     # parameter placements pinned, the ops chosen by the solver, compiled the same way.
     torch.manual_seed(0)
