@@ -306,12 +306,12 @@ def _split_input_views(gm: fx.GraphModule) -> dict[int, tuple[tuple[int, ...], f
 _VIEW_METHODS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "narrow", "t", "transpose", "swapaxes", "permute", "movedim",
     "unsqueeze", "squeeze", "expand", "expand_as", "select", "flatten", "unflatten", "split", "chunk", "unbind",
-    "diagonal", "__getitem__", "contiguous",
+    "diagonal", "__getitem__", "contiguous", "detach",
 })
 _VIEW_FUNCTIONS = frozenset({
     torch.narrow, torch.t, torch.transpose, torch.swapaxes, torch.permute, torch.movedim, torch.unsqueeze,
     torch.squeeze, torch.select, torch.flatten, torch.split, torch.chunk, torch.unbind, torch.diagonal,
-    torch.reshape, operator.getitem,
+    torch.reshape, operator.getitem, torch.detach,
 })
 
 

@@ -325,3 +325,12 @@ t0 = x0.full_tensor()
 t2 = x1.full_tensor()
 return t0, t2
 """, fails_as="view size is not compatible")
+
+
+def test_detached_select_of_a_sharded_dim_returned():
+    """Was an internal error (the second run of 5000): as the narrow above, with
+    ``select`` and a ``detach()``; ``detach`` joins the ops an output is remade with."""
+    _passes("1d2", [Input("x0", (4, 2, 3), ("Shard(0)",), True, 8)], """
+t0 = x0.select(0, 0)
+return t0
+""", fails_as="as_strided not supported with DTensor", loss=(("t0", "full_tensor"),))
