@@ -34,6 +34,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -147,23 +148,27 @@ def shared_models() -> None:
         ("tp_sp_block_local_map", 4, (4,), (Replicate(),)),
         ("block_2d", 8, (2, 4), (Shard(0), Replicate())),
     ]
+    def row(name: str, mesh: Any, reference: nn.Module, x: torch.Tensor, layout: Any, hand: nn.Module, hand_x: Any) -> None:
+        """Plans ``reference`` under ``hand``'s parameter bytes; prints both compiled steps."""
+        budget = sum(p.to_local().numel() * p.element_size() for p in hand.parameters())
+        start = time.perf_counter()
+        model, solution = dtcompile.auto_parallel(
+            reference, mesh, (x,), input_placements=[layout], output_placements=[layout],
+            param_memory_budget_bytes=budget,
+        )
+        seconds = time.perf_counter() - start
+        auto_us = compiled_us(model, distribute_tensor(x, mesh, layout, src_data_rank=None))
+        hand_us = compiled_us(hand, hand_x)
+        print(f"| {name} | {tuple(mesh.shape)} | {seconds:.1f} | {solution.cost_us:.2f} | {auto_us:.2f} | "
+              f"{hand_us:.2f} | {auto_us / hand_us:.3f} |")
+
     print("| model | mesh | plan s | solver us | auto compiled us | hand compiled us | auto / hand |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, world, shape, layout in cases:
         case = CASES[name]
         with fake_world(world, shape, case.mesh_dim_names) as mesh:
             reference, hand, x = case.build(mesh)
-            budget = sum(p.to_local().numel() * p.element_size() for p in hand.parameters())
-            start = time.perf_counter()
-            model, solution = dtcompile.auto_parallel(
-                reference, mesh, (x,), input_placements=[layout], output_placements=[layout],
-                param_memory_budget_bytes=budget,
-            )
-            seconds = time.perf_counter() - start
-            auto_us = compiled_us(model, distribute_tensor(x, mesh, layout, src_data_rank=None))
-            hand_us = compiled_us(hand, case.local_input(x, mesh))
-            print(f"| {name} | {tuple(shape)} | {seconds:.1f} | {solution.cost_us:.2f} | {auto_us:.2f} | "
-                  f"{hand_us:.2f} | {auto_us / hand_us:.3f} |")
+            row(name, mesh, reference, x, layout, hand, case.local_input(x, mesh))
     # The MLP on the 2-D mesh against three hand plans (as tests/auto_parallel/test_planned_models.py).
     import copy
 
@@ -188,18 +193,7 @@ def shared_models() -> None:
                       x.chunk(8)[mesh.get_rank()])),
         ]
         for name, inputs, layout, make_hand in hands:
-            hand, hand_x = make_hand()
-            budget = sum(p.to_local().numel() * p.element_size() for p in hand.parameters())
-            start = time.perf_counter()
-            model, solution = dtcompile.auto_parallel(
-                reference, mesh, (inputs,), input_placements=[layout], output_placements=[layout],
-                param_memory_budget_bytes=budget,
-            )
-            seconds = time.perf_counter() - start
-            auto_us = compiled_us(model, distribute_tensor(inputs, mesh, layout, src_data_rank=None))
-            hand_us = compiled_us(hand, hand_x)
-            print(f"| {name} | (2, 4) | {seconds:.1f} | {solution.cost_us:.2f} | {auto_us:.2f} | "
-                  f"{hand_us:.2f} | {auto_us / hand_us:.3f} |")
+            row(name, mesh, reference, inputs, layout, *make_hand())
     # This benchmark's model, small enough to compile: the "hand" column is the hand TP + FSDP
     # parameter placements pinned, the ops chosen by the solver, compiled the same way.
     torch.manual_seed(0)

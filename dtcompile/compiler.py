@@ -172,13 +172,12 @@ def _drop_dead_copies(module: fx.GraphModule) -> None:
     on a rank whose share of it is empty, and that rank issued one collective more
     than the others (a hang, found by the fuzzer's run of 5000)."""
     backward = _is_backward_graph(module.graph)
-    wait = torch.ops._c10d_functional.wait_tensor.default
 
     def keep(node: fx.Node) -> bool:
         if node.op in ("placeholder", "output", "get_attr"):
             return True
-        if is_collective(node) or node.target is wait:
-            return (node.meta.get("partitioner_tag") == "is_forward") != backward
+        if _collective_or_wait(node):
+            return _traced_in_this_phase(node, backward)
         return node.is_impure()
 
     if module.graph.eliminate_dead_code(is_impure_node=keep):
@@ -203,20 +202,28 @@ def _keep_collectives_in_their_phase(original: Callable[[fx.Node], bool]) -> Cal
             return original(node)
         if original(node) or node.graph is joint:
             return True
-        traced_in_forward = node.meta.get("partitioner_tag") == "is_forward"
-        return traced_in_forward != _is_backward_graph(node.graph)
+        return _traced_in_this_phase(node, _is_backward_graph(node.graph))
 
     return is_not_collective
 
 
 def _forward_collectives_stay_forward(original: Callable[[fx.Node], bool]) -> Callable[[fx.Node], bool]:
     def _must_be_in_forward(node: fx.Node) -> bool:
-        if getattr(_keeping, "joint", None) is not None and node.meta.get("partitioner_tag") == "is_forward":
-            if is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default:
+        if getattr(_keeping, "joint", None) is not None and _collective_or_wait(node):
+            if _traced_in_this_phase(node, backward=False):
                 return True
         return original(node)
 
     return _must_be_in_forward
+
+
+def _collective_or_wait(node: fx.Node) -> bool:
+    return is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default
+
+
+def _traced_in_this_phase(node: fx.Node, backward: bool) -> bool:
+    """Whether the joint trace issued ``node`` in the phase of a graph that is ``backward`` or not."""
+    return (node.meta.get("partitioner_tag") == "is_forward") != backward
 
 
 def _is_backward_graph(graph: fx.Graph) -> bool:
