@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from dtcompile.records import CompiledGraph
+from dtcompile.records import CompiledGraph, EagerFallback
 
-__all__ = ["collective_table", "collectives_json", "emit_artifacts", "format_compiled_graph", "pass_lines", "region_lines"]
+__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_fallback_artifact", "format_compiled_graph", "pass_lines", "region_lines"]
 
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
@@ -83,18 +83,23 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
     }
 
 
+def _artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
+    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
+
+
 def emit_artifacts(record: CompiledGraph) -> None:
     """Log one AOT graph's annotations as ``TORCH_TRACE`` artifacts (no-ops without TORCH_TRACE)."""
-    trace = torch._logging.trace_structured
-
-    def artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
-        trace("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
-
+    artifact = _artifact
     artifact("dtcompile_placements", "string", record.info.format)
     artifact(f"dtcompile_{record.kind}_graph", "string", record.annotated)
     artifact(f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record)))
     if record.regions:
         artifact(f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions)
+
+
+def emit_fallback_artifact(fallback: EagerFallback) -> None:
+    """Log a graph run eagerly (``dtcompile_eager_fallback``: why, and the Dynamo graph)."""
+    _artifact("dtcompile_eager_fallback", "string", lambda: f"{fallback}\n\n{fallback.graph.print_readable(print_output=False)}")
 
 
 def collective_table(records: list[CompiledGraph]) -> list[str]:

@@ -43,13 +43,13 @@ from torch import fx
 
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
-from dtcompile.artifacts import emit_artifacts, format_compiled_graph
+from dtcompile.artifacts import emit_artifacts, emit_fallback_artifact, format_compiled_graph
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes
 from dtcompile.config import DTCompileConfig, inductor_settings
 from dtcompile.cost_model import get_profile
 from dtcompile.lowering import inline_regions
 from dtcompile.passes import PassContext, padded_collective, run_passes
-from dtcompile.records import CompiledGraph
+from dtcompile.records import CompiledGraph, EagerFallback
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.sharding_cache import fresh_sharding_caches
 from dynamo_vars.dtensor_state import loss_parallel_backward
@@ -121,6 +121,7 @@ def _partitioner(info: DynamoGraphInfo) -> Callable[..., Any]:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+        _trace.done = True
         if info.uneven or padded_collective(gm) is not None:
             kwargs.pop("compiler", None)
             return _default_partition_keeping_collectives(gm, joint_inputs, **kwargs)
@@ -243,6 +244,33 @@ def _inductor_partitioner(info: DynamoGraphInfo) -> Any:
             return f"dtcompile.partition(uneven={bool(info.uneven)})"
 
     return Partition()
+
+
+# Per rank thread: whether the running backend call got past AOTAutograd's trace
+# (into the partitioner or dtcompile's passes); a failure after that is not a
+# trace failure and is never run eagerly instead.
+_trace = threading.local()
+
+# The packages whose own exceptions are deliberate errors (bad input, a region
+# the user declared wrongly), never a reason to run eagerly.
+_OWN_PACKAGES = ("dtcompile", "hops", "dynamo_vars")
+
+
+def _raised_on_purpose(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it came from, is one of dtcompile's own."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__module__.partition(".")[0] in _OWN_PACKAGES:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
@@ -388,13 +416,16 @@ class DTCompileBackend:
     """The compiler function ``torch.compile`` calls; made by :func:`backend`.
 
     ``records`` holds a :class:`~dtcompile.records.CompiledGraph` for each graph
-    it compiled (bounded; the newest last).  ``torch.compile``'s ``mode=`` and
+    it compiled (bounded; the newest last), and ``fallbacks`` an
+    :class:`~dtcompile.records.EagerFallback` for each graph it ran eagerly
+    because torch could not trace it (``eager_fallback``).  ``torch.compile``'s ``mode=`` and
     ``options=`` arrive as keyword arguments of the call (:func:`config_for`).
     """
 
     def __init__(self, config: DTCompileConfig) -> None:
         self.config = config
         self.records: collections.deque[CompiledGraph] = collections.deque(maxlen=_MAX_RECORDS)
+        self.fallbacks: collections.deque[EagerFallback] = collections.deque(maxlen=_MAX_RECORDS)
 
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
@@ -429,26 +460,45 @@ class DTCompileBackend:
         # this backend's options and passes: a hit could return a graph compiled
         # without them.  Inductor's per-graph FX cache (keyed on the graph after
         # our passes) stays on.
-        with (
-            functorch_config.patch(enable_autograd_cache=False),
-            fresh_sharding_caches(),
-            keep_regions(),
-            loss_parallel_backward(gm),
-        ):
-            if config.inductor:
-                from torch._inductor.compile_fx import compile_fx
+        outer, _trace.done = getattr(_trace, "done", False), False
+        try:
+            with (
+                functorch_config.patch(enable_autograd_cache=False),
+                fresh_sharding_caches(),
+                keep_regions(),
+                loss_parallel_backward(gm),
+            ):
+                if config.inductor:
+                    from torch._inductor.compile_fx import compile_fx
 
-                patches = dict(config.inductor_config)
-                patches["custom_partitioner_fn"] = _inductor_partitioner(info)
-                compiled = compile_fx(
-                    gm,
-                    example_inputs,
-                    inner_compile=functools.partial(self._inductor_inner_compile, info, config),
-                    config_patches=patches,
-                )
-            else:
-                compiled = self._aot_without_inductor(gm, example_inputs, info, config)
+                    patches = dict(config.inductor_config)
+                    patches["custom_partitioner_fn"] = _inductor_partitioner(info)
+                    compiled = compile_fx(
+                        gm,
+                        example_inputs,
+                        inner_compile=functools.partial(self._inductor_inner_compile, info, config),
+                        config_patches=patches,
+                    )
+                else:
+                    compiled = self._aot_without_inductor(gm, example_inputs, info, config)
+        except Exception as exc:
+            if _trace.done or not config.eager_fallback or _raised_on_purpose(exc):
+                raise
+            compiled = self._fall_back_to_eager(gm, info, exc)
+        finally:
+            _trace.done = outer
         return _with_outputs_put_back(compiled, constants, views)
+
+    def _fall_back_to_eager(self, gm: fx.GraphModule, info: DynamoGraphInfo, exc: Exception) -> Callable[..., Any]:
+        """The Dynamo graph run as it is (DTensor's eager ops: eager's numbers and
+        collectives), for a graph torch's AOTAutograd could not trace; says so
+        (a warning, ``backend.fallbacks``, a ``dtcompile_eager_fallback`` artifact)."""
+        fallback = EagerFallback(compile_id=info.compile_id, error=_one_line(exc), graph=gm)
+        self.fallbacks.append(fallback)
+        log.warning("compile %s: %s", info.compile_id, fallback)
+        emit_fallback_artifact(fallback)
+        warnings.warn(f"dtcompile: {fallback}", stacklevel=2)
+        return gm.forward
 
     def _inductor_inner_compile(
         self,
@@ -508,6 +558,7 @@ class DTCompileBackend:
         config: DTCompileConfig,
         lowering: Mapping[str, Any],
     ) -> fx.GraphModule:
+        _trace.done = True
         ctx = PassContext(kind=kind, config=config, info=info)
         gm, passes = run_passes(gm, example_inputs, ctx)
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""

@@ -55,8 +55,16 @@ class DTCompileConfig:
     (``dtcompile_<kind>_before_<pass>`` / ``..._after_<pass>``), for debugging
     a pass; off by default (a graph's text per pass)."""
 
+    eager_fallback: bool = True
+    """Where torch's AOTAutograd cannot trace a Dynamo graph over DTensor (a
+    limitation of stock torch on a program eager runs), run that graph eagerly,
+    with a warning, a ``backend.fallbacks`` record and a ``dtcompile_eager_fallback``
+    artifact, instead of failing the compile.  ``False`` raises torch's error.
+    Errors of dtcompile's own (bad input, its passes, lowering) always raise."""
+
     def __post_init__(self) -> None:
         _check_bool("inductor", self.inductor)
+        _check_bool("eager_fallback", self.eager_fallback)
         _check_bool("report", self.report)
         _check_bool("trace_pass_graphs", self.trace_pass_graphs)
         _check_bytes("bucket_cap_bytes", self.bucket_cap_bytes, minimum=1)
@@ -83,6 +91,7 @@ class DTCompileConfig:
                 self.cost_profile,
                 self.report,
                 self.trace_pass_graphs,
+                self.eager_fallback,
             )
         )
 

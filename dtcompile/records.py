@@ -19,7 +19,7 @@ from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.regions import RegionInfo
 
-__all__ = ["Action", "CompiledGraph", "Outcome", "PassRecord"]
+__all__ = ["Action", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord"]
 
 
 class Action(enum.Enum):
@@ -97,3 +97,30 @@ class CompiledGraph:
     def annotated(self) -> str:
         """The graph one line per call node with its annotation (see :mod:`dtcompile.annotations`)."""
         return format_aot_graph(self.graph)
+
+
+@dataclass(frozen=True)
+class EagerFallback:
+    """A Dynamo graph the backend runs eagerly: torch's AOTAutograd raised while tracing it.
+
+    DTensor's traced paths (the decompositions AOTAutograd traces, the backward
+    it derives, its output-aliasing rules) refuse some programs that DTensor's
+    eager ops run, e.g. the in-place ``masked_fill_`` of ``norm``'s backward on a
+    ``Partial`` tensor.  Such a graph runs as the Dynamo graph, op by op on
+    DTensors: eager's results and eager's collectives, not compiled code.  The
+    trace sees global shapes and placements, so every rank decides alike.
+    """
+
+    compile_id: str
+    error: str
+    """What torch raised, on one line."""
+    graph: fx.GraphModule
+    """The Dynamo graph that runs eagerly."""
+
+    def __str__(self) -> str:
+        return (
+            f"compile {self.compile_id}: torch's AOTAutograd could not trace this graph over DTensor "
+            f"({self.error}); it runs eagerly instead (DTensor's own ops: eager's results, not compiled code). "
+            "This is a limitation of stock torch, not of your program; "
+            "dtcompile.backend(eager_fallback=False) raises the error instead"
+        )

@@ -133,6 +133,33 @@ def _failure(what: str, failures: Sequence[tuple[int, str]]) -> RankFailure:
     return RankFailure(f"{what}: rank(s) {ranks} failed\n{details}")
 
 
+class _ReduceScatter:
+    """The threaded group's reduce-scatter with every reduction its all-reduce has.
+
+    torch's (``multi_threaded_pg.ReduceScatter``) takes sum and avg only, and
+    DTensor reduce-scatters a ``Partial("max")`` tensor with max: a program that
+    runs on gloo and NCCL raised ``NotImplementedError`` here.
+    """
+
+    def __init__(self, op: Any) -> None:
+        from torch.testing._internal.distributed.multi_threaded_pg import _reduce_ops
+
+        if op.op not in _reduce_ops:
+            raise NotImplementedError(f"reduce-scatter with {op.op} is not supported by the threaded group")
+        self.reduce = _reduce_ops[op.op]
+
+    @torch.no_grad()
+    def work(self, data: Sequence[Any]) -> None:
+        # data[rank] = ([output], [[input chunk for each rank]])
+        for rank, (outputs, inputs) in enumerate(data):
+            if len(outputs) != 1 or len(inputs) != 1:
+                raise AssertionError("the threaded group reduce-scatters one tensor at a time")
+            (output,) = outputs
+            chunks = [their_inputs[0][rank].to(output.device) for _, their_inputs in data]
+            # Written through .detach(): the threaded group hides its writes from autograd.
+            output.detach().copy_(self.reduce(chunks))
+
+
 def run_threaded(
     world_size: int,
     fn: Callable[..., R],
@@ -146,7 +173,8 @@ def run_threaded(
     real ranks.  Raises :class:`RankFailure` naming the rank(s) that raised or
     did not finish within ``timeout`` seconds.
 
-    Two things are shared by the rank threads and scoped to the world here:
+    What torch's threaded group lacks or shares between the rank threads is made up
+    for, or scoped to the world, here:
 
     - Dynamo's cache of compiled code is per code object, and each rank's
       mesh fails the guards of the code another rank compiled (its process
@@ -156,6 +184,9 @@ def run_threaded(
     - torch looks up a backend name (``backend="dtcompile"``) by check-then-
       register, which two threads can interleave ("duplicate name"): the name
       is resolved once before the ranks start.
+    - torch's threaded group reduce-scatters with sum and avg only; here it
+      takes max, min and product too (DTensor reduce-scatters ``Partial("max")``
+      with max), as gloo and NCCL do.
     - DTensor's redistribute plans are cached per mesh, and a mesh made on a
       rank thread compares equal to one made on an earlier world's thread
       with the same ident (CPython reuses them), whose rank may differ: the
@@ -203,6 +234,7 @@ def run_threaded(
     _resolve_backend_names()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     threaded._install_threaded_pg()
+    reduce_scatter, threaded.ReduceScatter = threaded.ReduceScatter, _ReduceScatter
     clear_sharding_caches()
     fake_mode_lock = ShardingPropagator._fake_mode_lock
     ShardingPropagator._fake_mode_lock = threading.Lock()
@@ -223,6 +255,7 @@ def run_threaded(
         ShardingPropagator._fake_mode_lock = fake_mode_lock
         clear_sharding_caches()
         threaded.ProcessLocalGroup.reset()
+        threaded.ReduceScatter = reduce_scatter
         threaded._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     if not failures.empty():

@@ -41,7 +41,7 @@ def test_unknown_option_names_valid_ones():
         dtcompile.backend(inductr=False)
     assert str(err.value) == (
         "dtcompile.backend: unknown option(s) ['inductr']; valid options are "
-        "['bucket_cap_bytes', 'cost_profile', 'disable_passes', 'inductor', 'inductor_config', "
+        "['bucket_cap_bytes', 'cost_profile', 'disable_passes', 'eager_fallback', 'inductor', 'inductor_config', "
         "'overlap_memory_budget_bytes', 'report', 'trace_pass_graphs']"
     )
 

@@ -90,13 +90,6 @@ class Known:
 
 KNOWN: tuple[Known, ...] = (
     Known(
-        "split/chunk of a DTensor that requires grad: the traced backward cats DTensors with plain zeros",
-        ("test_chunk_of_a_shard_that_requires_grad_used_in_the_graph",),
-        r"aten\.cat\.default got mixed torch\.Tensor and DTensor",
-        culprits=("AOTAutograd",),
-        owner="torch",
-    ),
-    Known(
         "eager itself raises on some ranks only (a reduction over a dim whose shard is empty there)",
         ("test_eager_amax_over_an_empty_shard",),
         r"^hang: (eager ranks disagree|some ranks raised in eager)",
