@@ -3,7 +3,8 @@
 Reads the structured logs that ``TORCH_TRACE=TRACE_DIR`` writes (one file per
 rank), keeps what dtcompile logged (``dtcompile_*`` artifacts, see
 :mod:`dtcompile.artifacts`) and what Dynamo logged about graph breaks and
-recompiles, and writes ``OUT/index.html``: the ``dtcompile.auto_parallel``
+recompiles, and writes ``OUT/index.html``: the graphs run eagerly because
+torch could not trace them (``eager_fallback``); the ``dtcompile.auto_parallel``
 solutions planned (each node's placements and cost); per compile id the DTensor
 placements, the annotated forward and backward graphs and the collective
 schedule; communication bytes and estimated time per step; a check that every
@@ -60,6 +61,8 @@ class RankTrace:
     recompiles: list[str] = field(default_factory=list)
     plans: list[str] = field(default_factory=list)
     """``dtcompile.auto_parallel`` solutions, each its ``explain()`` (logged as it planned)."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Graphs run eagerly because torch could not trace them (why, and the Dynamo graph)."""
 
 
 @dataclass
@@ -158,6 +161,8 @@ def read_trace(trace_dir: str | Path) -> Trace:
             name, cid = artifact.get("name", ""), _compile_id(meta)
             if name == "dtcompile_auto_parallel_solution":
                 trace.plans.append(payload)
+            elif name == "dtcompile_eager_fallback":
+                trace.fallbacks.append(payload)
             elif name == "dtcompile_placements":
                 trace.compiles[cid].placements = payload
             elif name.startswith("dtcompile_") and name.endswith("_graph"):
@@ -269,6 +274,11 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         parts.append(f'<p class="ok">all {len(ranks)} ranks issue the same collectives in the same order</p>')
     parts.append("</section>")
 
+    if lead.fallbacks:
+        parts.append('<section id="eager-fallbacks"><h2>Graphs run eagerly (not compiled)</h2>')
+        parts += [f'<pre class="bad">{html.escape(text)}</pre>' for text in lead.fallbacks]
+        parts.append("</section>")
+
     if lead.plans:
         parts.append('<section id="auto-parallel"><h2>Auto-parallel plans</h2>')
         parts += [f"<pre>{html.escape(plan)}</pre>" for plan in lead.plans]
@@ -350,10 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for warning in trace.warnings:
         print(f"dtcompile-report: warning: {warning}", file=sys.stderr)
-    if not any(rank.compiles or rank.plans for rank in trace.ranks.values()):
+    if not any(rank.compiles or rank.plans or rank.fallbacks for rank in trace.ranks.values()):
         print(
             f"dtcompile-report: {args.trace_dir}: no dtcompile artifacts (dtcompile_placements, "
-            "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution) "
+            "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution, "
+            "dtcompile_eager_fallback) "
             "in the trace: the program was not "
             'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
             "and run it again with TORCH_TRACE set",

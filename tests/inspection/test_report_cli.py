@@ -29,10 +29,25 @@ _PROGRAM = textwrap.dedent(
 )
 
 
-def _trace(directory: Path, backend: str) -> Path:
+# Two outputs that view one result: stock AOTAutograd refuses it for DTensor outputs,
+# so the graph runs eagerly and only its dtcompile_eager_fallback artifact is logged.
+_FALLBACK_PROGRAM = textwrap.dedent(
+    """
+    import torch, dtcompile
+    from torch.distributed.tensor import DTensor, Replicate
+    from dtcompile.testing import fake_world
+    with fake_world(2) as mesh:
+        x = DTensor.from_local(torch.ones(3, 1, 4), mesh, [Replicate()]).requires_grad_()
+        f = lambda x: ((y := x * x).squeeze(1), y.permute(2, 1, 0))
+        torch.compile(f, backend=dtcompile.backend(inductor=False))(x)
+    """
+)
+
+
+def _trace(directory: Path, backend: str, program: str = _PROGRAM) -> Path:
     env = {**os.environ, "TORCH_TRACE": str(directory)}
     out = subprocess.run(
-        [sys.executable, "-c", _PROGRAM, backend], env=env, check=False, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", program, backend], env=env, check=False, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return directory
@@ -111,9 +126,20 @@ def test_report_refuses_a_trace_without_dtcompile_artifacts(stock_trace, tmp_pat
     assert report_tool.main([str(stock_trace), "-o", str(out)]) == 2
     assert capsys.readouterr().err == (
         f"dtcompile-report: {stock_trace}: no dtcompile artifacts (dtcompile_placements, "
-        "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution) "
-        "in the trace: the program was not "
+        "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution, "
+        "dtcompile_eager_fallback) in the trace: the program was not "
         'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
         "and run it again with TORCH_TRACE set\n"
     )
     assert not out.exists()
+
+
+def test_report_shows_graphs_run_eagerly(tmp_path, capsys):
+    trace = _trace(tmp_path / "trace", "dtcompile", _FALLBACK_PROGRAM)
+    out = tmp_path / "out"
+    assert report_tool.main([str(trace), "-o", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    section = page[page.index('<section id="eager-fallbacks">') :].split("</section>")[0]
+    assert "Graphs run eagerly (not compiled)" in section
+    assert html.escape("compile 0/0: torch's AOTAutograd could not trace this graph over DTensor") in section
+    assert "tensor subclass inputs" in section and "permute" in section
