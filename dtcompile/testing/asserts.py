@@ -163,11 +163,18 @@ def _eager_and_compiled(fn: Any, args: Sequence[Any], backward: bool, backend: A
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
     params = fn if isinstance(fn, nn.Module) else None
+    earlier = {id(f) for f in getattr(backend, "fallbacks", ())}
     result = run_step(compiled, args, backward, params=params)
     if counter.frame_count == 0:
         raise AssertionError(
             "assert_matches_eager: nothing was compiled, Dynamo ran the function eagerly "
             "(torch._dynamo disabled, or its code skipped); the comparison would prove nothing"
+        )
+    fell_back = [f for f in getattr(backend, "fallbacks", ()) if id(f) not in earlier]
+    if fell_back:
+        raise AssertionError(
+            f"assert_matches_eager: dtcompile ran {len(fell_back)} graph(s) eagerly, so the comparison "
+            f"would prove nothing: {fell_back[0]}"
         )
     return eager, result
 
@@ -227,7 +234,9 @@ def assert_matches_eager(
     Gradients are those of the module's parameters and of the args that
     require grad, from the backward of the sum of all outputs.  ``backend``
     defaults to dtcompile without Inductor lowering.  A failure lists each rank
-    and tensor that differ.
+    and tensor that differ.  A graph dtcompile ran eagerly because torch could
+    not trace it (``eager_fallback``) fails the assertion too: compiled would be
+    eager compared with itself.
     """
     if world is not None:
         if args:

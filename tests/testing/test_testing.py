@@ -211,6 +211,24 @@ def test_matches_eager_names_a_builder_that_returns_the_wrong_shape():
     assert "positional argument" not in message
 
 
+def _two_views(x: DTensor) -> tuple[DTensor, DTensor]:
+    y = x * x
+    return y.squeeze(1), y.permute(2, 1, 0)
+
+
+def test_matches_eager_refuses_a_graph_that_ran_eagerly(fake_world):
+    """Stock AOTAutograd refuses two outputs that view one DTensor result, so dtcompile
+    runs the graph eagerly (``eager_fallback``): compiled would equal eager trivially."""
+    mesh = fake_world(2)
+    x = DTensor.from_local(torch.ones(3, 1, 4), mesh, [Replicate()], run_check=False).requires_grad_()
+    with pytest.raises(AssertionError) as err, pytest.warns(UserWarning, match="it runs eagerly instead"):
+        assert_matches_eager(_two_views, x)
+    assert str(err.value).startswith(
+        "assert_matches_eager: dtcompile ran 1 graph(s) eagerly, so the comparison would prove nothing: "
+        "compile 0/0: torch's AOTAutograd could not trace this graph over DTensor"
+    )
+
+
 # ---------------------------------------------------------------- graph breaks and recompiles
 
 
