@@ -75,7 +75,8 @@ def test_graph_torch_cannot_trace_runs_eagerly_with_a_warning():
         assert error == "AssertionError: torch.compile is currently being used with tensor subclass inputs."
 
 
-def test_fallback_says_why_and_is_logged_as_an_artifact(fake_world, monkeypatch):
+@pytest.mark.parametrize("inductor", [False, True], ids=["aot", "inductor"])
+def test_fallback_says_why_and_is_logged_as_an_artifact(fake_world, monkeypatch, inductor):
     traced = []
 
     def capture(kind, metadata_fn=None, payload_fn=None, **kwargs):
@@ -87,7 +88,7 @@ def test_fallback_says_why_and_is_logged_as_an_artifact(fake_world, monkeypatch)
     mesh = fake_world(2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.compile(_two_views, backend=dtcompile.backend(inductor=False))(_replicated_input(mesh))
+        torch.compile(_two_views, backend=dtcompile.backend(inductor=inductor))(_replicated_input(mesh))
     (warning,) = [str(w.message) for w in caught if str(w.message).startswith("dtcompile:")]
     assert warning.startswith(
         "dtcompile: compile 0/0: torch's AOTAutograd could not trace this graph over DTensor "
