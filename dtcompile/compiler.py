@@ -25,6 +25,12 @@ The pipeline for one Dynamo graph:
 3. Lowering: the regions are inlined (:func:`dtcompile.lowering.inline_regions`),
    then Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph as
    it is (``inductor=False``).
+
+Where step 1 fails in torch on a program eager DTensor runs (stock AOTAutograd
+refuses some DTensor programs), the Dynamo graph runs eagerly instead, with a
+warning and a ``backend.fallbacks`` record (``eager_fallback``, see
+:class:`~dtcompile.records.EagerFallback`); a failure in dtcompile's own code,
+or after the trace, raises.
 """
 
 from __future__ import annotations
