@@ -6,9 +6,10 @@
 Tiers (markers, registered in pyproject.toml): a test whose name says ``gloo``
 runs real gloo ranks and gets the ``gloo`` marker; one whose id says
 ``inductor`` lowers with Inductor and gets ``inductor``; tests that start a
-fresh interpreter carry ``subprocess`` themselves, and those that compile a
+fresh interpreter carry ``subprocess`` themselves (or get it from the fixture
+that starts one, ``trace_dir``), and those that compile a
 whole shared model on threaded ranks (or pin one whole) ``models``.  The fast
-tier is ``pytest -m "not gloo and not inductor and not subprocess and not models and not fuzz"``
+tier is ``pytest -n 2 -m "not gloo and not inductor and not subprocess and not models and not fuzz"``
 (``fuzz``: the differential fuzzer's batch and its pinned finds, tests/fuzz; ``--fuzz-examples N`` and
 ``--fuzz-seed S`` run it longer or elsewhere).
 """
@@ -33,6 +34,9 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.gloo)
         if "inductor" in item.nodeid.split("::", 1)[-1]:
             item.add_marker(pytest.mark.inductor)
+        if "trace_dir" in getattr(item, "fixturenames", ()):
+            # tests/inspection's TORCH_TRACE comes from a fresh interpreter.
+            item.add_marker(pytest.mark.subprocess)
     # The fuzzer's tests run last: they keep threaded worlds alive across many
     # programs and tear down hung ones, and a later test must not start from
     # whatever a torn-down world left behind.
