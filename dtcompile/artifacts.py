@@ -89,12 +89,11 @@ def _artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
 
 def emit_artifacts(record: CompiledGraph) -> None:
     """Log one AOT graph's annotations as ``TORCH_TRACE`` artifacts (no-ops without TORCH_TRACE)."""
-    artifact = _artifact
-    artifact("dtcompile_placements", "string", record.info.format)
-    artifact(f"dtcompile_{record.kind}_graph", "string", record.annotated)
-    artifact(f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record)))
+    _artifact("dtcompile_placements", "string", record.info.format)
+    _artifact(f"dtcompile_{record.kind}_graph", "string", record.annotated)
+    _artifact(f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record)))
     if record.regions:
-        artifact(f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions)
+        _artifact(f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions)
 
 
 def emit_fallback_artifact(fallback: EagerFallback) -> None:

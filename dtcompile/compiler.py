@@ -501,7 +501,7 @@ class DTCompileBackend:
         (a warning, ``backend.fallbacks``, a ``dtcompile_eager_fallback`` artifact)."""
         fallback = EagerFallback(compile_id=info.compile_id, error=_one_line(exc), graph=gm)
         self.fallbacks.append(fallback)
-        log.warning("%s", fallback)
+        log.info("%s", fallback)
         emit_fallback_artifact(fallback)
         warnings.warn(f"dtcompile: {fallback}", stacklevel=2)
         return gm.forward

@@ -107,8 +107,10 @@ class EagerFallback:
     it derives, its output-aliasing rules) refuse some programs that DTensor's
     eager ops run, e.g. the in-place ``masked_fill_`` of ``norm``'s backward on a
     ``Partial`` tensor.  Such a graph runs as the Dynamo graph, op by op on
-    DTensors: eager's results and eager's collectives, not compiled code.  The
-    trace sees global shapes and placements, so every rank decides alike.
+    DTensors: eager's results and eager's collectives, not compiled code.  Every
+    refusal seen so far is decided from global shapes and placements (DTensor's
+    sharding propagation, AOTAutograd's aliasing rule), so every rank falls back
+    alike; one that depended on a rank's own uneven shard could split the ranks.
     """
 
     compile_id: str
