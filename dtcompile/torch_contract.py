@@ -1,27 +1,38 @@
 """Which torch dtcompile is written for, and the private torch names it relies on.
 
-dtcompile reaches into ~40 private names of torch (Dynamo's variable builder
+dtcompile reaches into ~150 private names of torch (Dynamo's variable builder
 and guard builder, the HOP tracing helpers, DTensor's sharding caches...).
 Their contract is not public, so it is fenced:
 
 - :data:`TESTED_TORCH` is the range of torch versions the package is tested
-  on (``pyproject.toml`` pins the same range);
+  on (2.13, 2.14 and 2.15; ``pyproject.toml`` pins the same range);
   :func:`torch_is_supported` says whether the running torch is in it, and
   ``dynamo_vars.install()`` leaves stock Dynamo alone with one warning outside it;
 - :data:`PRIVATE_NAMES` lists every private name used, with the parameters
-  dtcompile passes; ``tests/test_torch_contract.py`` asserts each still exists
-  with that signature, so an upgrade that moves one fails in one readable test
-  instead of silently (a guard that no longer explains itself, a region whose
-  backward is paired wrongly).
+  dtcompile passes and, for a name only some supported releases have, which
+  (:mod:`dtcompile.torch_compat` chooses between them);
+  ``tests/architecture/test_torch_contract.py`` asserts each still exists
+  with that signature on the running torch, and reads the code to fail on a
+  private name missing here, so an upgrade that moves one fails in one
+  readable test instead of silently (a guard that no longer explains itself,
+  a region whose backward is paired wrongly);
+- :data:`PATCHED` lists every torch object that dynamo_vars replaces while
+  installed; ``dynamo_vars.uninstall()`` restores each.
+
+Upgrading torch: run that test on the new release first; each line it fails
+on is a name to add to :mod:`dtcompile.torch_compat` (one function per
+difference) and to list here with the releases that have it.
 
 Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
 """
 
 from __future__ import annotations
 
-__all__ = ["PRIVATE_NAMES", "TESTED_TORCH", "torch_is_supported"]
+from typing import NamedTuple
 
-TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
+__all__ = ["PATCHED", "PRIVATE_NAMES", "TESTED_TORCH", "PrivateName", "applies", "torch_is_supported"]
+
+TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 16))
 """``[low, high)``: the torch (major, minor) versions dtcompile is tested on."""
 
 
@@ -39,10 +50,36 @@ def torch_is_supported(version: str | None = None) -> bool:
     return parsed >= low and parsed < high
 
 
-# (module, attribute path, parameter names the call sites rely on; None: not a
-# callable we call, only its existence matters).  Kept in the order of the
-# layers that use them.
-PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+class PrivateName(NamedTuple):
+    """One private torch name dtcompile uses."""
+
+    module: str
+    path: str
+    """The attribute path inside ``module`` (``GuardBuilder.EQUALS_MATCH``)."""
+    params: tuple[str, ...] | None = None
+    """Parameter names the call sites rely on; None: only its existence matters."""
+    versions: tuple[tuple[int, int], tuple[int, int]] | None = None
+    """``[low, high)`` of the supported releases that have it; None: every one."""
+
+
+def applies(name: PrivateName, version: tuple[int, int] | None = None) -> bool:
+    """Whether the release ``version`` (default: the running torch's) has ``name``."""
+    if name.versions is None:
+        return True
+    if version is None:
+        from dtcompile.torch_compat import torch_version
+
+        version = torch_version()
+    low, high = name.versions
+    return low <= version < high
+
+
+_P = PrivateName
+_UNTIL_2_14 = ((2, 13), (2, 14))
+_FROM_2_14 = ((2, 14), (2, 16))
+
+# Kept in the order of the layers that use them.
+PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     # dtcompile.notation, dynamo_vars.guards
     ("torch._library.fake_class_registry", "FakeScriptObject", None),
     # dtcompile.sizes: sizes read without guarding
@@ -86,7 +123,11 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._dynamo.utils", "_get_fake_value_impl", ("node", "tx", "allow_non_graph_fake")),
     ("torch._dynamo.variables.tensor", "TensorVariable.call_method", ("self", "tx", "name", "args", "kwargs")),
     ("torch.fx.experimental.symbolic_shapes", "ShapeEnv.ignore_fresh_unbacked_symbols", ("self",)),
-    ("torch._dynamo.variables.script_object", "TorchScriptObjectVariable.call_method", ("self", "tx", "name", "args", "kwargs")),
+    # dtcompile.torch_compat.script_object_variable: renamed in torch 2.14
+    ("torch._dynamo.variables.script_object", "TorchScriptObjectVariable.call_method",
+     ("self", "tx", "name", "args", "kwargs"), _UNTIL_2_14),
+    ("torch._dynamo.variables.script_object", "CustomClassObjectVariable.call_method",
+     ("self", "tx", "name", "args", "kwargs"), _FROM_2_14),
     ("torch._subclasses.fake_tensor", "unset_fake_temporarily", ()),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
     ("torch._dynamo.backends.registry", "_COMPILER_FNS", None),
@@ -127,6 +168,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor._op_schema", "OpStrategy", ("strategies",)),
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
     # dynamo_vars.dtensor_api: DTensor.__tensor_unflatten__ rebuilds the spec it was given
+    ("torch.distributed.tensor", "DTensor.__tensor_unflatten__", ("inner_tensors", "flatten_spec", "outer_size", "outer_stride")),
     (
         "torch.distributed.tensor._dtensor_spec",
         "DTensorSpec",
@@ -148,4 +190,91 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_non_fake_inputs",)),
     # dtcompile._testing.models: the MoE's token dispatch (differentiable, as torchtitan's)
     ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
-)
+    # dtcompile.torch_compat: the version differences' own probes
+    ("torch._dynamo.exc", "TorchRuntimeError", None),
+    ("torch._functorch._aot_autograd.schemas", "SubclassCreationMeta", None),
+    # graph facts and passes: op and collective kinds, pytrees
+    ("torch._ops", "OpOverload", None),
+    ("torch._ops", "OpOverloadPacket", None),
+    ("torch", "ops._c10d_functional.wait_tensor.default", None),
+    ("torch.distributed.distributed_c10d", "_get_default_group", ()),
+    ("torch.distributed._functional_collectives", "AsyncCollectiveTensor", None),
+    ("torch.distributed._functional_collectives", "broadcast", ("self", "src", "group")),
+    ("torch.distributed._symmetric_memory", "get_symm_mem_workspace", ("group_name", "min_size")),
+    ("torch.distributed.tensor.placement_types", "_StridedShard", None),
+    ("torch.distributed.tensor._utils", "normalize_to_torch_size", ("size",)),
+    ("torch._prims_common", "make_contiguous_strides_for", ("shape",)),
+    ("torch.utils._pytree", "keystr", ("kp",)),
+    ("torch.utils._pytree", "tree_flatten", ("tree", "is_leaf")),
+    ("torch.utils._pytree", "tree_flatten_with_path", ("tree", "is_leaf")),
+    ("torch.utils._pytree", "tree_leaves", ("tree", "is_leaf")),
+    ("torch.utils._pytree", "tree_map", ("func", "tree")),
+    ("torch.utils._pytree", "tree_map_only", ("type_or_types_or_pred", "func", "tree")),
+    ("torch.utils._pytree", "tree_unflatten", ("leaves", "treespec")),
+    ("torch.utils._python_dispatch", "TorchDispatchMode", None),
+    # hops: the op's dispatch keys
+    ("torch._C", "DispatchKey.Autograd", None),
+    ("torch._C", "DispatchKey.CompositeExplicitAutograd", None),
+    # dynamo_vars: trackers, graph breaks, DTensor state read and set in compiled code
+    ("torch._dynamo.exc", "Unsupported", None),
+    ("torch._dynamo.bytecode_transformation", "create_call_function", ("nargs", "push_null")),
+    ("torch._dynamo.variables.base", "VariableTracker.build", ("tx", "value", "source")),
+    ("torch._dynamo.variables.constant", "ConstantVariable.create", ("value",)),
+    ("torch._dynamo.variables.ctx_manager", "ContextWrappingVariable._nonvar_fields", None),
+    ("torch._dynamo.variables.functions", "UserFunctionVariable", None),
+    ("torch._dynamo.variables.lists", "BaseListVariable", None),
+    ("torch._dynamo.variables.lists", "ListVariable", None),
+    ("torch._dynamo.variables.lists", "TupleVariable", None),
+    ("torch._dynamo.guards", "GuardBuilder.EQUALS_MATCH", ("self", "guard")),
+    ("torch._dynamo.guards", "GuardBuilder.OPAQUE_OBJ_GUARD_FN_MATCH", ("self", "guard")),
+    ("torch._C", "_get_dtensor_allow_implicit_replication", None),
+    ("torch._C", "_set_dtensor_allow_implicit_replication", None),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", None),
+    # the backend: AOTAutograd, Inductor's settings and modes
+    ("torch._dynamo.backends.common", "aot_autograd", ()),
+    ("torch._functorch.config", "patch", None),
+    ("torch._inductor.config", "get_config_copy", ()),
+    ("torch._inductor", "list_mode_options", ("mode", "dynamic")),
+    # dtcompile.report, dtcompile.testing: compile counts, recompile reasons, worlds of ranks
+    ("torch._dynamo", "reset", ()),
+    ("torch._dynamo.utils", "counters", None),
+    ("torch._dynamo.utils", "guard_failures", None),
+    ("torch._dynamo.testing", "CompileCounterWithBackend", ("backend",)),
+    ("torch._dynamo.config", "patch", None),
+    ("torch._dynamo.config", "recompile_limit", None),
+    ("torch._dynamo.config", "accumulated_recompile_limit", None),
+    ("torch._dynamo.exc", "InvalidBackend", None),
+    ("torch._dynamo.backends.registry", "lookup_backend", ("compiler_fn",)),
+    ("torch._C", "_distributed_c10d._set_thread_isolation_mode", None),
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore", None),
+    ("torch.testing._internal.distributed.multi_threaded_pg", "ProcessLocalGroup.exception_handle", ("cls", "exc")),
+    ("torch.testing._internal.distributed.multi_threaded_pg", "ProcessLocalGroup.reset", ("cls",)),
+    ("torch.testing._internal.distributed.multi_threaded_pg", "ReduceScatter", None),
+    ("torch.testing._internal.distributed.multi_threaded_pg", "_install_threaded_pg", ()),
+    ("torch.testing._internal.distributed.multi_threaded_pg", "_uninstall_threaded_pg", ()),
+    ("torch.testing._internal.distributed.multi_threaded_pg", "_reduce_ops", None),
+    ("torch.distributed._local_tensor", "local_tensor_mode", ()),
+    ("torch.distributed._local_tensor", "maybe_disable_local_tensor_mode", ()),
+    # dtcompile._testing.idioms: the functional collectives users call
+    ("torch.distributed._functional_collectives", "all_gather_single", None),
+    ("torch.distributed._functional_collectives", "all_gather_tensor", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "all_gather_tensor_autograd", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "all_reduce", ("self", "reduceOp", "group")),
+    ("torch.distributed._functional_collectives", "reduce_scatter_tensor", ("self", "reduceOp", "scatter_dim", "group")),
+))
+
+PATCHED: tuple[PrivateName, ...] = tuple(_P(module, path, None, *versions) for module, path, *versions in (
+    # dynamo_vars.placements, .device_mesh, .dtensor_api: readable guards
+    ("torch._dynamo.guards", "GuardBuilder.EQUALS_MATCH"),
+    ("torch._dynamo.guards", "GuardBuilder.OPAQUE_OBJ_GUARD_FN_MATCH"),
+    ("torch._dynamo.guards", "GuardBuilder.DTENSOR_SPEC_MATCH"),
+    # dynamo_vars.device_mesh: mesh._flatten() traced on the real mesh
+    ("torch._dynamo.variables.script_object", "TorchScriptObjectVariable.call_method", _UNTIL_2_14),
+    ("torch._dynamo.variables.script_object", "CustomClassObjectVariable.call_method", _FROM_2_14),
+    # dynamo_vars.dtensor_api: DTensor method results, two-mesh errors explained, shard order kept
+    ("torch._dynamo.variables.tensor", "TensorVariable.call_method"),
+    ("torch._dynamo.utils", "_get_fake_value_impl"),
+    ("torch.distributed.tensor", "DTensor.__tensor_unflatten__"),
+))
+"""Every torch object dynamo_vars replaces while installed (``dynamo_vars/_install.py``);
+``uninstall()`` puts each original back."""

@@ -78,9 +78,9 @@ def _flatten_on_the_real_mesh(original: Any) -> Any:
 
 
 def WRAPPED() -> dict[tuple[Any, str], Callable[[Any], Any]]:
-    from torch._dynamo.variables.script_object import TorchScriptObjectVariable
+    from dtcompile.torch_compat import script_object_variable
 
-    return {(TorchScriptObjectVariable, "call_method"): _flatten_on_the_real_mesh}
+    return {(script_object_variable(), "call_method"): _flatten_on_the_real_mesh}
 
 
 def _mesh_guard(original: Any) -> Any:

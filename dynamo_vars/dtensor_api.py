@@ -253,23 +253,29 @@ def _explain_dtensor_errors(original: Any) -> Any:
 
     @functools.wraps(original)
     def get_fake_value(node: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        # Read before the call: from torch 2.14 on, a node that fails is erased
+        # from the graph, its arguments with it.
+        inputs = list(node.all_input_nodes)
         try:
             return original(node, tx, *args, **kwargs)
         except Exception as e:
-            advice = _two_meshes_advice(node) if "different meshes" in str(e) else None
+            advice = _two_meshes_advice(node, inputs) if "different meshes" in str(e) else None
             if advice is None:
                 raise
-            raise type(e)(f"{e}\n\ndtcompile: {advice}") from e.__cause__
+            explained = type(e)(f"{e}\n\ndtcompile: {advice}")
+            # Dynamo's own attributes (the user's stack of an observed exception) stay.
+            explained.__dict__.update(e.__dict__)
+            raise explained from e.__cause__
 
     return get_fake_value
 
 
-def _two_meshes_advice(node: Any) -> str | None:
+def _two_meshes_advice(node: Any, inputs: list[Any]) -> str | None:
     from torch.distributed.tensor import DTensor
 
     operands = [
         (re.sub(r"^l_(.+)_$", r"\1", arg.name), arg.meta["example_value"])
-        for arg in node.all_input_nodes
+        for arg in inputs
         if isinstance(arg.meta.get("example_value"), DTensor)
     ]
     meshes = {}

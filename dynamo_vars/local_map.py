@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._dynamo.exc import TorchRuntimeError, Unsupported, unimplemented
+from torch._dynamo.exc import Unsupported, unimplemented
 from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.higher_order_ops import (
     WrapHigherOrderVariable,
@@ -40,6 +40,7 @@ from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable, ListVariable, TupleVariable
 
 from dtcompile.notation import real_object
+from dtcompile.torch_compat import fake_tensor_call_errors, variable_getattr
 
 __all__: list[str] = []
 
@@ -297,7 +298,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 "Return new tensors instead of writing into inputs (x = x + 1, not x.add_(1)), and keep "
                 "logging and other Python side effects outside the region.",
             )
-        except TorchRuntimeError as e:
+        except fake_tensor_call_errors() as e:
             if "mixed torch.Tensor and DTensor" not in str(e):
                 raise
             _refuse_closed_over_dtensor(call.name, "")
@@ -334,14 +335,14 @@ class LocalMapVariable(WrapHigherOrderVariable):
                 if isinstance(value, DTensor):
                     declared_grad = placement_of[node][1]
                     grads = (
-                        leaf.var_getattr(tx, "placements")
+                        variable_getattr(leaf, tx, "placements")
                         if declared_grad is None
                         else VariableTracker.build(tx, parse_placements(declared_grad))
                     )
                     local = leaf.call_method(tx, "to_local", [], {"grad_placements": grads}).call_method(tx, "clone", [], {})
                     copy = VariableTracker.build(tx, DTensor.from_local).call_function(
                         tx,
-                        [local, leaf.var_getattr(tx, "device_mesh"), leaf.var_getattr(tx, "placements")],
+                        [local, variable_getattr(leaf, tx, "device_mesh"), variable_getattr(leaf, tx, "placements")],
                         {
                             "run_check": VariableTracker.build(tx, False),
                             "shape": leaf.call_method(tx, "size", [], {}),

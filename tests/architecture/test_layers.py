@@ -3,7 +3,7 @@
 The layer order (the README's layout section says the same), bottom first;
 a module may import modules of its own layer or below, never above:
 
-0. base -- ``dtcompile.notation``, ``dtcompile.sharding_cache``, ``dtcompile.sizes``, ``dtcompile.torch_contract``
+0. base -- ``dtcompile.notation``, ``dtcompile.sharding_cache``, ``dtcompile.sizes``, ``dtcompile.torch_compat``, ``dtcompile.torch_contract``
 1. ``hops`` -- the ``local_map`` region op
 2. ``dynamo_vars`` -- Dynamo support
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
@@ -30,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dtcompile.notation", "dtcompile.sharding_cache", "dtcompile.sizes", "dtcompile.torch_contract"),
+    ("dtcompile.notation", "dtcompile.sharding_cache", "dtcompile.sizes", "dtcompile.torch_compat", "dtcompile.torch_contract"),
     ("hops",),
     ("dynamo_vars",),
     (

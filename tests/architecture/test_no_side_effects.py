@@ -146,7 +146,7 @@ def test_outside_the_tested_torch_range_dynamo_stays_stock():
         """
         import warnings
         import torch
-        torch.__version__ = "2.15.0"   # as an upgraded torch would report
+        torch.__version__ = "2.16.0"   # as an upgraded torch would report
         import dynamo_vars
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -1,19 +1,31 @@
-"""Every private torch name dtcompile relies on still exists, with the parameters it is called with.
+"""Every private torch name dtcompile relies on is listed, and exists on the running torch.
 
 An upgrade of torch that moves or changes one fails here, in one readable line
 per name, instead of somewhere deep (a guard that no longer explains itself, a
 region whose backward is paired wrongly).  The list is
-:data:`dtcompile.torch_contract.PRIVATE_NAMES`.
+:data:`dtcompile.torch_contract.PRIVATE_NAMES`; names that exist on some
+supported releases only say which (``versions``), and
+:mod:`dtcompile.torch_compat` picks between them.  The list is complete:
+:func:`test_every_private_torch_name_in_the_code_is_in_the_contract` reads the
+code and fails on a private name it does not list.  Every torch object that
+dynamo_vars or the backend replaces is listed in ``PATCHED`` and is restored by
+``dynamo_vars.uninstall()``.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+from pathlib import Path
 
 import pytest
 
-from dtcompile.torch_contract import PRIVATE_NAMES, TESTED_TORCH, torch_is_supported
+from dtcompile.torch_compat import torch_version
+from dtcompile.torch_contract import PATCHED, PRIVATE_NAMES, TESTED_TORCH, applies, torch_is_supported
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ("dtcompile", "dynamo_vars", "hops", "tools")
 
 
 def _resolve(module: str, path: str):
@@ -25,17 +37,34 @@ def _resolve(module: str, path: str):
     return getattr(obj, "__wrapped__", obj)
 
 
-@pytest.mark.parametrize("module, path, params", PRIVATE_NAMES, ids=[f"{m}.{p}" for m, p, _ in PRIVATE_NAMES])
-def test_private_name_exists_with_its_signature(module, path, params):
+@pytest.mark.parametrize("name", PRIVATE_NAMES, ids=lambda n: f"{n.module}.{n.path}")
+def test_private_name_exists_with_its_signature(name):
+    if not applies(name):
+        with pytest.raises((ImportError, AttributeError)):
+            _resolve(name.module, name.path)
+        return
     try:
-        obj = _resolve(module, path)
+        obj = _resolve(name.module, name.path)
     except (ImportError, AttributeError) as e:
-        pytest.fail(f"torch no longer has {module}.{path} ({e}); dtcompile relies on it")
-    if params is None:
+        pytest.fail(f"torch no longer has {name.module}.{name.path} ({e}); dtcompile relies on it")
+    if name.params is None:
         return
     names = list(inspect.signature(obj).parameters)
-    missing = [p for p in params if p not in names]
-    assert not missing, f"{module}.{path}{inspect.signature(obj)} lost the parameters {missing} dtcompile passes"
+    missing = [p for p in name.params if p not in names]
+    assert not missing, f"{name.module}.{name.path}{inspect.signature(obj)} lost the parameters {missing} dtcompile passes"
+
+
+def test_the_contract_says_which_names_differ_between_releases():
+    """Per release, the names only some releases have: the compat layer's cases."""
+    differing = {}
+    for name in PRIVATE_NAMES:
+        if name.versions is not None:
+            differing.setdefault(name.versions, []).append(f"{name.module}.{name.path}")
+    assert differing == {
+        ((2, 13), (2, 14)): ["torch._dynamo.variables.script_object.TorchScriptObjectVariable.call_method"],
+        ((2, 14), (2, 16)): ["torch._dynamo.variables.script_object.CustomClassObjectVariable.call_method"],
+    }, differing
+    assert sum(applies(n) for n in PRIVATE_NAMES) == len(PRIVATE_NAMES) - 1, torch_version()
 
 
 def test_the_running_torch_is_the_tested_one():
@@ -46,8 +75,163 @@ def test_the_running_torch_is_the_tested_one():
 
 @pytest.mark.parametrize(
     "version, supported",
-    [("2.13.0", True), ("2.13.0+cpu", True), ("2.13.1", True), ("2.12.9", False), ("2.14.0", False), ("2.9.0", False)],
+    [
+        ("2.13.0", True),
+        ("2.13.0+cpu", True),
+        ("2.13.1", True),
+        ("2.14.1+cu130", True),
+        ("2.15.0", True),
+        ("2.15.0+cu132", True),
+        ("2.12.9", False),
+        ("2.16.0", False),
+        ("2.9.0", False),
+    ],
 )
 def test_the_version_fence_compares_versions_not_strings(version, supported):
     # "2.9.0" > "2.13.0" as strings: a string comparison would let it in.
     assert torch_is_supported(version) is supported
+
+
+# ---- the contract is complete
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def private_torch_references(path: Path) -> set[str]:
+    """Every dotted torch name ``path`` uses that has a private part (``torch._dynamo.utils.counters``).
+
+    Names come from ``from torch... import`` statements, ``import torch...``, and
+    attribute chains rooted at a name bound to a torch module or object by an
+    import anywhere in the file (inside functions too).
+    """
+    tree = ast.parse(path.read_text())
+    bound: dict[str, str] = {}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    bound[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                found.add(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts = []
+            inner = node
+            while isinstance(inner, ast.Attribute):
+                parts.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id in bound:
+                found.add(".".join([bound[inner.id], *reversed(parts)]))
+    private = set()
+    for name in found:
+        parts = name.split(".")
+        while parts[-1].startswith("__"):  # GuardBuilder.__dict__: the object's own dunders
+            parts.pop()
+        if any(_is_private(part) for part in parts):
+            private.add(".".join(parts))
+    return private
+
+
+def _covered(reference: str, listed: set[str]) -> bool:
+    """A listed name, something it owns (``.cache_clear``), or a module or class holding one."""
+    return any(
+        reference == name or reference.startswith(name + ".") or name.startswith(reference + ".") for name in listed
+    )
+
+
+def test_every_private_torch_name_in_the_code_is_in_the_contract():
+    listed = {f"{n.module}.{n.path}" for n in PRIVATE_NAMES}
+    missing = {}
+    for folder in SOURCES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for reference in private_torch_references(path):
+                if not _covered(reference, listed):
+                    missing.setdefault(reference, str(path.relative_to(ROOT)))
+    assert not missing, "private torch names used but not in PRIVATE_NAMES:\n" + "\n".join(
+        f"  {name}  ({where})" for name, where in sorted(missing.items())
+    )
+
+
+def test_the_scan_finds_a_private_name_however_it_is_imported(tmp_path):
+    """The completeness test must be able to fail: each way of naming one is found."""
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "import torch\n"
+        "import torch._dynamo.config as dynamo_config\n"
+        "from torch._dynamo.utils import counters\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "def f():\n"
+        "    from torch._inductor import config\n"
+        "    return torch._C._get_thing(), dynamo_config.x, counters, DTensor._op_dispatcher, config.y\n"
+    )
+    assert private_torch_references(source) == {
+        "torch._C",
+        "torch._dynamo.config",
+        "torch._dynamo.config.x",
+        "torch._dynamo.utils.counters",
+        "torch._C._get_thing",
+        "torch.distributed.tensor.DTensor._op_dispatcher",
+        "torch._inductor.config",
+        "torch._inductor.config.y",
+    }
+    assert not _covered("torch._C._get_thing", {"torch._C._other"})
+    assert _covered("torch._C", {"torch._C._other"})
+
+
+# ---- patches: each listed, each undone
+
+
+def _patched_by_the_code() -> set[tuple[str, str]]:
+    from dynamo_vars._install import _families
+
+    found = set()
+    for family in _families():
+        for name in getattr(family, "GUARD_BUILDERS", {}):
+            found.add(("torch._dynamo.guards", f"GuardBuilder.{name}"))
+        for owner, name in getattr(family, "WRAPPED", dict)():
+            module = owner.__name__ if inspect.ismodule(owner) else owner.__module__
+            path = name if inspect.ismodule(owner) else f"{owner.__qualname__}.{name}"
+            found.add((module, path))
+    return found
+
+
+def _patched() -> set[tuple[str, str]]:
+    return {(n.module, n.path) for n in PATCHED if applies(n)}
+
+
+def test_every_patch_of_a_torch_object_is_listed():
+    assert _patched_by_the_code() == _patched()
+
+
+def test_every_patch_is_in_the_contract():
+    listed = {(n.module, n.path) for n in PRIVATE_NAMES if applies(n)}
+    assert _patched() - listed == set()
+
+
+def test_uninstall_restores_every_patched_object():
+    import dynamo_vars
+
+    def current():
+        return {(m, p): _resolve_raw(m, p) for m, p in _patched()}
+
+    with dynamo_vars.enabled(False):
+        before = current()
+        with dynamo_vars.enabled(True):
+            during = current()
+        after = current()
+    assert all(during[k] is not before[k] for k in before), [k for k in before if during[k] is before[k]]
+    assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
+
+
+def _resolve_raw(module: str, path: str):
+    obj = importlib.import_module(module)
+    *owners, last = path.split(".")
+    for part in owners:
+        obj = getattr(obj, part)
+    return vars(obj)[last]

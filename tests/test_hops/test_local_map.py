@@ -17,6 +17,7 @@ import dtcompile
 from dtcompile._testing.regions import BACKENDS, REGION_CASES, reference_step, run_case
 from dtcompile.regions import format_with_regions
 from dtcompile.testing import simulated_world
+from dtcompile.torch_compat import subclass_outer_size_from_inner
 from hops import (
     LocalMapError,
     PlacementCheckError,
@@ -775,6 +776,12 @@ def test_redistribute_inputs_redistributes_in_the_graph(tp_mesh):
     )
 
 
+@pytest.mark.xfail(
+    subclass_outer_size_from_inner(),
+    reason="torch >= 2.14 specializes a Replicate DTensor's dynamic shard mid-trace "
+    "(dtcompile.torch_compat.subclass_outer_size_from_inner); the recompile's graph fails at run time",
+    strict=True,
+)
 def test_same_placements_do_not_recompile_other_placements_do(tp_mesh):
     from dtcompile.testing import assert_no_recompiles
 

@@ -1,0 +1,114 @@
+"""Every difference between the torch releases dtcompile supports, named once.
+
+dtcompile supports torch 2.13, 2.14 and 2.15
+(:data:`dtcompile.torch_contract.TESTED_TORCH`).  Where a private torch name or
+a behaviour dtcompile relies on changed between them, one function or constant
+here answers for the running torch, and its docstring names the change and the
+versions on each side.  The rest of the code calls these; it never compares
+``torch.__version__`` itself.  Feature detection (does the attribute exist?)
+comes first; a version is compared, as a version, only where nothing can be
+detected.  :data:`dtcompile.torch_contract.PRIVATE_NAMES` lists the names on
+each side of a change with the versions that have them, and
+``tests/architecture/test_torch_contract.py`` checks them on the running torch.
+
+Dropping the oldest release deletes its branch here, in the same change.
+
+Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "dot_of_partials_reduce_scatters",
+    "fake_tensor_call_errors",
+    "script_object_variable",
+    "subclass_outer_size_from_inner",
+    "torch_version",
+    "variable_getattr",
+]
+
+
+def torch_version() -> tuple[int, int]:
+    """The running torch's ``(major, minor)``, parsed as a version (``2.15.0+cu132`` -> ``(2, 15)``)."""
+    import torch
+    from torch.torch_version import Version
+
+    parsed = Version(torch.__version__)
+    return (parsed.major, parsed.minor)
+
+
+def script_object_variable() -> type[Any]:
+    """Dynamo's tracker for script and opaque objects (a ``DeviceMesh`` is one).
+
+    - torch 2.13: ``torch._dynamo.variables.script_object.TorchScriptObjectVariable``.
+    - torch 2.14 and 2.15: renamed ``CustomClassObjectVariable`` in the same
+      module, with the same ``call_method(self, tx, name, args, kwargs)``
+      (Dynamo's opaque-object rework, which also renamed ``var_getattr`` to
+      ``tp_getattro_impl`` there).
+    """
+    from torch._dynamo.variables import script_object
+
+    found = getattr(script_object, "CustomClassObjectVariable", None)
+    return found if found is not None else script_object.TorchScriptObjectVariable
+
+
+def fake_tensor_call_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions Dynamo raises, while tracing, for an op that fails on fake tensors.
+
+    - torch 2.13: ``torch._dynamo.exc.TorchRuntimeError``, raised where the op runs.
+    - torch 2.14 and 2.15: the op's ``RuntimeError`` is raised inside the traced
+      program as an observed exception (so that user code can catch it):
+      ``torch._dynamo.exc.FakeTensorObservedException``; only where nothing
+      catches it does it become a ``TorchRuntimeError`` at the frame's top, and
+      the failed node is erased from the graph, its arguments with it.
+    """
+    from torch._dynamo import exc
+
+    observed = getattr(exc, "FakeTensorObservedException", None)
+    return (exc.TorchRuntimeError,) if observed is None else (exc.TorchRuntimeError, observed)
+
+
+def variable_getattr(variable: Any, tx: Any, name: str) -> Any:
+    """``getattr(value, name)`` on a Dynamo ``VariableTracker``, traced.
+
+    - torch 2.13: ``VariableTracker.var_getattr(tx, name)``.
+    - torch 2.14 and 2.15: renamed ``tp_getattro_impl(tx, name)`` (Dynamo's
+      object-protocol rework: attribute access follows CPython's ``tp_getattro``).
+    """
+    method = getattr(variable, "tp_getattro_impl", None) or variable.var_getattr
+    return method(tx, name)
+
+
+def subclass_outer_size_from_inner() -> bool:
+    """Whether AOTAutograd reads a subclass input's outer size from an inner tensor.
+
+    - torch 2.13: no; a DTensor input's outer size is its own (static where the
+      spec's shape is).
+    - torch 2.14 and 2.15: yes, where they are equal when traced
+      (``SubclassCreationMeta.outer_size_from_attr``).  A ``Replicate`` DTensor
+      whose local shard Dynamo made dynamic (automatic dynamic, after a recompile
+      for other placements) then gets its size specialized in the middle of the
+      trace, and a ``local_map`` region's output recorded as dynamic before that
+      no longer matches the compiled graph ("expected between 3 and 4 wrapped
+      outputs"): the README's limits say so, a strict xfail pins it.
+    """
+    from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+
+    return "outer_size_from_attr" in SubclassCreationMeta.__dataclass_fields__
+
+
+def dot_of_partials_reduce_scatters() -> bool:
+    """Whether DTensor computes ``x @ x`` of a ``Partial`` vector by reduce-scattering each operand.
+
+    - torch 2.13: yes: each operand is reduce-scattered to ``Shard(0)`` inside
+      the op (uneven for a vector of 3 over 2 ranks, where the Dynamo graph
+      shows no uneven DTensor), then the shards' dot products are summed.
+    - torch 2.14 and 2.15: no: the operand is all-reduced once (DTensor's
+      ``dot`` strategy was rewritten on single-dim strategies).
+
+    Nothing exposes the strategy's choice before running it, so this compares
+    versions.
+    """
+    return torch_version() < (2, 14)
