@@ -58,6 +58,7 @@ from dtcompile.passes import PassContext, padded_collective, run_passes
 from dtcompile.records import CompiledGraph, EagerFallback
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.sharding_cache import fresh_sharding_caches
+from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dynamo_vars.dtensor_state import loss_parallel_backward
 from hops import keep_regions
 
@@ -236,6 +237,26 @@ def _traced_in_this_phase(node: fx.Node, backward: bool) -> bool:
 def _is_backward_graph(graph: fx.Graph) -> bool:
     """Whether a graph the partitioner made is the backward one: it takes the tangents."""
     return any(n.op == "placeholder" and n.meta.get("partitioner_tag") == "is_backward" for n in graph.nodes)
+
+
+def _schedule_owned_by_dtcompile(config: DTCompileConfig) -> dict[str, Any]:
+    """Inductor settings that leave the collectives' schedule to dtcompile's passes.
+
+    From torch 2.14 Inductor reorders collectives itself (``simple_overlap``, on by
+    default; :func:`dtcompile.torch_compat.inductor_reorders_collectives`).  Where
+    dtcompile's ``overlap`` pass has placed the collectives and waits, or its
+    ``async_tp`` pass may have put collectives inside fused ops, dtcompile owns the
+    schedule and Inductor's pass is switched off for this compile: it would
+    redo the placement without dtcompile's cost model, and it does not see a
+    collective inside a fused op (a ``FallbackKernel``), so it could move
+    another collective across it (pytorch/pytorch#189454).  With both passes
+    disabled, or the setting given explicitly, Inductor's own choice stands.
+    """
+    if not inductor_reorders_collectives() or INDUCTOR_SIMPLE_OVERLAP in config.inductor_config:
+        return {}
+    if {"overlap", "async_tp"} <= config.disable_passes:
+        return {}
+    return {INDUCTOR_SIMPLE_OVERLAP: False}
 
 
 def _inductor_partitioner(info: DynamoGraphInfo) -> Any:
@@ -523,10 +544,13 @@ class DTCompileBackend:
             kind = "inference"
         else:
             kind = "forward"
-        current = inductor_config.get_config_copy()
-        lowering = {name: current[name] for name in config.inductor_config}
-        gm = self._run_passes(gm, example_inputs, kind, info, config, lowering)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        with inductor_config.patch(_schedule_owned_by_dtcompile(config)):
+            current = inductor_config.get_config_copy()
+            lowering = {name: current[name] for name in config.inductor_config}
+            if inductor_reorders_collectives():
+                lowering[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
+            gm = self._run_passes(gm, example_inputs, kind, info, config, lowering)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _aot_without_inductor(
         self,

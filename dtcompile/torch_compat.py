@@ -21,8 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "INDUCTOR_SIMPLE_OVERLAP",
+    "compiled_blocks_recompile_for_async_outputs",
+    "cpu_softmax_matches_its_decomposition",
     "dot_of_partials_reduce_scatters",
     "fake_tensor_call_errors",
+    "inductor_reorders_collectives",
     "script_object_variable",
     "subclass_outer_size_from_inner",
     "torch_version",
@@ -110,5 +114,56 @@ def dot_of_partials_reduce_scatters() -> bool:
 
     Nothing exposes the strategy's choice before running it, so this compares
     versions.
+    """
+    return torch_version() < (2, 14)
+
+
+INDUCTOR_SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
+"""Inductor's own comm/compute reordering in its scheduler, by its setting's dotted name."""
+
+
+def inductor_reorders_collectives() -> bool:
+    """Whether this Inductor has the ``simple_overlap`` scheduler pass (:data:`INDUCTOR_SIMPLE_OVERLAP`).
+
+    - torch 2.13: no.
+    - torch 2.14 and 2.15: yes, on by default (pytorch/pytorch#184235, #184240):
+      it moves each collective earlier and each wait later by adjacent swaps that
+      never raise peak memory, and never past another ``_CollectiveKernel``.  A
+      collective inside a custom op (a ``FallbackKernel``, such as
+      ``dtcompile::fused_all_gather_matmul``) is invisible to that rule
+      (pytorch/pytorch#189454, open), so the pass can move a collective across it.
+    """
+    from torch._inductor import config
+
+    return INDUCTOR_SIMPLE_OVERLAP in config.get_config_copy()
+
+
+def compiled_blocks_recompile_for_async_outputs() -> bool:
+    """Whether a compiled tensor-parallel block recompiles for the next block's input.
+
+    - torch 2.13: yes, once: the first compiled block's output reaches the second
+      block with its local shard an ``AsyncCollectiveTensor`` where the first block
+      was traced on a plain tensor, and Dynamo's type guard on ``x._local_tensor``
+      fails (seen on torchtitan's Llama3 under ``parallelize_llama``: 3 frames per
+      rank, the loss and the block twice).
+    - torch 2.14 and 2.15: no: one graph serves every block (2 frames per rank).
+
+    Observed on the releases, not detectable beforehand: this compares versions.
+    """
+    return torch_version() < (2, 14)
+
+
+def cpu_softmax_matches_its_decomposition() -> bool:
+    """Whether eager's CPU softmax and log_softmax agree with their decompositions to float32 rounding.
+
+    - torch 2.13: yes, to ~1e-8 on the values that reach a model's gradients.
+    - torch 2.14 and 2.15: no longer in the last bits: the CPU kernels sum in
+      another order than ``torch._decomp``'s ``_softmax`` / ``_log_softmax`` (which
+      did not change).  A compiled graph runs the decompositions (Inductor's table),
+      so compiled and eager results drift apart by float32 rounding, which a
+      bfloat16 computation downstream (an MoE's experts) can amplify to bfloat16
+      units; the tests that compare such models say so in their tolerances.
+
+    Measured, not detectable beforehand: this compares versions.
     """
     return torch_version() < (2, 14)

@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 from dtcompile.testing.asserts import per_rank, run_step
 from dtcompile.testing.worlds import fake_world, simulated_world
 
-__all__ = ["IDIOMS", "MESHES", "Idiom", "IdiomResult", "check_idiom", "mesh_world"]
+__all__ = ["IDIOMS", "MESHES", "Idiom", "IdiomResult", "check_idiom", "corpus_failures", "mesh_world"]
 
 # Mesh kinds: name -> (world size, shape, dim names).
 MESHES: dict[str, tuple[int, tuple[int, ...], tuple[str, ...]]] = {
@@ -764,3 +764,26 @@ def check_idiom(item: Idiom, backend: Any) -> IdiomResult:
     finally:
         torch._dynamo.reset()
     return result
+
+
+def corpus_failures(backend: Any, *, stock: bool = False) -> dict[str, str]:
+    """Every idiom checked with ``backend``: the failed ones' names and errors.
+
+    ``stock=True`` runs torch as users run it without dtcompile: dynamo_vars
+    uninstalled, and DTensor's sharding caches left as they are between programs
+    (dtcompile's worlds and backend empty them, so a fake mesh cached by one
+    program would otherwise never reach the next).  Run it in a fresh process:
+    which stock runs see a fake mesh depends on what ran before.
+    """
+    import dtcompile.sharding_cache
+    import dynamo_vars
+
+    clear = dtcompile.sharding_cache.clear_sharding_caches
+    if stock:
+        dtcompile.sharding_cache.clear_sharding_caches = lambda: None
+    try:
+        with dynamo_vars.enabled(not stock):
+            results = [check_idiom(item, backend) for item in IDIOMS]
+    finally:
+        dtcompile.sharding_cache.clear_sharding_caches = clear
+    return {r.name: r.error for r in results if not r.ok}

@@ -141,6 +141,22 @@ def test_a_function_torch_already_handles_is_a_loud_clash():
     assert last == "clash: True False"
 
 
+def test_on_the_running_torch_a_backend_installs_dynamo_vars_without_a_warning():
+    """On every supported release (CI runs this on each), making a backend installs
+    dynamo_vars and warns about nothing: no fence, no deprecation of a torch name we use."""
+    last = run_python(
+        """
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch, dtcompile, dynamo_vars
+            dtcompile.backend(inductor=False)
+        print(dynamo_vars.is_installed(), [str(w.message)[:200] for w in caught])
+        """
+    )
+    assert last == "True []"
+
+
 def test_outside_the_tested_torch_range_dynamo_stays_stock():
     last = run_python(
         """

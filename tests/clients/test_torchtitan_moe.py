@@ -67,6 +67,7 @@ from _titan import (
 import dtcompile
 from dtcompile.artifacts import collective_table
 from dtcompile.testing import run_threaded
+from dtcompile.torch_compat import cpu_softmax_matches_its_decomposition
 
 pytestmark = [
     pytest.mark.models,
@@ -104,7 +105,18 @@ WORLD_SIZES = (2, 4)
 # and move an expert gradient element by one bfloat16 unit (measured: one element
 # of 8192 in step 3, 1.9e-6 on 5e-4), which ``EXPERT_TOL`` allows and no more.
 TOL = dict(rtol=1e-5, atol=1e-6)
-EXPERT_TOL = dict(rtol=2**-7, atol=1e-6)  # one bfloat16 unit in the last place: 2**-7 of 1.0
+# On torch 2.14 and 2.15 (dtcompile.torch_compat.cpu_softmax_matches_its_decomposition):
+# eager's CPU softmax and log_softmax kernels sum in another order than their
+# decompositions, which the compiled graph runs (Inductor's table), and than the
+# 4-rank world's own split of the batch: the router's probabilities and the loss
+# move by float32 rounding, which the bfloat16 experts amplify (measured: up to
+# 3.8e-6 in step 2's gradients, the experts' and the embedding's; with those two
+# decompositions left out, compiled equals eager within TOL again).  Still orders of
+# magnitude under what a wrong collective does.
+if not cpu_softmax_matches_its_decomposition():
+    TOL = dict(rtol=1e-4, atol=1e-5)
+# One bfloat16 unit in the last place: 2**-7 of 1.0.
+EXPERT_TOL = dict(rtol=2**-7, atol=TOL["atol"])
 
 
 def _grad_tol(name: str) -> dict[str, float] | None:
