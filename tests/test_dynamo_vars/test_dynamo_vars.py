@@ -46,10 +46,16 @@ STOCK_FAILURES = {
     "factory_full": "Failed to convert args/kwargs to proxy",
     "factory_empty": "Failed to convert args/kwargs to proxy",
     "factory_default_placements": "Failed to convert args/kwargs to proxy",
-    # torch 2.13: "... Unsupported method call"; 2.14, 2.15: "... call to a callable object with no traceable __call__"
-    "local_shape_and_offset_strided": "UnsafeScriptObjectError: ",
+    "local_shape_and_offset_strided": (
+        "UnsafeScriptObjectError: Unsupported method call",  # torch 2.13
+        "type object 'UserDefinedObjectVariable' has no attribute",  # 2.14
+        "UnsafeScriptObjectError: call to a callable object with no traceable __call__",  # 2.15
+    ),
     "implicit_replication_context": "Attempted to call function marked as skipped",
-    "loss_parallel_inside": "TorchRuntimeError: RuntimeError when making fake tensor call",
+    "loss_parallel_inside": (
+        "TorchRuntimeError: RuntimeError when making fake tensor call",  # torch 2.13
+        "Unsupported: Observed exception",  # 2.14, 2.15: the op's error is raised inside the program
+    ),
 }
 
 
@@ -90,7 +96,8 @@ def test_stock_torch_fails_exactly_the_pinned_idioms():
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(failures) == set(STOCK_FAILURES), failures
     for name, expected in STOCK_FAILURES.items():
-        assert expected in failures[name], (name, failures[name])
+        texts = (expected,) if isinstance(expected, str) else expected
+        assert any(text in failures[name] for text in texts), (name, failures[name])
     assert len(IDIOMS) - len(failures) == 64
 
 
