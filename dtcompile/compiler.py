@@ -17,8 +17,9 @@ The pipeline for one Dynamo graph:
 
 1. AOTAutograd traces the joint forward/backward graph with Inductor's
    decomposition table, DTensor desugars to local ops plus functional
-   collectives, and the min-cut partitioner splits it into a forward and a
-   backward graph (exactly the graphs Inductor would get).
+   collectives, and :class:`dtcompile.partition.Partitioner` (the min-cut
+   partitioner, or one that keeps collectives under uneven shards) splits it
+   into a forward and a backward graph (exactly the graphs Inductor would get).
    ``local_map`` regions stay one ``local_map_region`` node each, forward and
    backward (:func:`hops.keep_regions` is on while AOTAutograd traces).
 2. :func:`dtcompile.passes.run_passes` runs the ordered pass list on each.
@@ -54,7 +55,8 @@ from dtcompile.collectives import graph_collectives, is_collective, mesh_axes
 from dtcompile.config import DTCompileConfig, inductor_settings
 from dtcompile.cost_model import get_profile
 from dtcompile.lowering import inline_regions
-from dtcompile.passes import PassContext, padded_collective, run_passes
+from dtcompile.partition import Partitioner
+from dtcompile.passes import PassContext, run_passes
 from dtcompile.records import CompiledGraph, EagerFallback
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.sharding_cache import fresh_sharding_caches
@@ -119,128 +121,18 @@ def config_for(
     return config.replace(**own, inductor_config=merged), ignored
 
 
-def _partitioner(info: DynamoGraphInfo) -> Callable[..., Any]:
-    """Inductor's min-cut partitioner, or, where ranks' graphs can differ (uneven
-    shards: ``info.uneven``, or the joint graph's own padded collectives), the
-    default one that keeps dead collectives (:func:`_default_partition_keeping_collectives`):
-    min-cut decides what to recompute from each rank's own graph, and a rank that
-    recomputes a collective the others saved waits for them forever (found by the fuzzer)."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
-        _trace.done = True
-        if info.uneven or padded_collective(gm) is not None:
-            kwargs.pop("compiler", None)
-            return _default_partition_keeping_collectives(gm, joint_inputs, **kwargs)
-        kwargs.setdefault("compiler", "inductor")
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-
-    return partition
+def _partitioner(info: DynamoGraphInfo) -> Partitioner:
+    """This graph's partitioner; partitioning starts once AOTAutograd's trace has finished."""
+    return Partitioner(bool(info.uneven), on_start=_trace_finished)
 
 
-_keeping = threading.local()
-_keeping_lock = threading.Lock()
-
-
-def _default_partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
-    """The default partitioner, except that every collective the joint trace issued
-    stays in the graph of the phase that issued it, used or not.
-
-    The partitioner ends with a dead-code pass over each graph that removes unused
-    collectives (``partitioners.is_not_collective``), which assumes every rank
-    has the same graph.  Under uneven shards they need not: a rank whose share of
-    a gathered result is empty computes that share as a constant, its all-gather
-    is dead there and was removed, and the ranks holding rows waited in theirs
-    forever (found by the fuzzer).  Here a collective traced in the forward
-    (``partitioner_tag == "is_forward"``) stays in the forward graph, one traced
-    in the backward stays in the backward graph; the copies the partitioner makes
-    of a collective in the other graph go, as before.  A forward collective is
-    never recomputed in the backward either (``partitioners._must_be_in_forward``):
-    on a rank with an empty share the partitioner recomputed one there instead of
-    saving its result, and the other ranks' backwards issue no such collective.
-    """
-    from torch._functorch import partitioners
-
-    _wrap_once(partitioners, "is_not_collective", _keep_collectives_in_their_phase)
-    _wrap_once(partitioners, "_must_be_in_forward", _forward_collectives_stay_forward)
-    _keeping.joint = gm.graph
-    try:
-        graphs = partitioners.default_partition(gm, joint_inputs, **kwargs)
-    finally:
-        _keeping.joint = None
-    for module in graphs:
-        _drop_dead_copies(module)
-    return graphs
-
-
-def _drop_dead_copies(module: fx.GraphModule) -> None:
-    """Removes what is dead in a partitioned graph but what its phase traced: the
-    partitioner's own dead-code pass keeps every node but a collective, so a dead copy
-    of a backward collective (and the ops that feed and read it) stayed in the forward
-    on a rank whose share of it is empty, and that rank issued one collective more
-    than the others (a hang, found by the fuzzer's run of 5000)."""
-    backward = _is_backward_graph(module.graph)
-
-    def keep(node: fx.Node) -> bool:
-        if node.op in ("placeholder", "output", "get_attr"):
-            return True
-        if _collective_or_wait(node):
-            return _traced_in_this_phase(node, backward)
-        return node.is_impure()
-
-    if module.graph.eliminate_dead_code(is_impure_node=keep):
-        module.recompile()
-
-
-def _wrap_once(module: Any, name: str, make: Callable[[Any], Any]) -> None:
-    """Replaces ``module.name`` by ``make(original)``, once per process.  The wrappers
-    change nothing outside :func:`_default_partition_keeping_collectives`
-    (``_keeping.joint`` is set only there, per thread)."""
-    with _keeping_lock:
-        if not getattr(getattr(module, name), "_dtcompile", False):
-            wrapper = make(getattr(module, name))
-            wrapper._dtcompile = True
-            setattr(module, name, wrapper)
-
-
-def _keep_collectives_in_their_phase(original: Callable[[fx.Node], bool]) -> Callable[[fx.Node], bool]:
-    def is_not_collective(node: fx.Node) -> bool:
-        joint = getattr(_keeping, "joint", None)
-        if joint is None:
-            return original(node)
-        if original(node) or node.graph is joint:
-            return True
-        return _traced_in_this_phase(node, _is_backward_graph(node.graph))
-
-    return is_not_collective
-
-
-def _forward_collectives_stay_forward(original: Callable[[fx.Node], bool]) -> Callable[[fx.Node], bool]:
-    def _must_be_in_forward(node: fx.Node) -> bool:
-        if getattr(_keeping, "joint", None) is not None and _collective_or_wait(node):
-            if _traced_in_this_phase(node, backward=False):
-                return True
-        return original(node)
-
-    return _must_be_in_forward
-
-
-def _collective_or_wait(node: fx.Node) -> bool:
-    return is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default
-
-
-def _traced_in_this_phase(node: fx.Node, backward: bool) -> bool:
-    """Whether the joint trace issued ``node`` in the phase of a graph that is ``backward`` or not."""
-    return (node.meta.get("partitioner_tag") == "is_forward") != backward
-
-
-def _is_backward_graph(graph: fx.Graph) -> bool:
-    """Whether a graph the partitioner made is the backward one: it takes the tangents."""
-    return any(n.op == "placeholder" and n.meta.get("partitioner_tag") == "is_backward" for n in graph.nodes)
+def _trace_finished() -> None:
+    _trace.done = True
 
 
 def _schedule_owned_by_dtcompile(config: DTCompileConfig) -> dict[str, Any]:
-    """Inductor settings that leave the collectives' schedule to dtcompile's passes.
+    """Inductor settings that leave the collectives' schedule to dtcompile's passes
+    (for a graph that communicates).
 
     From torch 2.14 Inductor reorders collectives itself (``simple_overlap``, on by
     default; :func:`dtcompile.torch_compat.inductor_reorders_collectives`).  Where
@@ -257,20 +149,6 @@ def _schedule_owned_by_dtcompile(config: DTCompileConfig) -> dict[str, Any]:
     if {"overlap", "async_tp"} <= config.disable_passes:
         return {}
     return {INDUCTOR_SIMPLE_OVERLAP: False}
-
-
-def _inductor_partitioner(info: DynamoGraphInfo) -> Any:
-    """:func:`_partitioner` as Inductor's ``custom_partitioner_fn``."""
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    class Partition(CustomPartitionerFn):
-        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
-            return _partitioner(info)(gm, joint_inputs, **kwargs)
-
-        def uuid(self) -> str:
-            return f"dtcompile.partition(uneven={bool(info.uneven)})"
-
-    return Partition()
 
 
 # Per rank thread: whether the running backend call got past AOTAutograd's trace
@@ -499,7 +377,7 @@ class DTCompileBackend:
                     from torch._inductor.compile_fx import compile_fx
 
                     patches = dict(config.inductor_config)
-                    patches["custom_partitioner_fn"] = _inductor_partitioner(info)
+                    patches["custom_partitioner_fn"] = _partitioner(info)
                     compiled = compile_fx(
                         gm,
                         example_inputs,
@@ -544,10 +422,11 @@ class DTCompileBackend:
             kind = "inference"
         else:
             kind = "forward"
-        with inductor_config.patch(_schedule_owned_by_dtcompile(config)):
+        communicates = any(is_collective(node) for node in gm.graph.nodes)
+        with inductor_config.patch(_schedule_owned_by_dtcompile(config) if communicates else {}):
             current = inductor_config.get_config_copy()
             lowering = {name: current[name] for name in config.inductor_config}
-            if inductor_reorders_collectives():
+            if communicates and inductor_reorders_collectives():
                 lowering[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
             gm = self._run_passes(gm, example_inputs, kind, info, config, lowering)
             return compile_fx_inner(gm, example_inputs, **kwargs)

@@ -17,7 +17,10 @@ Their contract is not public, so it is fenced:
   readable test instead of silently (a guard that no longer explains itself,
   a region whose backward is paired wrongly);
 - :data:`PATCHED` lists every torch object that dynamo_vars replaces while
-  installed; ``dynamo_vars.uninstall()`` restores each.
+  installed; ``dynamo_vars.uninstall()`` restores each.  Nothing else is
+  replaced for longer than one call: :mod:`dtcompile.partition` replaces
+  ``partitioners.is_not_collective`` and ``_must_be_in_forward`` only while a
+  partition that keeps collectives runs.
 
 Upgrading torch: run that test on the new release first; each line it fails
 on is a name to add to :mod:`dtcompile.torch_compat` (one function per
@@ -234,6 +237,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._dynamo.backends.common", "aot_autograd", ()),
     ("torch._functorch.config", "patch", None),
     ("torch._inductor.config", "get_config_copy", ()),
+    ("torch._inductor.config", "patch", None),
     ("torch._inductor", "list_mode_options", ("mode", "dynamic")),
     # dtcompile.report, dtcompile.testing: compile counts, recompile reasons, worlds of ranks
     ("torch._dynamo", "reset", ()),

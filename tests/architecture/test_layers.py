@@ -9,7 +9,7 @@ a module may import modules of its own layer or below, never above:
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
    ``annotations``, ``ops``
 4. ``dtcompile.records``
-5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``
+5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``
 6. the backend -- ``dtcompile.compiler``
 7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver)
 8. the package face -- ``dtcompile`` (``__init__``)
@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.ops",
     ),
     ("dtcompile.records",),
-    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts"),
+    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition"),
     ("dtcompile.compiler",),
     ("dtcompile.report", "dtcompile.auto_parallel"),
     ("dtcompile",),

@@ -1,0 +1,199 @@
+"""How dtcompile splits a joint forward/backward graph into its forward and backward.
+
+:class:`Partitioner` is the partitioner the backend gives AOTAutograd (and
+Inductor, as its ``custom_partitioner_fn``): Inductor's min-cut partitioner, or,
+where ranks' graphs can differ (uneven shards, or the joint graph's own padded
+collectives), the default partitioner with every collective kept in the phase
+that traced it (:func:`partition_keeping_collectives`): min-cut decides what to
+recompute from each rank's own graph, and a rank that recomputes a collective
+the others saved waits for them forever (found by the fuzzer).
+
+A :class:`Partitioner` is a module-level object whose pickled state is its one
+setting, so Inductor's FX graph cache and AOTAutograd's cache can key on it
+(:meth:`Partitioner.uuid` adds this module's source).
+
+Keeping collectives needs two functions of ``torch._functorch.partitioners``
+changed for the call; they are replaced only while a partition that keeps
+collectives runs (:func:`_rules_for_keeping`), and act only in the thread
+that runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from dtcompile.collectives import is_collective
+from dtcompile.passes import padded_collective
+
+__all__ = ["Partitioner", "partition_keeping_collectives"]
+
+
+@functools.cache
+def _source_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+class Partitioner(CustomPartitionerFn):
+    """The partitioner for one Dynamo graph.
+
+    ``uneven``: the Dynamo graph holds unevenly sharded DTensors, so ranks' graphs
+    can differ and collectives are kept.  ``on_start`` (not part of the cache key,
+    not pickled) is called when partitioning starts: AOTAutograd's trace has
+    finished by then.
+    """
+
+    def __init__(self, uneven: bool, on_start: Callable[[], None] | None = None) -> None:
+        self.uneven = uneven
+        self.on_start = on_start
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        if self.on_start is not None:
+            self.on_start()
+        if self.uneven or padded_collective(gm) is not None:
+            kwargs.pop("compiler", None)
+            return partition_keeping_collectives(gm, joint_inputs, **kwargs)
+        kwargs.setdefault("compiler", "inductor")
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> str:
+        return f"dtcompile.partition(uneven={self.uneven}, source={_source_digest()})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What a cache key sees: the setting, never this compile's callback.
+        return {"uneven": self.uneven}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.uneven = state["uneven"]
+        self.on_start = None
+
+
+_keeping = threading.local()
+_rules_lock = threading.Lock()
+_rules_users = 0
+_rules_originals: dict[str, Callable[..., Any]] = {}
+
+
+def partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+    """The default partitioner, except that every collective the joint trace issued
+    stays in the graph of the phase that issued it, used or not.
+
+    The partitioner ends with a dead-code pass over each graph that removes unused
+    collectives (``partitioners.is_not_collective``), which assumes every rank
+    has the same graph.  Under uneven shards they need not: a rank whose share of
+    a gathered result is empty computes that share as a constant, its all-gather
+    is dead there and was removed, and the ranks holding rows waited in theirs
+    forever (found by the fuzzer).  Here a collective traced in the forward
+    (``partitioner_tag == "is_forward"``) stays in the forward graph, one traced
+    in the backward stays in the backward graph; the copies the partitioner makes
+    of a collective in the other graph go, as before.  A forward collective is
+    never recomputed in the backward either (``partitioners._must_be_in_forward``):
+    on a rank with an empty share the partitioner recomputed one there instead of
+    saving its result, and the other ranks' backwards issue no such collective.
+    """
+    from torch._functorch import partitioners
+
+    with _rules_for_keeping():
+        _keeping.joint = gm.graph
+        try:
+            graphs = partitioners.default_partition(gm, joint_inputs, **kwargs)
+        finally:
+            _keeping.joint = None
+    for module in graphs:
+        _drop_dead_copies(module)
+    return graphs
+
+
+@contextlib.contextmanager
+def _rules_for_keeping() -> Iterator[None]:
+    """``partitioners.is_not_collective`` and ``_must_be_in_forward`` replaced while
+    any thread partitions keeping collectives, the originals back when the last one
+    ends.  The replacements act only where ``_keeping.joint`` is set, which is per
+    thread: another thread's partition in the meantime gets the original rules."""
+    global _rules_users
+    from torch._functorch import partitioners
+
+    with _rules_lock:
+        if _rules_users == 0:
+            for name, make in (
+                ("is_not_collective", _keep_collectives_in_their_phase),
+                ("_must_be_in_forward", _forward_collectives_stay_forward),
+            ):
+                _rules_originals[name] = getattr(partitioners, name)
+                setattr(partitioners, name, make(_rules_originals[name]))
+        _rules_users += 1
+    try:
+        yield
+    finally:
+        with _rules_lock:
+            _rules_users -= 1
+            if _rules_users == 0:
+                for name, original in _rules_originals.items():
+                    setattr(partitioners, name, original)
+                _rules_originals.clear()
+
+
+def _drop_dead_copies(module: fx.GraphModule) -> None:
+    """Removes what is dead in a partitioned graph but what its phase traced: the
+    partitioner's own dead-code pass keeps every node but a collective, so a dead copy
+    of a backward collective (and the ops that feed and read it) stayed in the forward
+    on a rank whose share of it is empty, and that rank issued one collective more
+    than the others (a hang, found by the fuzzer's run of 5000)."""
+    backward = _is_backward_graph(module.graph)
+
+    def keep(node: fx.Node) -> bool:
+        if node.op in ("placeholder", "output", "get_attr"):
+            return True
+        if _collective_or_wait(node):
+            return _traced_in_this_phase(node, backward)
+        return node.is_impure()
+
+    if module.graph.eliminate_dead_code(is_impure_node=keep):
+        module.recompile()
+
+
+def _keep_collectives_in_their_phase(original: Callable[[fx.Node], bool]) -> Callable[[fx.Node], bool]:
+    def is_not_collective(node: fx.Node) -> bool:
+        joint = getattr(_keeping, "joint", None)
+        if joint is None:
+            return original(node)
+        if original(node) or node.graph is joint:
+            return True
+        return _traced_in_this_phase(node, _is_backward_graph(node.graph))
+
+    return is_not_collective
+
+
+def _forward_collectives_stay_forward(original: Callable[[fx.Node], bool]) -> Callable[[fx.Node], bool]:
+    def _must_be_in_forward(node: fx.Node) -> bool:
+        if getattr(_keeping, "joint", None) is not None and _collective_or_wait(node):
+            if _traced_in_this_phase(node, backward=False):
+                return True
+        return original(node)
+
+    return _must_be_in_forward
+
+
+def _collective_or_wait(node: fx.Node) -> bool:
+    return is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default
+
+
+def _traced_in_this_phase(node: fx.Node, backward: bool) -> bool:
+    """Whether the joint trace issued ``node`` in the phase of a graph that is ``backward`` or not."""
+    return (node.meta.get("partitioner_tag") == "is_forward") != backward
+
+
+def _is_backward_graph(graph: fx.Graph) -> bool:
+    """Whether a graph the partitioner made is the backward one: it takes the tangents."""
+    return any(n.op == "placeholder" and n.meta.get("partitioner_tag") == "is_backward" for n in graph.nodes)

@@ -1,0 +1,59 @@
+"""The partitioner: a module-level object torch's compile caches can key on, and no lasting patch of torch."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import dtcompile
+from dtcompile.partition import Partitioner
+from dtcompile.testing import fake_world
+
+
+def test_a_partitioner_pickles_as_its_setting_alone():
+    """Inductor pickles its config, the partitioner with it, into the FX graph cache key:
+    the key must not see this compile's callback (a closure: unpicklable, and new each time)."""
+    called = []
+    first, second = Partitioner(True, on_start=lambda: called.append(1)), Partitioner(True, on_start=print)
+    assert pickle.dumps(first) == pickle.dumps(second)
+    assert pickle.dumps(first) != pickle.dumps(Partitioner(False))
+    restored = pickle.loads(pickle.dumps(first))
+    assert (restored.uneven, restored.on_start) == (True, None)
+    assert first.uuid() == second.uuid() != Partitioner(False).uuid()
+
+
+def test_keeping_collectives_leaves_torchs_partitioner_module_as_it_was():
+    """The rules that keep collectives in their phase replace two functions of
+    torch._functorch.partitioners only while such a partition runs."""
+    from torch._functorch import partitioners
+
+    before = (partitioners.is_not_collective, partitioners._must_be_in_forward)
+    backend = dtcompile.backend(inductor=False)
+    with fake_world(2) as mesh:
+        # 3 rows over 2 ranks: uneven, so the partition keeps collectives.
+        x = distribute_tensor(torch.randn(3, 4), mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+        out = torch.compile(lambda t: t.full_tensor().sin().sum(), backend=backend, fullgraph=True)(x)
+        out.backward()
+    (record,) = [r for r in backend.records if r.kind == "forward"]
+    assert record.info.uneven
+    assert (partitioners.is_not_collective, partitioners._must_be_in_forward) == before
+
+
+@pytest.mark.subprocess
+@pytest.mark.inductor
+def test_the_demo_prints_no_cache_tracebacks():
+    """Inductor's FX graph cache pickles the partitioner; a local class made it print
+    'Failed to pickle cache key' with a traceback per graph and rank, and bypass the cache."""
+    out = subprocess.run(
+        [sys.executable, "-m", "dtcompile.demo"], capture_output=True, text=True, timeout=600, check=False
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "OK: compiled matches eager and the reference" in text
+    assert "Failed to pickle" not in text
+    assert "Traceback" not in text
