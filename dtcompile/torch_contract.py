@@ -131,6 +131,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
      ("self", "tx", "name", "args", "kwargs"), _UNTIL_2_14),
     ("torch._dynamo.variables.script_object", "CustomClassObjectVariable.call_method",
      ("self", "tx", "name", "args", "kwargs"), _FROM_2_14),
+    # dtcompile.torch_compat.variable_getattr: renamed in torch 2.14
+    ("torch._dynamo.variables.base", "VariableTracker.var_getattr", ("self", "tx", "name"), _UNTIL_2_14),
+    ("torch._dynamo.variables.base", "VariableTracker.tp_getattro_impl", ("self", "tx", "name"), _FROM_2_14),
+    # dtcompile.torch_compat.fake_tensor_call_errors: new in torch 2.14
+    ("torch._dynamo.exc", "FakeTensorObservedException", None, _FROM_2_14),
     ("torch._subclasses.fake_tensor", "unset_fake_temporarily", ()),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
     ("torch._dynamo.backends.registry", "_COMPILER_FNS", None),

@@ -61,10 +61,18 @@ def test_the_contract_says_which_names_differ_between_releases():
         if name.versions is not None:
             differing.setdefault(name.versions, []).append(f"{name.module}.{name.path}")
     assert differing == {
-        ((2, 13), (2, 14)): ["torch._dynamo.variables.script_object.TorchScriptObjectVariable.call_method"],
-        ((2, 14), (2, 16)): ["torch._dynamo.variables.script_object.CustomClassObjectVariable.call_method"],
+        ((2, 13), (2, 14)): [
+            "torch._dynamo.variables.script_object.TorchScriptObjectVariable.call_method",
+            "torch._dynamo.variables.base.VariableTracker.var_getattr",
+        ],
+        ((2, 14), (2, 16)): [
+            "torch._dynamo.variables.script_object.CustomClassObjectVariable.call_method",
+            "torch._dynamo.variables.base.VariableTracker.tp_getattro_impl",
+            "torch._dynamo.exc.FakeTensorObservedException",
+        ],
     }, differing
-    assert sum(applies(n) for n in PRIVATE_NAMES) == len(PRIVATE_NAMES) - 1, torch_version()
+    missing_here = [n for n in PRIVATE_NAMES if not applies(n)]
+    assert len(missing_here) == (3 if torch_version() < (2, 14) else 2), (torch_version(), missing_here)
 
 
 def test_the_running_torch_is_the_tested_one():
