@@ -23,7 +23,6 @@ from typing import Any
 __all__ = [
     "INDUCTOR_SIMPLE_OVERLAP",
     "compiled_blocks_recompile_for_async_outputs",
-    "cpu_softmax_matches_its_decomposition",
     "dot_of_partials_reduce_scatters",
     "fake_tensor_call_errors",
     "inductor_reorders_collectives",
@@ -149,21 +148,5 @@ def compiled_blocks_recompile_for_async_outputs() -> bool:
     - torch 2.14 and 2.15: no: one graph serves every block (2 frames per rank).
 
     Observed on the releases, not detectable beforehand: this compares versions.
-    """
-    return torch_version() < (2, 14)
-
-
-def cpu_softmax_matches_its_decomposition() -> bool:
-    """Whether eager's CPU softmax and log_softmax agree with their decompositions to float32 rounding.
-
-    - torch 2.13: yes, to ~1e-8 on the values that reach a model's gradients.
-    - torch 2.14 and 2.15: no longer in the last bits: the CPU kernels sum in
-      another order than ``torch._decomp``'s ``_softmax`` / ``_log_softmax`` (which
-      did not change).  A compiled graph runs the decompositions (Inductor's table),
-      so compiled and eager results drift apart by float32 rounding, which a
-      bfloat16 computation downstream (an MoE's experts) can amplify to bfloat16
-      units; the tests that compare such models say so in their tolerances.
-
-    Measured, not detectable beforehand: this compares versions.
     """
     return torch_version() < (2, 14)
