@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from dtcompile.records import CompiledGraph, EagerFallback
+from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
-__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_fallback_artifact", "format_compiled_graph", "pass_lines", "region_lines"]
+__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "format_compiled_graph", "pass_lines", "region_lines"]
 
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
@@ -99,6 +99,11 @@ def emit_artifacts(record: CompiledGraph) -> None:
 def emit_fallback_artifact(fallback: EagerFallback) -> None:
     """Log a graph run eagerly (``dtcompile_eager_fallback``: why, and the Dynamo graph)."""
     _artifact("dtcompile_eager_fallback", "string", lambda: f"{fallback}\n\n{fallback.graph.print_readable(print_output=False)}")
+
+
+def emit_cached_artifact(cached: CachedCompile) -> None:
+    """Log a graph AOTAutograd's cache served (``dtcompile_cached_compile``: that, and the Dynamo graph)."""
+    _artifact("dtcompile_cached_compile", "string", lambda: f"{cached}\n\n{cached.graph.print_readable(print_output=False)}")
 
 
 def collective_table(records: list[CompiledGraph]) -> list[str]:

@@ -37,12 +37,11 @@ or after the trace, raises.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
-import operator
-import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,14 +49,16 @@ from torch import fx
 
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
-from dtcompile.artifacts import emit_artifacts, emit_fallback_artifact, format_compiled_graph
+from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallback_artifact, format_compiled_graph
+from dtcompile.cache_keys import compile_key, stable_mesh_keys
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes
-from dtcompile.config import DTCompileConfig, inductor_settings
+from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.cost_model import get_profile
+from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
 from dtcompile.lowering import inline_regions
 from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
-from dtcompile.records import CompiledGraph, EagerFallback
+from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.sharding_cache import fresh_sharding_caches
 from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
@@ -71,63 +72,33 @@ log = logging.getLogger(__name__)
 # How many compiled graphs a backend keeps for inspection; older ones are dropped.
 _MAX_RECORDS = 256
 
-# torch.compile's modes, as Inductor spells them out (torch._inductor.list_mode_options).
-_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+@contextlib.contextmanager
+def _compile_caches(config: DTCompileConfig) -> Iterator[None]:
+    """torch's compile caches as the user set them, except AOTAutograd's where this compile
+    must run here (``aot_cache=False``, or ``report`` / ``trace_pass_graphs``, which show
+    the graphs as they compile): a hit there would trace nothing.  Both caches key on
+    :func:`~dtcompile.cache_keys.compile_key` through the partitioner, so a hit is a
+    graph compiled with these options."""
+    from torch._functorch import config as functorch_config
+
+    if not config.aot_cache or config.report or config.trace_pass_graphs:
+        with functorch_config.patch(enable_autograd_cache=False):
+            yield
+    else:
+        yield
 
 
-def config_for(
-    config: DTCompileConfig,
-    mode: str | None,
-    options: Mapping[str, Any] | None,
-    devices: frozenset[str] = frozenset(),
-) -> tuple[DTCompileConfig, list[str]]:
-    """``config`` with torch.compile's ``mode`` and ``options`` applied; also what was ignored.
+class _Progress:
+    """How far one backend call got: past AOTAutograd's trace (into the partitioner or
+    dtcompile's passes) or not.  A failure after the trace is never run eagerly
+    instead; a call that returns without ever getting there was served from
+    AOTAutograd's cache."""
 
-    ``options`` keys that are config fields replace them; the others are Inductor
-    settings, added to ``inductor_config``; an unknown key is a ``ValueError``
-    listing both kinds.  ``mode`` adds Inductor's settings for that mode (under
-    the ones given explicitly).  ``devices`` are the device types of the graph's
-    inputs: CUDA graphs are dropped on a graph with no CUDA input, and every
-    Inductor setting when ``inductor`` is False; each such drop is one line of
-    the returned list.
-    """
-    from torch._inductor import list_mode_options
+    def __init__(self) -> None:
+        self.traced = False
 
-    options = dict(options or {})
-    fields = set(DTCompileConfig.field_names())
-    settings = {k: v for k, v in options.items() if k not in fields}
-    unknown = sorted(set(settings) - inductor_settings())
-    if unknown:
-        raise ValueError(
-            f"dtcompile: torch.compile options {unknown} are neither dtcompile options nor Inductor "
-            f"settings; dtcompile's options are {sorted(fields)}, the others must be names from "
-            "torch._inductor.config"
-        )
-    if mode is not None and mode not in _MODES:
-        raise ValueError(f"dtcompile: unknown torch.compile mode {mode!r}; the modes are {list(_MODES)}")
-    merged = {**list_mode_options(mode or "default"), **config.inductor_config, **settings}
-    ignored = []
-    if merged.get("triton.cudagraphs") and "cuda" not in devices:
-        merged.pop("triton.cudagraphs")
-        ignored.append(
-            f"triton.cudagraphs (mode={mode!r} asks for CUDA graphs; this graph runs on "
-            f"{', '.join(sorted(devices)) or 'no device'})"
-        )
-    own = {k: v for k, v in options.items() if k in fields}
-    inductor = own.get("inductor", config.inductor)
-    if not inductor and merged:
-        ignored.append(f"Inductor settings {sorted(merged)} (inductor=False: the graphs are not lowered by Inductor)")
-        merged = {}
-    return config.replace(**own, inductor_config=merged), ignored
-
-
-def _partitioner(info: DynamoGraphInfo) -> Partitioner:
-    """This graph's partitioner; partitioning starts once AOTAutograd's trace has finished."""
-    return Partitioner(bool(info.uneven), on_start=_trace_finished)
-
-
-def _trace_finished() -> None:
-    _trace.done = True
+    def trace_finished(self) -> None:
+        self.traced = True
 
 
 def _schedule_owned_by_dtcompile(config: DTCompileConfig) -> dict[str, Any]:
@@ -150,11 +121,6 @@ def _schedule_owned_by_dtcompile(config: DTCompileConfig) -> dict[str, Any]:
         return {}
     return {INDUCTOR_SIMPLE_OVERLAP: False}
 
-
-# Per rank thread: whether the running backend call got past AOTAutograd's trace
-# (into the partitioner or dtcompile's passes); a failure after that is not a
-# trace failure and is never run eagerly instead.
-_trace = threading.local()
 
 # The packages whose own exceptions are deliberate errors (bad input, a region
 # the user declared wrongly), never a reason to run eagerly.
@@ -182,148 +148,16 @@ def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
     return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
 
 
-def _split_constant_outputs(gm: fx.GraphModule) -> dict[int, Any]:
-    """Takes the Python objects a Dynamo graph returns as constants out of its outputs.
-
-    A placement made inside the compiled code (``Shard(1)``, or the placements
-    of a DTensor built by a factory) is a constant in the graph's output tuple.
-    AOTAutograd traces with fake objects and would return its fake
-    (``FakeScriptObject``) in the real one's place; the graph returns ``None``
-    there instead and :func:`_with_outputs_put_back` puts the real object back.
-    """
-    (output,) = (node for node in gm.graph.nodes if node.op == "output")
-    values = output.args[0]
-    if not isinstance(values, (tuple, list)):
-        return {}
-    constants = {i: v for i, v in enumerate(values) if v is not None and not isinstance(v, fx.Node)}
-    if constants:
-        output.args = (type(values)(None if i in constants else v for i, v in enumerate(values)),)
-        gm.recompile()
-    return constants
-
-
-def _split_input_views(gm: fx.GraphModule) -> dict[int, tuple[tuple[int, ...], fx.GraphModule]]:
-    """Takes the outputs that are views of a DTensor input out of a Dynamo graph.
-
-    AOTAutograd regenerates an output that aliases an input from the input at
-    run time, with ``as_strided`` for a DTensor, which DTensor refuses ("as_strided
-    not supported with DTensor") or, on a degenerate shard, gets the placement
-    wrong.  Such an output is instead computed at run time by its own view ops on
-    the real input (eager's view, eager's placement, eager's aliasing): returns
-    output index -> (the placeholders it reads, a graph of its view chain).
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    storages = {}
-    for node in placeholders:
-        value = node.meta.get("example_value")
-        if isinstance(value, DTensor):
-            storages[StorageWeakRef(value._local_tensor.untyped_storage())] = node
-    (output,) = (node for node in gm.graph.nodes if node.op == "output")
-    values = output.args[0]
-    if not storages or not isinstance(values, (tuple, list)):
-        return {}
-    views = {}
-    for i, node in enumerate(values):
-        value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-        if node is None or node.op == "placeholder" or not isinstance(value, DTensor):
-            continue
-        if StorageWeakRef(value._local_tensor.untyped_storage()) not in storages and not _views_an_input(node):
-            continue
-        views[i] = _view_chain(gm, node, placeholders)
-    if views:
-        output.args = (type(values)(None if i in views else v for i, v in enumerate(values)),)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return views
-
-
-# View and shape methods: an output that only these make from an input is a view of
-# it to AOTAutograd, also where DTensor moved data to make it (narrow of a sharded
-# dim gathers first), so its local shard shares no storage with the input's.
-_VIEW_METHODS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "narrow", "t", "transpose", "swapaxes", "permute", "movedim",
-    "unsqueeze", "squeeze", "expand", "expand_as", "select", "flatten", "unflatten", "split", "chunk", "unbind",
-    "diagonal", "__getitem__", "contiguous", "detach",
-})
-_VIEW_FUNCTIONS = frozenset({
-    torch.narrow, torch.t, torch.transpose, torch.swapaxes, torch.permute, torch.movedim, torch.unsqueeze,
-    torch.squeeze, torch.select, torch.flatten, torch.split, torch.chunk, torch.unbind, torch.diagonal,
-    torch.reshape, operator.getitem, torch.detach,
-})
-
-
-def _views_an_input(node: fx.Node) -> bool:
-    """Whether ``node`` is made from a placeholder by view and shape ops alone."""
-    while node.op != "placeholder":
-        if not (
-            (node.op == "call_method" and node.target in _VIEW_METHODS)
-            or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
-        ):
-            return False
-        source = node.args[0] if node.args else None
-        if not isinstance(source, fx.Node):
-            return False
-        node = source
-    return True
-
-
-def _view_chain(gm: fx.GraphModule, out: fx.Node, placeholders: list[fx.Node]) -> tuple[tuple[int, ...], fx.GraphModule]:
-    needed, stack = set(), [out]
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    graph, env = fx.Graph(), {}
-    reads = []
-    for node in gm.graph.nodes:
-        if node not in needed:
-            continue
-        if node.op == "placeholder":
-            reads.append(placeholders.index(node))
-            env[node] = graph.placeholder(node.name)
-        else:
-            env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(env[out])
-    return tuple(reads), fx.GraphModule(gm, graph)
-
-
-def _with_outputs_put_back(
-    compiled: Callable[..., Any],
-    constants: dict[int, Any],
-    views: dict[int, tuple[tuple[int, ...], fx.GraphModule]],
-) -> Callable[..., Any]:
-    """``compiled`` with the outputs :func:`_split_constant_outputs` and
-    :func:`_split_input_views` took out back in place."""
-    if not constants and not views:
-        return compiled
-
-    def put_back(made: dict[int, Any], outputs: Sequence[Any]) -> list[Any]:
-        outputs = list(outputs)
-        for i, value in [*constants.items(), *made.items()]:
-            outputs[i] = value
-        return outputs
-
-    # Dynamo calls a backend's result with the graph's inputs as positional
-    # arguments (AOTAutograd's result carries a ``_boxed_call`` flag it copied
-    # from an inner function; Dynamo does not read it).
-    def run(*args: Any) -> list[Any]:
-        made = {i: chain(*(args[j] for j in reads)) for i, (reads, chain) in views.items()}
-        return put_back(made, compiled(*args))
-
-    return run
-
-
 class DTCompileBackend:
     """The compiler function ``torch.compile`` calls; made by :func:`backend`.
 
     ``records`` holds a :class:`~dtcompile.records.CompiledGraph` for each graph
     it compiled (bounded; the newest last), and ``fallbacks`` an
     :class:`~dtcompile.records.EagerFallback` for each graph it ran eagerly
-    because torch could not trace it (``eager_fallback``).  ``torch.compile``'s ``mode=`` and
+    because torch could not trace it (``eager_fallback``), and ``cached`` a
+    :class:`~dtcompile.records.CachedCompile` for each graph AOTAutograd's cache
+    served (compiled by an earlier run with the same options; see
+    :mod:`dtcompile.cache_keys`).  ``torch.compile``'s ``mode=`` and
     ``options=`` arrive as keyword arguments of the call (:func:`config_for`).
     """
 
@@ -331,6 +165,7 @@ class DTCompileBackend:
         self.config = config
         self.records: collections.deque[CompiledGraph] = collections.deque(maxlen=_MAX_RECORDS)
         self.fallbacks: collections.deque[EagerFallback] = collections.deque(maxlen=_MAX_RECORDS)
+        self.cached: collections.deque[CachedCompile] = collections.deque(maxlen=_MAX_RECORDS)
 
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
@@ -343,8 +178,6 @@ class DTCompileBackend:
         mode: str | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> Callable[..., Any]:
-        from torch._functorch import config as functorch_config
-
         config = self.config
         if not dynamo_vars.is_installed():
             warnings.warn(f"dtcompile: this graph was traced with dynamo_vars uninstalled: {_STOCK_TRACING}", stacklevel=2)
@@ -359,16 +192,14 @@ class DTCompileBackend:
             mesh_axes(gm, example_inputs),
             get_profile(config.cost_profile),
         )
-        constants = _split_constant_outputs(gm)
-        views = _split_input_views(gm)
-        # The AOTAutograd cache keys on the Dynamo graph and global configs, not on
-        # this backend's options and passes: a hit could return a graph compiled
-        # without them.  Inductor's per-graph FX cache (keyed on the graph after
-        # our passes) stays on.
-        outer, _trace.done = getattr(_trace, "done", False), False
+        constants = split_constant_outputs(gm)
+        views = split_input_views(gm)
+        progress = _Progress()
+        partitioner = Partitioner(bool(info.uneven), compile_key(config), on_start=progress.trace_finished)
         try:
             with (
-                functorch_config.patch(enable_autograd_cache=False),
+                _compile_caches(config),
+                stable_mesh_keys(),
                 fresh_sharding_caches(),
                 keep_regions(),
                 loss_parallel_backward(gm),
@@ -377,22 +208,30 @@ class DTCompileBackend:
                     from torch._inductor.compile_fx import compile_fx
 
                     patches = dict(config.inductor_config)
-                    patches["custom_partitioner_fn"] = _partitioner(info)
+                    patches["custom_partitioner_fn"] = partitioner
                     compiled = compile_fx(
                         gm,
                         example_inputs,
-                        inner_compile=functools.partial(self._inductor_inner_compile, info, config),
+                        inner_compile=functools.partial(self._inductor_inner_compile, info, config, progress),
                         config_patches=patches,
                     )
                 else:
-                    compiled = self._aot_without_inductor(gm, example_inputs, info, config)
+                    compiled = self._aot_without_inductor(gm, example_inputs, info, config, progress, partitioner)
         except Exception as exc:
-            if _trace.done or not config.eager_fallback or _raised_on_purpose(exc):
+            if progress.traced or not config.eager_fallback or _raised_on_purpose(exc):
                 raise
             compiled = self._fall_back_to_eager(gm, info, exc)
-        finally:
-            _trace.done = outer
-        return _with_outputs_put_back(compiled, constants, views)
+        else:
+            if not progress.traced:
+                self._loaded_from_cache(gm, info)
+        return with_outputs_put_back(compiled, constants, views)
+
+    def _loaded_from_cache(self, gm: fx.GraphModule, info: DynamoGraphInfo) -> None:
+        """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log."""
+        cached = CachedCompile(compile_id=info.compile_id, graph=gm)
+        self.cached.append(cached)
+        log.info("%s", cached)
+        emit_cached_artifact(cached)
 
     def _fall_back_to_eager(self, gm: fx.GraphModule, info: DynamoGraphInfo, exc: Exception) -> Callable[..., Any]:
         """The Dynamo graph run as it is (DTensor's eager ops: eager's numbers and
@@ -409,6 +248,7 @@ class DTCompileBackend:
         self,
         info: DynamoGraphInfo,
         config: DTCompileConfig,
+        progress: _Progress,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         **kwargs: Any,
@@ -428,7 +268,7 @@ class DTCompileBackend:
             lowering = {name: current[name] for name in config.inductor_config}
             if communicates and inductor_reorders_collectives():
                 lowering[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
-            gm = self._run_passes(gm, example_inputs, kind, info, config, lowering)
+            gm = self._run_passes(gm, example_inputs, kind, info, config, progress, lowering)
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _aot_without_inductor(
@@ -437,6 +277,8 @@ class DTCompileBackend:
         example_inputs: Sequence[Any],
         info: DynamoGraphInfo,
         config: DTCompileConfig,
+        progress: _Progress,
+        partitioner: Partitioner,
     ) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.compile_fx import select_decomp_table
@@ -445,7 +287,7 @@ class DTCompileBackend:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
-                return make_boxed_func(self._run_passes(graph, inputs, kind, info, config, {}).forward)
+                return make_boxed_func(self._run_passes(graph, inputs, kind, info, config, progress, {}).forward)
 
             return compile_graph
 
@@ -454,7 +296,7 @@ class DTCompileBackend:
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=select_decomp_table(),
-            partition_fn=_partitioner(info),
+            partition_fn=partitioner,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
@@ -465,9 +307,10 @@ class DTCompileBackend:
         kind: str,
         info: DynamoGraphInfo,
         config: DTCompileConfig,
+        progress: _Progress,
         lowering: Mapping[str, Any],
     ) -> fx.GraphModule:
-        _trace.done = True
+        progress.trace_finished()
         ctx = PassContext(kind=kind, config=config, info=info)
         gm, passes = run_passes(gm, example_inputs, ctx)
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DTCompileConfig", "inductor_settings"]
+__all__ = ["DTCompileConfig", "config_for", "inductor_settings"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -62,8 +62,20 @@ class DTCompileConfig:
     artifact, instead of failing the compile.  ``False`` raises torch's error.
     Errors of dtcompile's own (bad input, its passes, lowering) always raise."""
 
+    aot_cache: bool = True
+    """Let AOTAutograd's cache serve this backend's graphs (with ``inductor``): a
+    restarted job, or one given ``torch.compiler.load_cache_artifacts()``, then
+    skips tracing, partitioning and the passes for every graph an earlier run
+    compiled with the same dtcompile source and options
+    (:mod:`dtcompile.cache_keys`).  A graph served so was not compiled in this
+    process: it is listed in ``backend.cached``, not ``backend.records``.
+    ``False`` (as :func:`dtcompile.explain`, ``report`` and ``trace_pass_graphs``
+    do) compiles every graph here, to inspect it; Inductor's FX graph cache,
+    keyed on each graph after the passes, serves either way."""
+
     def __post_init__(self) -> None:
         _check_bool("inductor", self.inductor)
+        _check_bool("aot_cache", self.aot_cache)
         _check_bool("eager_fallback", self.eager_fallback)
         _check_bool("report", self.report)
         _check_bool("trace_pass_graphs", self.trace_pass_graphs)
@@ -178,3 +190,53 @@ def inductor_settings() -> frozenset[str]:
     from torch._inductor import config as inductor_config
 
     return frozenset(inductor_config.get_config_copy())
+
+
+# torch.compile's modes, as Inductor spells them out (torch._inductor.list_mode_options).
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def config_for(
+    config: DTCompileConfig,
+    mode: str | None,
+    options: Mapping[str, Any] | None,
+    devices: frozenset[str] = frozenset(),
+) -> tuple[DTCompileConfig, list[str]]:
+    """``config`` with torch.compile's ``mode`` and ``options`` applied; also what was ignored.
+
+    ``options`` keys that are config fields replace them; the others are Inductor
+    settings, added to ``inductor_config``; an unknown key is a ``ValueError``
+    listing both kinds.  ``mode`` adds Inductor's settings for that mode (under
+    the ones given explicitly).  ``devices`` are the device types of the graph's
+    inputs: CUDA graphs are dropped on a graph with no CUDA input, and every
+    Inductor setting when ``inductor`` is False; each such drop is one line of
+    the returned list.
+    """
+    from torch._inductor import list_mode_options
+
+    options = dict(options or {})
+    fields = set(DTCompileConfig.field_names())
+    settings = {k: v for k, v in options.items() if k not in fields}
+    unknown = sorted(set(settings) - inductor_settings())
+    if unknown:
+        raise ValueError(
+            f"dtcompile: torch.compile options {unknown} are neither dtcompile options nor Inductor "
+            f"settings; dtcompile's options are {sorted(fields)}, the others must be names from "
+            "torch._inductor.config"
+        )
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"dtcompile: unknown torch.compile mode {mode!r}; the modes are {list(_MODES)}")
+    merged = {**list_mode_options(mode or "default"), **config.inductor_config, **settings}
+    ignored = []
+    if merged.get("triton.cudagraphs") and "cuda" not in devices:
+        merged.pop("triton.cudagraphs")
+        ignored.append(
+            f"triton.cudagraphs (mode={mode!r} asks for CUDA graphs; this graph runs on "
+            f"{', '.join(sorted(devices)) or 'no device'})"
+        )
+    own = {k: v for k, v in options.items() if k in fields}
+    inductor = own.get("inductor", config.inductor)
+    if not inductor and merged:
+        ignored.append(f"Inductor settings {sorted(merged)} (inductor=False: the graphs are not lowered by Inductor)")
+        merged = {}
+    return config.replace(**own, inductor_config=merged), ignored

@@ -8,9 +8,9 @@ that traced it (:func:`partition_keeping_collectives`): min-cut decides what to
 recompute from each rank's own graph, and a rank that recomputes a collective
 the others saved waits for them forever (found by the fuzzer).
 
-A :class:`Partitioner` is a module-level object whose pickled state is its one
-setting, so Inductor's FX graph cache and AOTAutograd's cache can key on it
-(:meth:`Partitioner.uuid` adds this module's source).
+A :class:`Partitioner` is a module-level object whose pickled state is its
+settings, so Inductor's FX graph cache and AOTAutograd's cache can key on it
+(:meth:`Partitioner.uuid` carries :func:`dtcompile.cache_keys.compile_key`).
 
 Keeping collectives needs two functions of ``torch._functorch.partitioners``
 changed for the call; they are replaced only while a partition that keeps
@@ -20,12 +20,8 @@ that runs it.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,26 +30,25 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dtcompile.collectives import is_collective
 from dtcompile.passes import padded_collective
+from dtcompile.scoped_patch import ScopedPatch
 
 __all__ = ["Partitioner", "partition_keeping_collectives"]
-
-
-@functools.cache
-def _source_digest() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 class Partitioner(CustomPartitionerFn):
     """The partitioner for one Dynamo graph.
 
     ``uneven``: the Dynamo graph holds unevenly sharded DTensors, so ranks' graphs
-    can differ and collectives are kept.  ``on_start`` (not part of the cache key,
-    not pickled) is called when partitioning starts: AOTAutograd's trace has
-    finished by then.
+    can differ and collectives are kept.  ``key``: what else decides the graphs of
+    this compile (:func:`dtcompile.cache_keys.compile_key`); with ``uneven`` it is
+    :meth:`uuid`, which torch's compile caches key on, and all that pickles.
+    ``on_start`` (neither keyed nor pickled) is called when partitioning starts:
+    AOTAutograd's trace has finished by then.
     """
 
-    def __init__(self, uneven: bool, on_start: Callable[[], None] | None = None) -> None:
+    def __init__(self, uneven: bool, key: str = "", on_start: Callable[[], None] | None = None) -> None:
         self.uneven = uneven
+        self.key = key
         self.on_start = on_start
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
@@ -68,21 +63,45 @@ class Partitioner(CustomPartitionerFn):
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
     def uuid(self) -> str:
-        return f"dtcompile.partition(uneven={self.uneven}, source={_source_digest()})"
+        return f"dtcompile.partition(uneven={self.uneven}, {self.key})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # What a cache key sees: the setting, never this compile's callback.
-        return {"uneven": self.uneven}
+        # What a cache key sees: the settings, never this compile's callback.
+        return {"uneven": self.uneven, "key": self.key}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.uneven = state["uneven"]
+        self.key = state["key"]
         self.on_start = None
 
 
 _keeping = threading.local()
-_rules_lock = threading.Lock()
-_rules_users = 0
-_rules_originals: dict[str, Callable[..., Any]] = {}
+
+
+def _install_keeping_rules() -> Callable[[], None]:
+    """Replaces ``partitioners.is_not_collective`` and ``_must_be_in_forward``; returns the undo."""
+    from torch._functorch import partitioners
+
+    originals = {}
+    for name, make in (
+        ("is_not_collective", _keep_collectives_in_their_phase),
+        ("_must_be_in_forward", _forward_collectives_stay_forward),
+    ):
+        originals[name] = getattr(partitioners, name)
+        setattr(partitioners, name, make(originals[name]))
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(partitioners, name, original)
+
+    return undo
+
+
+# The rules are replaced while any thread partitions keeping collectives, the
+# originals back when the last one ends.  The replacements act only where
+# ``_keeping.joint`` is set, which is per thread: another thread's partition in
+# the meantime gets the original rules.
+_rules_for_keeping = ScopedPatch(_install_keeping_rules)
 
 
 def partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
@@ -113,35 +132,6 @@ def partition_keeping_collectives(gm: fx.GraphModule, joint_inputs: Sequence[obj
     for module in graphs:
         _drop_dead_copies(module)
     return graphs
-
-
-@contextlib.contextmanager
-def _rules_for_keeping() -> Iterator[None]:
-    """``partitioners.is_not_collective`` and ``_must_be_in_forward`` replaced while
-    any thread partitions keeping collectives, the originals back when the last one
-    ends.  The replacements act only where ``_keeping.joint`` is set, which is per
-    thread: another thread's partition in the meantime gets the original rules."""
-    global _rules_users
-    from torch._functorch import partitioners
-
-    with _rules_lock:
-        if _rules_users == 0:
-            for name, make in (
-                ("is_not_collective", _keep_collectives_in_their_phase),
-                ("_must_be_in_forward", _forward_collectives_stay_forward),
-            ):
-                _rules_originals[name] = getattr(partitioners, name)
-                setattr(partitioners, name, make(_rules_originals[name]))
-        _rules_users += 1
-    try:
-        yield
-    finally:
-        with _rules_lock:
-            _rules_users -= 1
-            if _rules_users == 0:
-                for name, original in _rules_originals.items():
-                    setattr(partitioners, name, original)
-                _rules_originals.clear()
 
 
 def _drop_dead_copies(module: fx.GraphModule) -> None:

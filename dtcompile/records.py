@@ -19,7 +19,7 @@ from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.regions import RegionInfo
 
-__all__ = ["Action", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord"]
+__all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord"]
 
 
 class Action(enum.Enum):
@@ -125,4 +125,28 @@ class EagerFallback:
             f"({self.error}); it runs eagerly instead (DTensor's own ops: eager's results, not compiled code). "
             "This is a limitation of stock torch, not of your program; "
             "dtcompile.backend(eager_fallback=False) raises the error instead"
+        )
+
+
+@dataclass(frozen=True)
+class CachedCompile:
+    """A Dynamo graph whose compiled forward and backward came from AOTAutograd's cache.
+
+    A process with the same compile cache (``TORCHINDUCTOR_CACHE_DIR``, or
+    artifacts loaded with ``torch.compiler.load_cache_artifacts()``) compiled this
+    graph with the same dtcompile source and options
+    (:func:`dtcompile.cache_keys.compile_key`): nothing was traced, partitioned or
+    passed here, so there is no :class:`CompiledGraph` to inspect for it.
+    ``dtcompile.backend(report=True)`` or ``trace_pass_graphs=True`` compile
+    without that cache, to show the graphs.
+    """
+
+    compile_id: str
+    graph: fx.GraphModule
+    """The Dynamo graph."""
+
+    def __str__(self) -> str:
+        return (
+            f"compile {self.compile_id}: loaded from AOTAutograd's cache (compiled by dtcompile with the same "
+            "options in an earlier run; its graphs were inspected there)"
         )

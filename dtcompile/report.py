@@ -101,12 +101,15 @@ def explain(
 ) -> Callable[..., Report]:
     """``explain(fn, **backend_options)(*args)``: compile ``fn`` with dtcompile (by default
     without Inductor lowering), call it on ``args`` (and run a backward from the sum of its
-    outputs), and report what was compiled.  Calling the result again with other args
+    outputs), and report what was compiled (``aot_cache=False``: every graph is
+    compiled, none served by a cache).  Calling the result again with other args
     reports the recompiles they cause.  Resets Dynamo's caches first.
 
     ``depyf_dir``: also dump Dynamo's transformed bytecode, decompiled by depyf, and
     the graphs' code there (``dtcompile-report --depyf DIR`` puts it beside the HTML)."""
     options.setdefault("inductor", False)
+    # Every graph compiled here, to be reported: none served by AOTAutograd's cache.
+    options.setdefault("aot_cache", False)
     backend = make_backend(**options)
     compiled = torch.compile(fn, backend=backend)
     torch._dynamo.reset()

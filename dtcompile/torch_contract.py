@@ -20,7 +20,9 @@ Their contract is not public, so it is fenced:
   installed; ``dynamo_vars.uninstall()`` restores each.  Nothing else is
   replaced for longer than one call: :mod:`dtcompile.partition` replaces
   ``partitioners.is_not_collective`` and ``_must_be_in_forward`` only while a
-  partition that keeps collectives runs.
+  partition that keeps collectives runs, and :mod:`dtcompile.cache_keys`
+  registers a ``copyreg`` reducer for ``DeviceMesh`` (its ``__getstate__``
+  without the cached ``_hash``) only while a dtcompile compile runs.
 
 Upgrading torch: run that test on the new release first; each line it fails
 on is a name to add to :mod:`dtcompile.torch_compat` (one function per

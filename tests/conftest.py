@@ -16,8 +16,20 @@ tier is ``pytest -n 2 -m "not gloo and not inductor and not subprocess and not m
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # torch's compile caches start empty for each run of the suite (in a folder of
+    # its own, which subprocesses inherit): a graph an earlier run compiled would
+    # otherwise be served from AOTAutograd's cache and leave no dtcompile record.
+    # Tests of the caches themselves give each process its own folder.
+    if not hasattr(config, "workerinput"):  # xdist workers inherit the controller's
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dtcompile-tests-inductor-")
 
 
 def pytest_addoption(parser):

@@ -30,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dtcompile.notation", "dtcompile.sharding_cache", "dtcompile.sizes", "dtcompile.torch_compat", "dtcompile.torch_contract"),
+    ("dtcompile.notation", "dtcompile.scoped_patch", "dtcompile.sharding_cache", "dtcompile.sizes", "dtcompile.torch_compat", "dtcompile.torch_contract"),
     ("hops",),
     ("dynamo_vars",),
     (
@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.ops",
     ),
     ("dtcompile.records",),
-    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition"),
+    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.cache_keys", "dtcompile.dynamo_output"),
     ("dtcompile.compiler",),
     ("dtcompile.report", "dtcompile.auto_parallel"),
     ("dtcompile",),

@@ -1,0 +1,104 @@
+"""What torch's compile caches key a dtcompile graph on, besides the graph.
+
+torch has two caches a restarted job reads: AOTAutograd's (the Dynamo graph ->
+its compiled forward and backward; on a hit nothing is traced, partitioned or
+passed) and Inductor's FX graph cache (one partitioned graph, after
+dtcompile's passes -> its generated code).  Both key on the graph, its inputs
+and Inductor's config, which carries dtcompile's partitioner
+(:class:`dtcompile.partition.Partitioner`, whose ``uuid()`` is
+:func:`compile_key`).  Two things make those keys right for dtcompile:
+
+- :func:`compile_key`: what else decides the graphs dtcompile makes: its own
+  source (the ``dtcompile``, ``hops`` and ``dynamo_vars`` packages), every
+  :class:`~dtcompile.config.DTCompileConfig` field that changes a graph (not
+  ``report``, ``trace_pass_graphs``, ``aot_cache`` or ``eager_fallback``, which
+  only say what is shown, whether a cache is read, or what happens where nothing
+  compiles) and the cost profile's numbers
+  (the overlap pass decides by them).  A change of any of them misses.
+- :data:`stable_mesh_keys`: a graph that takes a ``DeviceMesh`` (an opaque
+  input) pickles the mesh into both keys, and the mesh's state holds ``_hash``,
+  Python's ``hash()`` of its layout, which differs from process to process: every
+  restarted process missed (stock Inductor too).  While a dtcompile compile
+  runs, a ``DeviceMesh`` pickles without that cached hash (``copyreg``; the
+  mesh recomputes it on first use, so a mesh pickled meanwhile by anyone else
+  loads the same), and the keys are the same in the next process.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dtcompile.config import DTCompileConfig
+from dtcompile.cost_model import get_profile
+from dtcompile.scoped_patch import ScopedPatch
+
+__all__ = ["compile_key", "stable_mesh_keys"]
+
+# Fields that do not change a compiled graph: what is printed or logged, and what
+# happens where torch cannot trace (nothing is compiled or cached then).
+_NOT_IN_KEY = frozenset({"report", "trace_pass_graphs", "eager_fallback", "aot_cache"})
+
+
+@functools.cache
+def _source_digest() -> str:
+    """One digest of the sources of the packages that trace and rewrite dtcompile's graphs."""
+    import dynamo_vars
+    import hops
+
+    digest = hashlib.sha256()
+    for root in (Path(__file__).parent, Path(hops.__file__).parent, Path(dynamo_vars.__file__).parent):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _canonical(value: Any) -> str:
+    """``value`` as text that is the same in every process (sets and mappings sorted)."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_canonical(v) for v in value)) + "}"
+    if hasattr(value, "items"):
+        return "{" + ", ".join(f"{k!r}: {_canonical(v)}" for k, v in sorted(value.items())) + "}"
+    return repr(value)
+
+
+def compile_key(config: DTCompileConfig) -> str:
+    """The text torch's caches key dtcompile's graphs on, besides the graph and Inductor's config."""
+    fields = ", ".join(
+        f"{name}={_canonical(getattr(config, name))}"
+        for name in DTCompileConfig.field_names()
+        if name not in _NOT_IN_KEY
+    )
+    profile = _canonical(vars(get_profile(config.cost_profile)))
+    return f"dtcompile(source={_source_digest()}, {fields}, profile={profile})"
+
+
+def _reduce_mesh(mesh: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """The mesh's own pickle (``__getstate__``) without ``_hash``, its cached ``hash()``."""
+    state = mesh.__getstate__()
+    state.pop("_hash", None)
+    return copyreg.__newobj__, (type(mesh),), state
+
+
+def _register_mesh_reducer() -> Callable[[], None]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    before = copyreg.dispatch_table.get(DeviceMesh)
+    copyreg.dispatch_table[DeviceMesh] = _reduce_mesh
+
+    def undo() -> None:
+        if before is None:
+            copyreg.dispatch_table.pop(DeviceMesh, None)
+        else:
+            copyreg.dispatch_table[DeviceMesh] = before
+
+    return undo
+
+
+stable_mesh_keys = ScopedPatch(_register_mesh_reducer)
+"""``with stable_mesh_keys():`` a ``DeviceMesh`` pickles without its per-process hash."""

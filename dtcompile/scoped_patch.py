@@ -1,0 +1,48 @@
+"""A change to torch that holds only while some compile needs it: a bottom-layer helper.
+
+Rank threads compile at the same time, so a change made for one compile and
+undone when it ends could be undone under another.  :class:`ScopedPatch`
+counts its users: the change is made when the first one enters and undone when
+the last one leaves.  What it changes must therefore act the same for every
+thread (a rule that reads a thread-local, a reducer that pickles faithfully).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+__all__ = ["ScopedPatch"]
+
+
+class ScopedPatch:
+    """``apply()`` makes the change and returns the function that undoes it.
+
+    ``with patch():`` holds it for the block; nested and concurrent blocks share one change.
+    """
+
+    def __init__(self, apply: Callable[[], Callable[[], None]]) -> None:
+        self._apply = apply
+        self._lock = threading.Lock()
+        self._users = 0
+        self._undo: Callable[[], None] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._users > 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._undo = self._apply()
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0 and self._undo is not None:
+                    undo, self._undo = self._undo, None
+                    undo()

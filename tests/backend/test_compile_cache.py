@@ -1,0 +1,205 @@
+"""torch's compile caches serve dtcompile's graphs: across processes, keyed on dtcompile's options.
+
+A restarted job (same ``TORCHINDUCTOR_CACHE_DIR``, or artifacts from
+``torch.compiler.save_cache_artifacts()``) gets every graph from AOTAutograd's
+cache and every lowered graph from Inductor's FX graph cache; an option that
+changes the compiled graphs misses.  Each run here is a fresh process: the keys
+must be equal across processes, not only within one (a ``DeviceMesh`` input
+pickled its per-process ``hash()`` into them).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import dtcompile
+from dtcompile._testing.cases import CASES, StepResult, reference_step, run_step
+from dtcompile.cache_keys import compile_key, stable_mesh_keys
+from dtcompile.config import DTCompileConfig
+from dtcompile.partition import Partitioner
+from dtcompile.testing import fake_world, run_gloo
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+# One training step of the tensor + sequence parallel block on the fake process
+# group (world 4), compiled with dtcompile(**options) and Inductor; prints the
+# caches' counters and the backend's records as JSON.  argv: options as JSON,
+# then "save PATH" / "load PATH" for torch's portable cache artifacts.
+_FAKE_PG_STEP = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch._dynamo.utils import counters
+
+    options = json.loads(sys.argv[1])
+    if "disable_passes" in options:
+        options["disable_passes"] = set(options["disable_passes"])
+    if sys.argv[2:3] == ["load"]:
+        torch.compiler.load_cache_artifacts(open(sys.argv[3], "rb").read())
+
+    import dtcompile
+    from dtcompile._testing.cases import CASES, run_step
+    from dtcompile.testing import fake_world
+
+    with fake_world(4):
+        case = CASES["tp_sp_block"]
+        _, parallel, x = case.build(case.mesh(4))
+        backend = dtcompile.backend(**options)
+        run_step(torch.compile(parallel, backend=backend, fullgraph=True), parallel, x)
+    if sys.argv[2:3] == ["save"]:
+        data, _ = torch.compiler.save_cache_artifacts()
+        open(sys.argv[3], "wb").write(data)
+    print("COUNTERS " + json.dumps({
+        **{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+        **{k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
+        "compiled": len(backend.records),
+        "cached": len(backend.cached),
+        "fallbacks": len(backend.fallbacks),
+    }))
+    """
+)
+
+
+def _fake_pg_step(cache_dir: Path, *args: str, **options) -> dict[str, int]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAKE_PG_STEP, json.dumps(options), *args],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "Failed to pickle" not in text and "Traceback" not in text, text[-3000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("COUNTERS ")]
+    return json.loads(line.removeprefix("COUNTERS "))
+
+
+def _cold(counts: dict[str, int]) -> None:
+    assert counts.get("autograd_cache_hit", 0) == 0 and counts.get("fxgraph_cache_hit", 0) == 0, counts
+    assert counts["compiled"] >= 4 and counts["cached"] == 0 and counts["fallbacks"] == 0, counts
+
+
+def _warm(counts: dict[str, int], cold: dict[str, int]) -> None:
+    """Every Dynamo graph from AOTAutograd's cache, every lowered graph from Inductor's."""
+    assert counts.get("autograd_cache_hit", 0) == cold["autograd_cache_miss"] >= 3, counts
+    assert counts.get("autograd_cache_miss", 0) == 0 and counts.get("fxgraph_cache_miss", 0) == 0, counts
+    assert counts.get("fxgraph_cache_bypass", 0) == 0, counts
+    assert counts.get("fxgraph_cache_hit", 0) == cold["fxgraph_cache_miss"], counts
+    assert counts["compiled"] == 0 and counts["cached"] == cold["autograd_cache_miss"], counts
+
+
+@pytest.mark.subprocess
+@pytest.mark.inductor
+def test_a_second_process_hits_both_caches_and_a_changed_option_misses(tmp_path):
+    cold = _fake_pg_step(tmp_path)
+    _cold(cold)
+    _warm(_fake_pg_step(tmp_path), cold)
+    # Options that change the compiled graphs miss, in the same cache folder.
+    for changed in ({"bucket_cap_bytes": 1024}, {"disable_passes": ["bucketing"]}):
+        counts = _fake_pg_step(tmp_path, **changed)
+        assert counts.get("autograd_cache_hit", 0) == 0, (changed, counts)
+        assert counts["compiled"] >= 4 and counts["cached"] == 0, (changed, counts)
+    # aot_cache=False compiles every graph here (to inspect it).
+    counts = _fake_pg_step(tmp_path, aot_cache=False)
+    assert counts["compiled"] == cold["compiled"] and counts["cached"] == 0, counts
+    assert "autograd_cache_hit" not in counts and "autograd_cache_miss" not in counts, counts
+
+
+@pytest.mark.subprocess
+@pytest.mark.inductor
+def test_portable_cache_artifacts_load_in_a_fresh_process_with_another_cache_dir(tmp_path):
+    artifacts = tmp_path / "artifacts.bin"
+    cold = _fake_pg_step(tmp_path / "first", "save", str(artifacts))
+    _cold(cold)
+    assert artifacts.stat().st_size > 0
+    _warm(_fake_pg_step(tmp_path / "second", "load", str(artifacts)), cold)
+
+
+def _gloo_cached_step(rank: int, world_size: int, cache_dir: str) -> tuple[StepResult, StepResult, dict[str, int]]:
+    """On one gloo rank: an eager step, then a step compiled with dtcompile (Inductor)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    from torch._dynamo.utils import counters
+
+    case = CASES["tp_sp_block"]
+    mesh = case.mesh(world_size)
+    _, parallel, x = case.build(mesh)
+    local_x = case.local_input(x, mesh)
+    eager = run_step(parallel, parallel, local_x)
+    backend = dtcompile.backend()
+    compiled = run_step(torch.compile(parallel, backend=backend, fullgraph=True), parallel, local_x)
+    counts = {
+        **{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+        **{k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
+        "compiled": len(backend.records),
+        "cached": len(backend.cached),
+        "fallbacks": len(backend.fallbacks),
+    }
+    return eager, compiled, counts
+
+
+def _assert_step_close(got: StepResult, want: StepResult, what: str) -> None:
+    torch.testing.assert_close(got.output, want.output, **TOL, msg=lambda m: f"{what}: output: {m}")
+    assert got.grads.keys() == want.grads.keys(), what
+    for name, grad in got.grads.items():
+        torch.testing.assert_close(grad, want.grads[name], **TOL, msg=lambda m, n=name: f"{what}: grad of {n}: {m}")
+
+
+@pytest.mark.inductor
+def test_gloo_ranks_restarted_from_the_cache_equal_eager_and_one_process(tmp_path):
+    """Real collectives: each rank's second process gets every graph from the caches,
+    and its output and gradients equal eager's and the single-process model's."""
+    world_size = 2
+    reference = reference_step("tp_sp_block", world_size)
+    runs = [run_gloo(world_size, _gloo_cached_step, world_size, str(tmp_path), timeout=600) for _ in range(2)]
+    for rank in range(world_size):
+        (eager, compiled, cold), (warm_eager, warm_compiled, warm) = runs[0][rank], runs[1][rank]
+        _cold(cold)
+        _warm(warm, cold)
+        _assert_step_close(eager, StepResult(reference.output, reference.grads), f"rank {rank} eager vs one process")
+        _assert_step_close(compiled, eager, f"rank {rank} cold compiled vs eager")
+        _assert_step_close(warm_compiled, warm_eager, f"rank {rank} compiled from the cache vs eager")
+
+
+def test_the_key_covers_the_options_that_change_graphs_and_no_others():
+    base = DTCompileConfig()
+    key = compile_key(base)
+    for changed in (
+        base.replace(bucket_cap_bytes=1024),
+        base.replace(disable_passes=frozenset({"bucketing"})),
+        base.replace(overlap_memory_budget_bytes=0),
+        base.replace(cost_profile="cpu_gloo"),
+        base.replace(inductor=False),
+        base.replace(inductor_config={"max_autotune": True}),
+    ):
+        assert compile_key(changed) != key, changed
+    for same in (base.replace(report=True), base.replace(trace_pass_graphs=True), base.replace(eager_fallback=False)):
+        assert compile_key(same) == key, same
+    # Sets are keyed in a fixed order, whatever the process's string hashing.
+    two = base.replace(disable_passes=frozenset({"bucketing", "overlap"}))
+    assert "disable_passes={'bucketing', 'overlap'}" in compile_key(two)
+    # The partitioner carries it into both caches' keys.
+    assert Partitioner(False, key).uuid() != Partitioner(False, compile_key(two)).uuid()
+    assert pickle.loads(pickle.dumps(Partitioner(True, key))).uuid() == Partitioner(True, key).uuid()
+
+
+def test_a_mesh_pickles_without_its_hash_only_while_dtcompile_compiles():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with fake_world(4) as mesh:
+        hash(mesh)  # computes and caches _hash
+        assert "_hash" in mesh.__getstate__()
+        with stable_mesh_keys():
+            restored = pickle.loads(pickle.dumps(mesh))
+            assert "_hash" not in restored.__dict__
+        assert DeviceMesh not in copyreg.dispatch_table
+        # The mesh it loads as is the same mesh, its hash recomputed on first use.
+        assert restored == mesh and hash(restored) == hash(mesh)
