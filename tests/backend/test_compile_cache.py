@@ -203,3 +203,24 @@ def test_a_mesh_pickles_without_its_hash_only_while_dtcompile_compiles():
         assert DeviceMesh not in copyreg.dispatch_table
         # The mesh it loads as is the same mesh, its hash recomputed on first use.
         assert restored == mesh and hash(restored) == hash(mesh)
+
+
+@pytest.mark.inductor
+def test_collective_schedule_refuses_graphs_the_cache_served(tp_mesh):
+    """A schedule read from dtcompile's records would silently miss a graph that
+    AOTAutograd's cache served (nothing was compiled for it in this process)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtcompile.testing import collective_schedule
+
+    x = distribute_tensor(torch.randn(8, 4), tp_mesh, [Shard(0)])
+
+    def gather(t):
+        return t.redistribute(placements=[Replicate()]).sin()
+
+    schedule = collective_schedule(gather, x, backend=dtcompile.backend(), backward=False)
+    assert [c.op for c in schedule.forward] == ["all_gather"]
+    with pytest.raises(RuntimeError, match="AOTAutograd's cache served 1 of the graphs"):
+        collective_schedule(gather, x, backend=dtcompile.backend(), backward=False)
+    again = collective_schedule(gather, x, backend=dtcompile.backend(aot_cache=False), backward=False)
+    assert again.forward == schedule.forward

@@ -87,6 +87,7 @@ def test_unknown_options_and_modes_name_the_valid_ones():
         ({"inductor": "false"}, TypeError, "inductor must be True or False, got str 'false'"),
         ({"report": 1}, TypeError, "report must be True or False, got int 1"),
         ({"eager_fallback": "no"}, TypeError, "eager_fallback must be True or False, got str 'no'"),
+        ({"aot_cache": None}, TypeError, "aot_cache must be True or False, got NoneType None"),
         ({"cost_profile": 3}, TypeError, "cost_profile must be a profile name (str), got int 3"),
         ({"inductor_config": {"triton": {"cudagraphs": True}}}, ValueError, "inductor_config has nested mappings under ['triton']; give nested settings by dotted name"),
         ({"inductor_config": ["max_autotune"]}, TypeError, "inductor_config must be a mapping of torch._inductor.config settings"),
