@@ -41,7 +41,7 @@ def test_unknown_option_names_valid_ones():
         dtcompile.backend(inductr=False)
     assert str(err.value) == (
         "dtcompile.backend: unknown option(s) ['inductr']; valid options are "
-        "['bucket_cap_bytes', 'cost_profile', 'disable_passes', 'eager_fallback', 'inductor', 'inductor_config', "
+        "['aot_cache', 'bucket_cap_bytes', 'cost_profile', 'disable_passes', 'eager_fallback', 'inductor', 'inductor_config', "
         "'overlap_memory_budget_bytes', 'report', 'trace_pass_graphs']"
     )
 
@@ -119,7 +119,8 @@ def test_compiler_settings_change_only_inside_the_call():
         return gm
 
     before = (functorch_config.enable_autograd_cache, inductor_config.max_fusion_size)
-    backend = dtcompile.backend(inductor_config={"max_fusion_size": 7})
+    # aot_cache=False switches AOTAutograd's cache off for this backend's compiles only.
+    backend = dtcompile.backend(inductor_config={"max_fusion_size": 7}, aot_cache=False)
     original = PASSES[0].fn
     try:
         object.__setattr__(PASSES[0], "fn", spy)
