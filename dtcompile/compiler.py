@@ -170,6 +170,14 @@ class DTCompileBackend:
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
 
+    def recording_into_this(self, **changes: Any) -> DTCompileBackend:
+        """A backend with ``changes`` to this one's options whose records, fallbacks and
+        cached graphs land in this backend's (``collective_schedule`` compiles so with
+        ``aot_cache=False``: it reads what dtcompile compiles)."""
+        other = DTCompileBackend(self.config.replace(**changes))
+        other.records, other.fallbacks, other.cached = self.records, self.fallbacks, self.cached
+        return other
+
     def __call__(
         self,
         gm: fx.GraphModule,

@@ -206,9 +206,9 @@ def test_a_mesh_pickles_without_its_hash_only_while_dtcompile_compiles():
 
 
 @pytest.mark.inductor
-def test_collective_schedule_refuses_graphs_the_cache_served(tp_mesh):
-    """A schedule read from dtcompile's records would silently miss a graph that
-    AOTAutograd's cache served (nothing was compiled for it in this process)."""
+def test_collective_schedule_compiles_every_graph_even_where_the_cache_could_serve_it(tp_mesh):
+    """A schedule is read from what dtcompile compiles; a graph AOTAutograd's cache
+    served would leave nothing to read (an earlier run compiled it)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from dtcompile.testing import collective_schedule
@@ -218,9 +218,14 @@ def test_collective_schedule_refuses_graphs_the_cache_served(tp_mesh):
     def gather(t):
         return t.redistribute(placements=[Replicate()]).sin()
 
-    schedule = collective_schedule(gather, x, backend=dtcompile.backend(), backward=False)
+    # The cache holds the graph now: a plain compile is served from it.
+    torch.compile(gather, backend=dtcompile.backend(), fullgraph=True)(x)
+    torch._dynamo.reset()
+    served = dtcompile.backend()
+    torch.compile(gather, backend=served, fullgraph=True)(x)
+    assert (len(served.records), len(served.cached)) == (0, 1)
+    torch._dynamo.reset()
+    backend = dtcompile.backend()
+    schedule = collective_schedule(gather, x, backend=backend, backward=False)
     assert [c.op for c in schedule.forward] == ["all_gather"]
-    with pytest.raises(RuntimeError, match="AOTAutograd's cache served 1 of the graphs"):
-        collective_schedule(gather, x, backend=dtcompile.backend(), backward=False)
-    again = collective_schedule(gather, x, backend=dtcompile.backend(aot_cache=False), backward=False)
-    assert again.forward == schedule.forward
+    assert (len(backend.records), len(backend.cached)) == (1, 0)

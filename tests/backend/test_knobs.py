@@ -70,7 +70,7 @@ def test_options_set_dtcompile_fields_and_inductor_settings():
 
 
 def test_unknown_options_and_modes_name_the_valid_ones():
-    with pytest.raises(Exception, match=r"torch.compile options \['no_such_knob'\] are neither dtcompile options nor Inductor settings; dtcompile's options are \['bucket_cap_bytes'"):
+    with pytest.raises(Exception, match=r"torch.compile options \['no_such_knob'\] are neither dtcompile options nor Inductor settings; dtcompile's options are \['aot_cache', 'bucket_cap_bytes'"):
         _compile_and_check(options={"no_such_knob": 1})
     with pytest.raises(Exception, match=r"unknown torch.compile mode 'fastest'; the modes are"):
         torch.compile(lambda x: x + 1, backend="dtcompile", mode="fastest")(torch.ones(2))

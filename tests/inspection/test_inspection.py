@@ -399,7 +399,10 @@ def trace_dir(tmp_path_factory) -> Path:
     """A TORCH_TRACE of the TP MLP (Inductor, forward and backward) and of a program that
     graph-breaks and recompiles, from a fresh process."""
     directory = tmp_path_factory.mktemp("trace")
-    env = {**os.environ, "TORCH_TRACE": str(directory)}
+    # Its own compile caches: a graph an earlier test compiled would be served by
+    # AOTAutograd's cache, and a served graph leaves no dtcompile artifacts but one.
+    cache = tmp_path_factory.mktemp("inductor-cache")
+    env = {**os.environ, "TORCH_TRACE": str(directory), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     out = subprocess.run([sys.executable, "-c", _TRACED_PROGRAM], env=env, check=False, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return directory
