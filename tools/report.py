@@ -4,7 +4,8 @@ Reads the structured logs that ``TORCH_TRACE=TRACE_DIR`` writes (one file per
 rank), keeps what dtcompile logged (``dtcompile_*`` artifacts, see
 :mod:`dtcompile.artifacts`) and what Dynamo logged about graph breaks and
 recompiles, and writes ``OUT/index.html``: the graphs run eagerly because
-torch could not trace them (``eager_fallback``); the ``dtcompile.auto_parallel``
+torch could not trace them (``eager_fallback``); the graphs AOTAutograd's
+cache served (compiled by an earlier run, so not shown); the ``dtcompile.auto_parallel``
 solutions planned (each node's placements and cost); per compile id the DTensor
 placements, the annotated forward and backward graphs and the collective
 schedule; communication bytes and estimated time per step; a check that every
@@ -63,6 +64,8 @@ class RankTrace:
     """``dtcompile.auto_parallel`` solutions, each its ``explain()`` (logged as it planned)."""
     fallbacks: list[str] = field(default_factory=list)
     """Graphs run eagerly because torch could not trace them (why, and the Dynamo graph)."""
+    cached: list[str] = field(default_factory=list)
+    """Graphs AOTAutograd's cache served: compiled by an earlier run, so not shown here."""
 
 
 @dataclass
@@ -163,6 +166,8 @@ def read_trace(trace_dir: str | Path) -> Trace:
                 trace.plans.append(payload)
             elif name == "dtcompile_eager_fallback":
                 trace.fallbacks.append(payload)
+            elif name == "dtcompile_cached_compile":
+                trace.cached.append(payload)
             elif name == "dtcompile_placements":
                 trace.compiles[cid].placements = payload
             elif name.startswith("dtcompile_") and name.endswith("_graph"):
@@ -279,6 +284,16 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         parts += [f'<pre class="bad">{html.escape(text)}</pre>' for text in lead.fallbacks]
         parts.append("</section>")
 
+    if lead.cached:
+        parts.append('<section id="cached-compiles"><h2>Graphs served by the compile cache (compiled by an earlier run)</h2>')
+        parts.append(
+            "<p>AOTAutograd's cache served these graphs: dtcompile compiled them in an earlier run with the same "
+            "source and options, so their placements, graphs and collectives are not in this trace. Trace a run "
+            "with an empty TORCHINDUCTOR_CACHE_DIR, or compile with dtcompile.backend(aot_cache=False), to see them.</p>"
+        )
+        parts += [f"<pre>{html.escape(text)}</pre>" for text in lead.cached]
+        parts.append("</section>")
+
     if lead.plans:
         parts.append('<section id="auto-parallel"><h2>Auto-parallel plans</h2>')
         parts += [f"<pre>{html.escape(plan)}</pre>" for plan in lead.plans]
@@ -360,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for warning in trace.warnings:
         print(f"dtcompile-report: warning: {warning}", file=sys.stderr)
-    if not any(rank.compiles or rank.plans or rank.fallbacks for rank in trace.ranks.values()):
+    if not any(rank.compiles or rank.plans or rank.fallbacks or rank.cached for rank in trace.ranks.values()):
         print(
             f"dtcompile-report: {args.trace_dir}: no dtcompile artifacts (dtcompile_placements, "
             "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution, "
-            "dtcompile_eager_fallback) "
+            "dtcompile_eager_fallback, dtcompile_cached_compile) "
             "in the trace: the program was not "
             'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
             "and run it again with TORCH_TRACE set",

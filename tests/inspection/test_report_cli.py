@@ -23,7 +23,10 @@ _PROGRAM = textwrap.dedent(
     from dtcompile.testing import fake_world
     with fake_world(4, (4,), ("tp",)) as mesh:
         _, parallel, x = CASES["tp_mlp"].build(mesh)
-        backend = dtcompile.backend(inductor=False) if sys.argv[1] == "dtcompile" else sys.argv[1]
+        backend = {
+            "dtcompile": lambda: dtcompile.backend(inductor=False),
+            "dtcompile_inductor": lambda: dtcompile.backend(),
+        }.get(sys.argv[1], lambda: sys.argv[1])()
         torch.compile(parallel, backend=backend)(x).sum().backward()
     """
 )
@@ -44,8 +47,10 @@ _FALLBACK_PROGRAM = textwrap.dedent(
 )
 
 
-def _trace(directory: Path, backend: str, program: str = _PROGRAM) -> Path:
+def _trace(directory: Path, backend: str, program: str = _PROGRAM, cache: Path | None = None) -> Path:
     env = {**os.environ, "TORCH_TRACE": str(directory)}
+    if cache is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     out = subprocess.run(
         [sys.executable, "-c", program, backend], env=env, check=False, capture_output=True, text=True, timeout=600
     )
@@ -127,7 +132,7 @@ def test_report_refuses_a_trace_without_dtcompile_artifacts(stock_trace, tmp_pat
     assert capsys.readouterr().err == (
         f"dtcompile-report: {stock_trace}: no dtcompile artifacts (dtcompile_placements, "
         "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution, "
-        "dtcompile_eager_fallback) in the trace: the program was not "
+        "dtcompile_eager_fallback, dtcompile_cached_compile) in the trace: the program was not "
         'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
         "and run it again with TORCH_TRACE set\n"
     )
@@ -143,3 +148,20 @@ def test_report_shows_graphs_run_eagerly(tmp_path, capsys):
     assert "Graphs run eagerly (not compiled)" in section
     assert html.escape("compile 0/0: torch's AOTAutograd could not trace this graph over DTensor") in section
     assert "tensor subclass inputs" in section and "permute" in section
+
+
+@pytest.mark.inductor
+def test_report_says_which_graphs_the_compile_cache_served(tmp_path):
+    """A restarted run's graphs come from AOTAutograd's cache: nothing of theirs to show
+    but that, and the report says so instead of showing nothing."""
+    cache = tmp_path / "cache"
+    first = _trace(tmp_path / "first", "dtcompile_inductor", cache=cache)
+    again = _trace(tmp_path / "again", "dtcompile_inductor", cache=cache)
+    for trace, served in ((first, False), (again, True)):
+        out = trace / "report"
+        assert report_tool.main([str(trace), "-o", str(out)]) == 0
+        page = (out / "index.html").read_text()
+        assert ('<section id="cached-compiles">' in page) == served
+        assert ('id="compile-0_0"' in page) != served
+    section = page[page.index('<section id="cached-compiles">') :].split("</section>")[0]
+    assert html.escape("compile 0/0: loaded from AOTAutograd's cache") in section
