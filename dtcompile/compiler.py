@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 # How many compiled graphs a backend keeps for inspection; older ones are dropped.
 _MAX_RECORDS = 256
 
+
 @contextlib.contextmanager
 def _compile_caches(config: DTCompileConfig) -> Iterator[None]:
     """torch's compile caches as the user set them, except AOTAutograd's where this compile
