@@ -99,12 +99,15 @@ def _stand_in_for_ep_kernels() -> None:
 
 
 @contextlib.contextmanager
-def torchtitan_on_cpu() -> Iterator[None]:
+def torchtitan_on_cpu(spmd_backend: str = "partial_dtensor") -> Iterator[None]:
     """torchtitan imported and pointed at CPU; what it changed in torch undone after.
 
     Importing ``torchtitan.distributed.compile`` replaces ``FakeTensorMode.__init__``
     (wrapped in ``torch.compiler.disable``); torchtitan's device and SPMD backend
-    are module globals of its own.  Skips (or fails in CI) without torchtitan.
+    are module globals of its own.  ``spmd_backend``: torchtitan's process-wide
+    SPMD backend for the block (``"partial_dtensor"``: DTensor for the
+    model-parallel axes; ``"spmd_types"``, torchtitan's default: plain local
+    tensors and explicit collectives).  Skips (or fails in CI) without torchtitan.
     """
     require_torchtitan()
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -115,16 +118,14 @@ def torchtitan_on_cpu() -> Iterator[None]:
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torchtitan.distributed import utils as dist_utils
 
-    spmd_backend = dist_utils.get_spmd_backend()
+    before = dist_utils.get_spmd_backend()
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(parallel_dims, "device_type", "cpu")
-            # DTensor for the model-parallel axes, FSDP2 for data parallel: the
-            # DTensor path (torchtitan's default is spmd_types, on plain tensors).
-            dist_utils.set_spmd_backend("partial_dtensor")
+            dist_utils.set_spmd_backend(spmd_backend)
             yield
     finally:
-        dist_utils.set_spmd_backend(spmd_backend)
+        dist_utils.set_spmd_backend(before)
         FakeTensorMode.__init__ = fake_tensor_mode_init
 
 
@@ -161,6 +162,57 @@ def use_sdpa(config: Any) -> Any:
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return config
+
+
+def llama3_config(*, dim: int, n_heads: int, n_layers: int, hidden_dim: int, vocab_size: int, seq_len: int) -> Any:
+    """A tiny Llama3 from torchtitan's own builders (as its ``debugmodel``, smaller), SDPA attention."""
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    config = llama3.Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            hidden_dim=hidden_dim,
+            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=seq_len, theta=500000, scaling="llama"),
+            attn_backend="flex",
+        ),
+    )
+    return use_sdpa(config)
+
+
+def qwen3_dense_config(
+    *, dim: int, n_heads: int, n_kv_heads: int, n_layers: int, hidden_dim: int, vocab_size: int, seq_len: int
+) -> Any:
+    """A tiny dense Qwen3 from torchtitan's own builders (grouped-query attention, q/k norms), SDPA attention."""
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    head_dim = dim // n_heads
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=vocab_size,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_layers(
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            hidden_dim=hidden_dim,
+            attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=seq_len, theta=1000000.0),
+        ),
+    )
+    return use_sdpa(config)
 
 
 def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -39,13 +39,13 @@ from _titan import (
     force_sum_reduction,
     global_batches,
     initial_weights,
+    llama3_config,
     load_weights,
     mismatches,
     optimizer,
     raise_mismatches,
     train,
     train_single_process,
-    use_sdpa,
 )
 
 import dtcompile
@@ -101,29 +101,9 @@ NUM_FRAMES = {"tp_sp": 1 + _TP_BLOCK_COMPILES, "fsdp": 2}
 
 def _llama3_config() -> Any:
     """A tiny Llama3 from torchtitan's own builders (as its ``debugmodel``, smaller), SDPA attention."""
-    import torchtitan.models.llama3 as llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-
-    config = llama3.Llama3Model.Config(
-        dim=DIM,
-        vocab_size=VOCAB_SIZE,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT
-        ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB_SIZE, param_init=llama3._output_linear_init(DIM)
-        ),
-        layers=llama3._build_llama3_layers(
-            n_layers=NUM_LAYERS,
-            dim=DIM,
-            n_heads=NUM_HEADS,
-            hidden_dim=HIDDEN_DIM,
-            rope=ComplexRoPE.Config(dim=DIM // NUM_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama"),
-            attn_backend="flex",
-        ),
+    return llama3_config(
+        dim=DIM, n_heads=NUM_HEADS, n_layers=NUM_LAYERS, hidden_dim=HIDDEN_DIM, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN
     )
-    return use_sdpa(config)
 
 
 def _train_on_rank(

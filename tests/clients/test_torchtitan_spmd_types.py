@@ -1,0 +1,247 @@
+"""torchtitan's default path: ``spmd_backend="spmd_types"``, its blocks compiled with dtcompile.
+
+torchtitan 0.3.0 defaults to ``ParallelismConfig.spmd_backend="spmd_types"``:
+``Module.parallelize`` cuts each parameter to its local shard (a plain tensor
+that carries its SPMD type), and the model's activations move between
+layouts through ``spmd_types``' own collectives (autograd Functions over
+c10d's in-place collectives, which Dynamo turns into functional ones).  FSDP2,
+applied after, turns the parameters into DTensors for storage.  So the compiled
+blocks hold no DTensor: dtcompile's Dynamo support has nothing to do, its
+backend (partitioner, passes, annotations, records) sees plain tensors and
+functional collectives.
+
+Llama3 and a dense Qwen3 (grouped-query attention, q/k norms), each built by
+torchtitan's builders (tiny), tensor + sequence parallel on 2 ranks as threads,
+``parallelize_*`` compiling every block through ``apply_compile`` with
+``dtcompile.backend()`` (with and without Inductor), torchtitan's
+tensor-parallel loss (compiled too), ``clip_grad_norm_`` and AdamW, 2 steps.
+Checked on every rank and step: loss, gradient norm and every gradient of the
+compiled run equal eager's, and eager equals the single-process model; each
+rank compiles the block once and the loss once (``fullgraph=True``: a graph
+break would be an error, so stock Inductor cannot break or compile fewer
+frames either), nothing in step 2, with the pinned collectives.
+
+As torchtitan's trainer does (``get_spmd_context``), each rank's steps run with
+torchtitan's current SPMD mesh set (``set_current_spmd_mesh``): without it
+``spmd_types``' redistributions are silently the identity.  Type checking
+(``debug.spmd_typechecking``, off by default) is not covered: ``spmd_types``'
+checker does not trace under Dynamo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _titan import (
+    Batches,
+    Run,
+    collective_text,
+    force_sum_reduction,
+    global_batches,
+    initial_weights,
+    llama3_config,
+    load_weights,
+    mismatches,
+    optimizer,
+    qwen3_dense_config,
+    raise_mismatches,
+    torchtitan_on_cpu,
+    train,
+    train_single_process,
+)
+
+import dtcompile
+from dtcompile.testing import run_threaded
+
+
+def _fsdp2_stores_spmd_types() -> bool:
+    """Whether this torch's FSDP2 takes plain parameters that carry SPMD types.
+
+    torchtitan 0.3.0's spmd_types path hands ``fully_shard`` such parameters; FSDP2
+    turns them into DTensors from torch 2.14 (``FSDPParam._resolve_spmd_types_for_storage``).
+    torch 2.13's refuses them, eagerly too ("When dp_mesh_dims is provided, all
+    parameters must be DTensors on the full SPMD mesh"): torchtitan's default path
+    does not run there, with any backend.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "_resolve_spmd_types_for_storage")
+
+
+pytestmark = [
+    pytest.mark.models,
+    pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support"),
+    pytest.mark.skipif(
+        not _fsdp2_stores_spmd_types(),
+        reason="torch 2.13's FSDP2 refuses the plain parameters with SPMD types that torchtitan 0.3.0's "
+        "spmd_types path gives it (eagerly too); torch 2.14 and 2.15 take them",
+    ),
+]
+
+WORLD_SIZE = 2
+NUM_STEPS = 2
+DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, HIDDEN_DIM = 64, 4, 2, 2, 128
+VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH = 128, 16, 4
+# Adam's first update, lr * g / (|g| + 1e-8), turns a rounding difference in a
+# gradient element near 1e-8 into up to lr in the weight (test_torchtitan_moe.py):
+# at 1e-2 the dense Qwen3's step-2 gradients part by 4e-6 between two correct runs.
+# torchtitan's debug models' 3e-4 keeps them within TOL.
+LR = 3e-4
+MAX_NORM = 1.0
+
+# As in the DTensor test (test_torchtitan.py): float32, the sharded matmuls and the
+# reductions over ranks sum in another order than one process does.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+MODELS = {
+    "llama3": lambda: llama3_config(
+        dim=DIM, n_heads=NUM_HEADS, n_layers=NUM_LAYERS, hidden_dim=HIDDEN_DIM, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN
+    ),
+    "qwen3": lambda: qwen3_dense_config(
+        dim=DIM,
+        n_heads=NUM_HEADS,
+        n_kv_heads=NUM_KV_HEADS,
+        n_layers=NUM_LAYERS,
+        hidden_dim=HIDDEN_DIM,
+        vocab_size=VOCAB_SIZE,
+        seq_len=SEQ_LEN,
+    ),
+}
+MODES = {"aot": {"inductor": False}, "inductor": {}}
+
+# The collectives of the graphs dtcompile compiles on each rank (sorted), op[group]
+# group size and bytes per rank, the same for both models and with or without
+# Inductor.  Per block: the sequence all-gathered before attention and before the
+# FFN, reduce-scattered after ``wo`` and ``w2`` (float32[4, 16, 64] gathered), as on
+# the DTensor path; the loss: max, sum of exponentials and target log-probability
+# all-reduced per token.  spmd_types' collectives run on the default process group
+# (the tensor-parallel group is the whole world of 2), which dtcompile names
+# ``world``: they carry a group, not a mesh axis.
+_SP = ("all_gather[world] x2 16384 B", "reduce_scatter[world] x2 16384 B") * 2
+_LOSS = ("all_reduce[world] x2 256 B",) * 3
+GRAPHS = sorted([("forward", _SP), ("backward", _SP), ("forward", _LOSS), ("backward", ())])
+
+
+@pytest.fixture(scope="module")
+def torchtitan_spmd_types() -> Iterator[None]:
+    """torchtitan on CPU with its default SPMD backend, spmd_types, for the module."""
+    with torchtitan_on_cpu(spmd_backend="spmd_types"):
+        yield
+
+
+def _parallelize(model_name: str, model: Any, parallel_dims: Any, parallelism: Any, compile_config: Any) -> Any:
+    from torchtitan.config import TrainingConfig
+
+    if model_name == "llama3":
+        from torchtitan.models.llama3 import parallelize_llama as parallelize
+    else:
+        from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize
+    return parallelize(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=compile_config,
+        ac_config=None,
+        dump_folder="",
+    )
+
+
+def _train_on_rank(
+    rank: int,
+    model_name: str,
+    options: dict[str, Any] | None,
+    weights: dict[str, torch.Tensor],
+    batches: Batches,
+) -> Run:
+    """torchtitan's parallelize (spmd_types) and training steps on this rank; compiled with dtcompile(**options) unless None."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig, ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    parallelism = ParallelismConfig(tensor_parallel_degree=WORLD_SIZE, enable_sequence_parallel=True)
+    assert parallelism.spmd_backend == "spmd_types", "torchtitan's default SPMD backend"
+    parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
+    parallel_dims.build_mesh()
+    config = MODELS[model_name]()
+    if model_name == "llama3":
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(config, enable_sp=True)
+    else:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        set_qwen3_sharding_config(config, enable_sp=True, enable_ep=False)
+    with torch.device("meta"):
+        model = config.build()
+
+    compiled = options is not None
+    backend = dtcompile.backend(**options) if compiled else None
+    counter = CompileCounterWithBackend(backend) if compiled else None
+    compile_config = CompileConfig(enable=compiled, backend=counter if compiled else "inductor")
+    model = _parallelize(model_name, model, parallel_dims, parallelism, compile_config)
+    force_sum_reduction(model)
+    load_weights(model, weights)
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=VOCAB_SIZE), compile_config=compile_config)
+    with set_current_spmd_mesh(parallel_dims.spmd_dense_mesh()):
+        run = train(
+            model,
+            loss_fn,
+            optimizer(model, LR),
+            batches,
+            num_slices=1,
+            data_parallel_rank=0,
+            clip_grad_norm=lambda params: clip_grad_norm_(params, MAX_NORM),
+            counter=counter,
+        )
+    if compiled:
+        run.graphs = sorted((r.kind, tuple(map(collective_text, r.collectives))) for r in backend.records)
+    return run
+
+
+def _train_single_process(model_name: str, weights: dict[str, torch.Tensor], batches: Batches) -> Run:
+    """The unsharded model on the whole global batch (no SPMD mesh: torchtitan's plain loss)."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    model = MODELS[model_name]().build()
+    model.init_states()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    (run,) = train_single_process(
+        model,
+        CrossEntropyLoss(CrossEntropyLoss.Config()),
+        optimizer(model, LR),
+        batches,
+        num_slices=1,
+        clip_grad_norm=lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
+    )
+    return run
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model_name, mode, torchtitan_spmd_types):
+    weights = initial_weights(MODELS[model_name]())
+    batches = global_batches(NUM_STEPS, VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH)
+
+    eager = run_threaded(WORLD_SIZE, _train_on_rank, model_name, None, weights, batches)
+    compiled = run_threaded(WORLD_SIZE, _train_on_rank, model_name, MODES[mode], weights, batches)
+    one_process = _train_single_process(model_name, weights, batches)
+
+    problems = []
+    for rank in range(WORLD_SIZE):
+        problems += mismatches(compiled[rank], eager[rank], f"rank {rank} compiled vs eager", **TOL)
+        problems += mismatches(eager[rank], one_process, f"rank {rank} eager vs one process", **TOL)
+    raise_mismatches(problems)
+
+    for rank, run in enumerate(compiled):
+        # The block once for both blocks, the loss once; nothing more in step 2.
+        assert run.num_frames == [2] * NUM_STEPS, f"rank {rank}: frames compiled after each step {run.num_frames}"
+        assert run.graphs == GRAPHS, f"rank {rank}: {run.graphs}"
