@@ -46,10 +46,11 @@ def _config():
     )
 
 
-def _rank(rank: int, spmd_backend: str, compiler: str, weights: dict, steps: int) -> tuple[float, float]:
-    """(compile seconds, median step seconds) of one compiler on this rank."""
+def _rank(rank: int, spmd_backend: str, compiler: str, weights: dict, steps: int) -> tuple[float, float, list[int]]:
+    """(compile seconds, median step seconds, frames compiled after each step) of one compiler on this rank."""
     import contextlib
 
+    from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -66,8 +67,8 @@ def _rank(rank: int, spmd_backend: str, compiler: str, weights: dict, steps: int
     set_llama3_sharding_config(config, enable_sp=True)
     with torch.device("meta"):
         model = config.build()
-    backend = dtcompile.backend() if compiler == "dtcompile" else "inductor"
-    compile_config = CompileConfig(enable=True, backend=backend)
+    counter = CompileCounterWithBackend(dtcompile.backend() if compiler == "dtcompile" else "inductor")
+    compile_config = CompileConfig(enable=True, backend=counter)
     model = parallelize_llama(
         model,
         parallel_dims=parallel_dims,
@@ -97,9 +98,11 @@ def _rank(rank: int, spmd_backend: str, compiler: str, weights: dict, steps: int
 
     with mesh, torch.compiler.config.patch(force_disable_caches=True):
         first = step()
+        frames = [counter.frame_count]
         times = [step() for _ in range(steps)]
+        frames.append(counter.frame_count)
     median = statistics.median(times)
-    return max(first - median, 0.0), median
+    return max(first - median, 0.0), median, frames
 
 
 def main() -> None:
@@ -108,24 +111,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, Llama3 dim {DIM}, {NUM_LAYERS} layers, TP + SP over {WORLD_SIZE} threaded ranks")
-    print("| SPMD backend | compiler | compile s | vs inductor | step ms | vs inductor |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("frames: compiled after the first step / after all steps (a recompile or a graph break would add one)")
+    print("| SPMD backend | compiler | frames | compile s | vs inductor | step ms | vs inductor |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for spmd_backend in ("spmd_types", "partial_dtensor"):
         with _titan.torchtitan_on_cpu(spmd_backend=spmd_backend):
             weights = _titan.initial_weights(_config())
             compile_s: dict[str, list[float]] = {"inductor": [], "dtcompile": []}
             step_s: dict[str, list[float]] = {"inductor": [], "dtcompile": []}
+            frames: dict[str, list[int]] = {}
             for round_ in range(args.repeats):
                 order = ["inductor", "dtcompile"] if round_ % 2 == 0 else ["dtcompile", "inductor"]
                 for compiler in order:
                     torch._dynamo.reset()
-                    c, s = run_threaded(WORLD_SIZE, _rank, spmd_backend, compiler, weights, args.steps, timeout=1200)[0]
+                    c, s, frames[compiler] = run_threaded(
+                        WORLD_SIZE, _rank, spmd_backend, compiler, weights, args.steps, timeout=1200
+                    )[0]
                     compile_s[compiler].append(c)
                     step_s[compiler].append(s)
         base_c, base_s = min(compile_s["inductor"]), statistics.median(step_s["inductor"])
         for compiler in ("inductor", "dtcompile"):
             c, s = min(compile_s[compiler]), statistics.median(step_s[compiler])
-            print(f"| {spmd_backend} | {compiler} | {c:.2f} | {c / base_c:.2f}x | {s * 1e3:.1f} | {s / base_s:.2f}x |")
+            f = "/".join(map(str, frames[compiler]))
+            print(f"| {spmd_backend} | {compiler} | {f} | {c:.2f} | {c / base_c:.2f}x | {s * 1e3:.1f} | {s / base_s:.2f}x |")
 
 
 if __name__ == "__main__":
