@@ -52,7 +52,7 @@ def _rank(rank: int, spmd_backend: str, compiler: str, weights: dict, steps: int
 
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
     from torchtitan.models.llama3 import parallelize_llama
@@ -69,15 +69,7 @@ def _rank(rank: int, spmd_backend: str, compiler: str, weights: dict, steps: int
         model = config.build()
     counter = CompileCounterWithBackend(dtcompile.backend() if compiler == "dtcompile" else "inductor")
     compile_config = CompileConfig(enable=True, backend=counter)
-    model = parallelize_llama(
-        model,
-        parallel_dims=parallel_dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=None,
-        dump_folder="",
-    )
+    model = _titan.parallelize(parallelize_llama, model, parallel_dims, parallelism, compile_config)
     _titan.force_sum_reduction(model)
     _titan.load_weights(model, weights)
     loss_config = CrossEntropyLoss.Config(global_vocab_size=VOCAB_SIZE) if spmd_backend == "spmd_types" else CrossEntropyLoss.Config()

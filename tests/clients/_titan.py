@@ -215,6 +215,29 @@ def qwen3_dense_config(
     return use_sdpa(config)
 
 
+def parallelize(
+    parallelize_fn: Callable[..., torch.nn.Module],
+    model: torch.nn.Module,
+    parallel_dims: Any,
+    parallelism: Any,
+    compile_config: Any,
+) -> torch.nn.Module:
+    """torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` as its trainer calls them:
+    float32 parameters, no activation checkpointing (every block compiled through
+    ``apply_compile`` when ``compile_config.enable``)."""
+    from torchtitan.config import TrainingConfig
+
+    return parallelize_fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=compile_config,
+        ac_config=None,
+        dump_folder="",
+    )
+
+
 def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """AdamW with torchtitan's default hyperparameters (``default_adamw``), at ``lr``."""
     from torchtitan.components.optimizer import default_adamw

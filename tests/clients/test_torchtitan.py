@@ -43,6 +43,7 @@ from _titan import (
     load_weights,
     mismatches,
     optimizer,
+    parallelize,
     raise_mismatches,
     train,
     train_single_process,
@@ -116,7 +117,7 @@ def _train_on_rank(
     """torchtitan's parallelize and training steps on this rank; compiled with dtcompile(**options) unless None."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import parallelize_llama
@@ -139,15 +140,7 @@ def _train_on_rank(
     counter = CompileCounterWithBackend(backend) if compiled else None
     # torchtitan compiles each block with compile_config.backend (typed str, handed to torch.compile).
     compile_config = CompileConfig(enable=compiled, backend=counter if compiled else "inductor")
-    model = parallelize_llama(
-        model,
-        parallel_dims=parallel_dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=None,
-        dump_folder="",
-    )
+    model = parallelize(parallelize_llama, model, parallel_dims, parallelism, compile_config)
     force_sum_reduction(model)
     load_weights(model, weights)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(), compile_config=compile_config)

@@ -58,6 +58,7 @@ from _titan import (
     load_weights,
     mismatches,
     optimizer,
+    parallelize,
     raise_mismatches,
     train,
     train_single_process,
@@ -190,7 +191,7 @@ def _train_on_rank(
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.qwen3 import parallelize_qwen3
@@ -208,15 +209,7 @@ def _train_on_rank(
     backend = dtcompile.backend(inductor=False) if compiled else None
     counter = CompileCounterWithBackend(backend) if compiled else None
     compile_config = CompileConfig(enable=compiled, backend=counter if compiled else "inductor")
-    model = parallelize_qwen3(
-        model,
-        parallel_dims=parallel_dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=None,
-        dump_folder="",
-    )
+    model = parallelize(parallelize_qwen3, model, parallel_dims, parallelism, compile_config)
     # What makes the split sizes unbacked symbols rather than constants to guard on.
     assert torch._dynamo.config.capture_scalar_outputs == compiled, "apply_compile did not set capture_scalar_outputs"
     force_sum_reduction(model)

@@ -46,6 +46,7 @@ from _titan import (
     load_weights,
     mismatches,
     optimizer,
+    parallelize,
     qwen3_dense_config,
     raise_mismatches,
     torchtitan_on_cpu,
@@ -132,24 +133,6 @@ def torchtitan_spmd_types() -> Iterator[None]:
         yield
 
 
-def _parallelize(model_name: str, model: Any, parallel_dims: Any, parallelism: Any, compile_config: Any) -> Any:
-    from torchtitan.config import TrainingConfig
-
-    if model_name == "llama3":
-        from torchtitan.models.llama3 import parallelize_llama as parallelize
-    else:
-        from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize
-    return parallelize(
-        model,
-        parallel_dims=parallel_dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=None,
-        dump_folder="",
-    )
-
-
 def _train_on_rank(
     rank: int,
     model_name: str,
@@ -185,7 +168,11 @@ def _train_on_rank(
     backend = dtcompile.backend(**options) if compiled else None
     counter = CompileCounterWithBackend(backend) if compiled else None
     compile_config = CompileConfig(enable=compiled, backend=counter if compiled else "inductor")
-    model = _parallelize(model_name, model, parallel_dims, parallelism, compile_config)
+    if model_name == "llama3":
+        from torchtitan.models.llama3 import parallelize_llama as parallelize_fn
+    else:
+        from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize_fn
+    model = parallelize(parallelize_fn, model, parallel_dims, parallelism, compile_config)
     force_sum_reduction(model)
     load_weights(model, weights)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=VOCAB_SIZE), compile_config=compile_config)
