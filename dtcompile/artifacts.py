@@ -98,12 +98,17 @@ def emit_artifacts(record: CompiledGraph) -> None:
 
 def emit_fallback_artifact(fallback: EagerFallback) -> None:
     """Log a graph run eagerly (``dtcompile_eager_fallback``: why, and the Dynamo graph)."""
-    _artifact("dtcompile_eager_fallback", "string", lambda: f"{fallback}\n\n{fallback.graph.print_readable(print_output=False)}")
+    _with_dynamo_graph("dtcompile_eager_fallback", fallback)
 
 
 def emit_cached_artifact(cached: CachedCompile) -> None:
     """Log a graph AOTAutograd's cache served (``dtcompile_cached_compile``: that, and the Dynamo graph)."""
-    _artifact("dtcompile_cached_compile", "string", lambda: f"{cached}\n\n{cached.graph.print_readable(print_output=False)}")
+    _with_dynamo_graph("dtcompile_cached_compile", cached)
+
+
+def _with_dynamo_graph(name: str, note: EagerFallback | CachedCompile) -> None:
+    """An artifact of what happened to a Dynamo graph that was not compiled here, then the graph."""
+    _artifact(name, "string", lambda: f"{note}\n\n{note.graph.print_readable(print_output=False)}")
 
 
 def collective_table(records: list[CompiledGraph]) -> list[str]:

@@ -24,6 +24,8 @@ __all__ = [
     "CASES",
     "ModelCase",
     "StepResult",
+    "assert_steps_close",
+    "cache_counts",
     "rank_eager_and_compiled",
     "reference_step",
     "run_step",
@@ -36,6 +38,31 @@ class StepResult:
 
     output: torch.Tensor
     grads: dict[str, torch.Tensor]
+
+
+def assert_steps_close(got: StepResult, want: StepResult, what: str, *, rtol: float, atol: float) -> None:
+    """``got``'s output and gradients close to ``want``'s; a failure names ``what`` and the tensor."""
+    torch.testing.assert_close(got.output, want.output, rtol=rtol, atol=atol, msg=lambda m: f"{what}: output: {m}")
+    assert got.grads.keys() == want.grads.keys(), what
+    for name, grad in got.grads.items():
+        torch.testing.assert_close(
+            grad, want.grads[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what}: grad of {n}: {m}"
+        )
+
+
+def cache_counts(backend: Any) -> dict[str, int]:
+    """What torch's compile caches did in this process (Dynamo's counters: Inductor's
+    ``fxgraph_cache_*``, AOTAutograd's ``autograd_cache_*``) and what ``backend`` (a
+    dtcompile backend) compiled, took from AOTAutograd's cache, or ran eagerly."""
+    from torch._dynamo.utils import counters
+
+    return {
+        **{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+        **{k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
+        "compiled": len(backend.records),
+        "cached": len(backend.cached),
+        "fallbacks": len(backend.fallbacks),
+    }
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dtcompile
-from dtcompile._testing.cases import CASES, StepResult, reference_step, run_step
+from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, cache_counts, reference_step, run_step
 from dtcompile.cache_keys import compile_key, stable_mesh_keys
 from dtcompile.config import DTCompileConfig
 from dtcompile.partition import Partitioner
@@ -39,7 +39,6 @@ _FAKE_PG_STEP = textwrap.dedent(
     """
     import json, sys
     import torch
-    from torch._dynamo.utils import counters
 
     options = json.loads(sys.argv[1])
     if "disable_passes" in options:
@@ -48,7 +47,7 @@ _FAKE_PG_STEP = textwrap.dedent(
         torch.compiler.load_cache_artifacts(open(sys.argv[3], "rb").read())
 
     import dtcompile
-    from dtcompile._testing.cases import CASES, run_step
+    from dtcompile._testing.cases import CASES, cache_counts, run_step
     from dtcompile.testing import fake_world
 
     with fake_world(4):
@@ -59,13 +58,7 @@ _FAKE_PG_STEP = textwrap.dedent(
     if sys.argv[2:3] == ["save"]:
         data, _ = torch.compiler.save_cache_artifacts()
         open(sys.argv[3], "wb").write(data)
-    print("COUNTERS " + json.dumps({
-        **{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
-        **{k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
-        "compiled": len(backend.records),
-        "cached": len(backend.cached),
-        "fallbacks": len(backend.fallbacks),
-    }))
+    print("COUNTERS " + json.dumps(cache_counts(backend)))
     """
 )
 
@@ -127,8 +120,6 @@ def test_portable_cache_artifacts_load_in_a_fresh_process_with_another_cache_dir
 def _gloo_cached_step(rank: int, world_size: int, cache_dir: str) -> tuple[StepResult, StepResult, dict[str, int]]:
     """On one gloo rank: an eager step, then a step compiled with dtcompile (Inductor)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    from torch._dynamo.utils import counters
-
     case = CASES["tp_sp_block"]
     mesh = case.mesh(world_size)
     _, parallel, x = case.build(mesh)
@@ -136,21 +127,7 @@ def _gloo_cached_step(rank: int, world_size: int, cache_dir: str) -> tuple[StepR
     eager = run_step(parallel, parallel, local_x)
     backend = dtcompile.backend()
     compiled = run_step(torch.compile(parallel, backend=backend, fullgraph=True), parallel, local_x)
-    counts = {
-        **{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
-        **{k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
-        "compiled": len(backend.records),
-        "cached": len(backend.cached),
-        "fallbacks": len(backend.fallbacks),
-    }
-    return eager, compiled, counts
-
-
-def _assert_step_close(got: StepResult, want: StepResult, what: str) -> None:
-    torch.testing.assert_close(got.output, want.output, **TOL, msg=lambda m: f"{what}: output: {m}")
-    assert got.grads.keys() == want.grads.keys(), what
-    for name, grad in got.grads.items():
-        torch.testing.assert_close(grad, want.grads[name], **TOL, msg=lambda m, n=name: f"{what}: grad of {n}: {m}")
+    return eager, compiled, cache_counts(backend)
 
 
 @pytest.mark.inductor
@@ -164,9 +141,9 @@ def test_gloo_ranks_restarted_from_the_cache_equal_eager_and_one_process(tmp_pat
         (eager, compiled, cold), (warm_eager, warm_compiled, warm) = runs[0][rank], runs[1][rank]
         _cold(cold)
         _warm(warm, cold)
-        _assert_step_close(eager, StepResult(reference.output, reference.grads), f"rank {rank} eager vs one process")
-        _assert_step_close(compiled, eager, f"rank {rank} cold compiled vs eager")
-        _assert_step_close(warm_compiled, warm_eager, f"rank {rank} compiled from the cache vs eager")
+        assert_steps_close(eager, reference, f"rank {rank} eager vs one process", **TOL)
+        assert_steps_close(compiled, eager, f"rank {rank} cold compiled vs eager", **TOL)
+        assert_steps_close(warm_compiled, warm_eager, f"rank {rank} compiled from the cache vs eager", **TOL)
 
 
 def test_the_key_covers_the_options_that_change_graphs_and_no_others():

@@ -17,6 +17,7 @@ import dtcompile
 from dtcompile._testing.cases import (
     CASES,
     StepResult,
+    assert_steps_close,
     rank_eager_and_compiled,
     reference_step,
     run_step,
@@ -33,12 +34,7 @@ MODES = {"aot": {"inductor": False}, "inductor": {}}
 
 
 def _assert_step_close(got: StepResult, want: StepResult, what: str) -> None:
-    torch.testing.assert_close(got.output, want.output, **TOL, msg=lambda m: f"{what}: output: {m}")
-    assert got.grads.keys() == want.grads.keys(), what
-    for name, grad in got.grads.items():
-        torch.testing.assert_close(
-            grad, want.grads[name], **TOL, msg=lambda m, n=name: f"{what}: grad of {n}: {m}"
-        )
+    assert_steps_close(got, want, what, **TOL)
 
 
 def _check_ranks(case_name, world_size, results, mesh_for_rank) -> None:
