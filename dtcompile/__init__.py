@@ -17,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
+    from dtcompile.calibration import calibrate
     from dtcompile.collectives import CollectiveInfo
     from dtcompile.compiler import DTCompileBackend, backend
     from dtcompile.config import DTCompileConfig
@@ -32,6 +33,7 @@ __all__ = [
     "Report",
     "auto_parallel",
     "backend",
+    "calibrate",
     "explain",
     "local_map",
 ]
@@ -44,6 +46,7 @@ _WHERE = {
     "Report": "dtcompile.report",
     "auto_parallel": "dtcompile.auto_parallel",
     "backend": "dtcompile.compiler",
+    "calibrate": "dtcompile.calibration",
     "explain": "dtcompile.report",
     "local_map": "hops.local_map",
 }

@@ -76,6 +76,8 @@ class DynamoGraphInfo:
     compile_id: str
     axes: dict[str, str]
     profile: HardwareProfile
+    profile_why: str = "given"
+    """Why this profile (:class:`dtcompile.cost_model.ProfileChoice`): given, or what ``auto`` read."""
     nodes: dict[str, NodePlacement] = field(default_factory=dict)
     """The DTensor nodes (a DTensor in or out), by name, in graph order."""
     node_names: frozenset[str] = frozenset()
@@ -143,11 +145,13 @@ def _target_name(node: fx.Node) -> str:
     return f"{module}.{name}"
 
 
-def describe_dynamo_graph(gm: fx.GraphModule, compile_id: str, axes: dict[str, str], profile: HardwareProfile) -> DynamoGraphInfo:
+def describe_dynamo_graph(
+    gm: fx.GraphModule, compile_id: str, axes: dict[str, str], profile: HardwareProfile, profile_why: str = "given"
+) -> DynamoGraphInfo:
     """The placements of every DTensor node of a Dynamo graph (read from its example values)."""
     from torch.distributed.tensor import DTensor
 
-    info = DynamoGraphInfo(compile_id, axes, profile)
+    info = DynamoGraphInfo(compile_id, axes, profile, profile_why)
     meshes: dict[str, None] = {}  # reprs, in order of appearance
     uneven: list[str] = []
     for node in gm.graph.nodes:

@@ -51,6 +51,7 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
         "compile_id": record.compile_id,
         "kind": record.kind,
         "cost_profile": record.info.profile.name,
+        "cost_profile_why": record.info.profile_why,
         "passes": [
             {
                 "name": p.name,
@@ -138,7 +139,7 @@ def format_compiled_graph(record: CompiledGraph) -> str:
     profile = record.info.profile
     return "\n".join(
         [
-            f"== dtcompile {record.compile_id} {record.kind} (cost profile {profile.name}) ==",
+            f"== dtcompile {record.compile_id} {record.kind} (cost profile {profile.name}: {record.info.profile_why}) ==",
             "-- DTensor placements (Dynamo graph) --",
             record.info.format(),
             f"-- {record.kind} graph --",

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dtcompile.config import DTCompileConfig
-from dtcompile.cost_model import get_profile
+from dtcompile.cost_model import HardwareProfile
 from dtcompile.scoped_patch import ScopedPatch
 
 __all__ = ["compile_key", "stable_mesh_keys"]
@@ -67,15 +67,15 @@ def _canonical(value: Any) -> str:
     return repr(value)
 
 
-def compile_key(config: DTCompileConfig) -> str:
-    """The text torch's caches key dtcompile's graphs on, besides the graph and Inductor's config."""
+def compile_key(config: DTCompileConfig, profile: HardwareProfile) -> str:
+    """The text torch's caches key dtcompile's graphs on, besides the graph and Inductor's config;
+    ``profile`` is the one the graph is priced with (``auto`` picks it per graph)."""
     fields = ", ".join(
         f"{name}={_canonical(getattr(config, name))}"
         for name in DTCompileConfig.field_names()
         if name not in _NOT_IN_KEY
     )
-    profile = _canonical(vars(get_profile(config.cost_profile)))
-    return f"dtcompile(source={_source_digest()}, {fields}, profile={profile})"
+    return f"dtcompile(source={_source_digest()}, {fields}, profile={_canonical(profile.to_json())})"
 
 
 def _reduce_mesh(mesh: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:

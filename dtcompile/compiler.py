@@ -53,12 +53,12 @@ from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallb
 from dtcompile.cache_keys import compile_key, stable_mesh_keys
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes
 from dtcompile.config import DTCompileConfig, config_for
-from dtcompile.cost_model import get_profile
+from dtcompile.cost_model import ProfileChoice, choose_profile
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
 from dtcompile.lowering import inline_regions
 from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
-from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
+from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.sharding_cache import fresh_sharding_caches
 from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
@@ -102,25 +102,30 @@ class _Progress:
         self.traced = True
 
 
-def _schedule_owned_by_dtcompile(config: DTCompileConfig) -> dict[str, Any]:
-    """Inductor settings that leave the collectives' schedule to dtcompile's passes
-    (for a graph that communicates).
+def _schedule_owned_by_dtcompile(config: DTCompileConfig, passes: Sequence[PassRecord]) -> dict[str, Any]:
+    """Inductor settings that leave the collectives' schedule to dtcompile's passes,
+    given what they did to this graph.
 
     From torch 2.14 Inductor reorders collectives itself (``simple_overlap``, on by
     default; :func:`dtcompile.torch_compat.inductor_reorders_collectives`).  Where
     dtcompile's ``overlap`` pass has placed the collectives and waits, or its
-    ``async_tp`` pass may have put collectives inside fused ops, dtcompile owns the
+    ``async_tp`` pass has put collectives inside fused ops, dtcompile owns the
     schedule and Inductor's pass is switched off for this compile: it would
     redo the placement without dtcompile's cost model, and it does not see a
     collective inside a fused op (a ``FallbackKernel``), so it could move
-    another collective across it (pytorch/pytorch#189454).  With both passes
-    disabled, or the setting given explicitly, Inductor's own choice stands.
+    another collective across it (pytorch/pytorch#189454).  Where neither
+    changed the graph (disabled, or their rewrites did not pay under the
+    profile), or the setting is given explicitly, Inductor's own choice stands.
     """
     if not inductor_reorders_collectives() or INDUCTOR_SIMPLE_OVERLAP in config.inductor_config:
         return {}
-    if {"overlap", "async_tp"} <= config.disable_passes:
-        return {}
-    return {INDUCTOR_SIMPLE_OVERLAP: False}
+    scheduled = any(
+        decision.action in (Action.MOVED, Action.FUSED)
+        for record in passes
+        if record.name in ("overlap", "async_tp")
+        for decision in record.decisions
+    )
+    return {INDUCTOR_SIMPLE_OVERLAP: False} if scheduled else {}
 
 
 # The packages whose own exceptions are deliberate errors (bad input, a region
@@ -147,6 +152,19 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
 
 def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
     return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
+
+
+def _profile_for(config: DTCompileConfig, devices: frozenset[str], axes: Mapping[str, str]) -> ProfileChoice:
+    """The cost profile this graph is priced with (:func:`dtcompile.cost_model.choose_profile`):
+    read from its devices and the backends of its meshes' groups (or the default group's)."""
+    backends = set()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        groups = [_resolve_process_group(name) for name in axes] or [None]
+        backends = {str(torch.distributed.get_backend(group)) for group in groups}
+    gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None
+    return choose_profile(config.cost_profile, devices, backends, gpu)
 
 
 class DTCompileBackend:
@@ -195,16 +213,16 @@ class DTCompileBackend:
             if ignored:
                 warnings.warn(f"dtcompile: ignored {'; '.join(ignored)}", stacklevel=2)
         compile_id = torch._guards.CompileContext.current_compile_id()
+        axes = mesh_axes(gm, example_inputs)
+        priced = _profile_for(config, _devices(example_inputs), axes)
         info = describe_dynamo_graph(
-            gm,
-            str(compile_id) if compile_id is not None else "?",
-            mesh_axes(gm, example_inputs),
-            get_profile(config.cost_profile),
+            gm, str(compile_id) if compile_id is not None else "?", axes, priced.profile, priced.why
         )
+        log.info("%s: cost profile %s", info.compile_id, priced)
         constants = split_constant_outputs(gm)
         views = split_input_views(gm)
         progress = _Progress()
-        partitioner = Partitioner(bool(info.uneven), compile_key(config), on_start=progress.trace_finished)
+        partitioner = Partitioner(bool(info.uneven), compile_key(config, priced.profile), on_start=progress.trace_finished)
         try:
             with (
                 _compile_caches(config),
@@ -272,11 +290,17 @@ class DTCompileBackend:
         else:
             kind = "forward"
         communicates = any(is_collective(node) for node in gm.graph.nodes)
-        with inductor_config.patch(_schedule_owned_by_dtcompile(config) if communicates else {}):
-            current = inductor_config.get_config_copy()
-            lowering = {name: current[name] for name in config.inductor_config}
-            if communicates and inductor_reorders_collectives():
-                lowering[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
+        with contextlib.ExitStack() as stack:
+
+            def lowering(passes: Sequence[PassRecord]) -> dict[str, Any]:
+                """Patches Inductor for this graph (until it is compiled); what it will read."""
+                stack.enter_context(inductor_config.patch(_schedule_owned_by_dtcompile(config, passes) if communicates else {}))
+                current = inductor_config.get_config_copy()
+                settings = {name: current[name] for name in config.inductor_config}
+                if communicates and inductor_reorders_collectives():
+                    settings[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
+                return settings
+
             gm = self._run_passes(gm, example_inputs, kind, info, config, progress, lowering)
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
@@ -296,7 +320,7 @@ class DTCompileBackend:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
-                return make_boxed_func(self._run_passes(graph, inputs, kind, info, config, progress, {}).forward)
+                return make_boxed_func(self._run_passes(graph, inputs, kind, info, config, progress, lambda _: {}).forward)
 
             return compile_graph
 
@@ -317,8 +341,10 @@ class DTCompileBackend:
         info: DynamoGraphInfo,
         config: DTCompileConfig,
         progress: _Progress,
-        lowering: Mapping[str, Any],
+        lowering: Callable[[Sequence[PassRecord]], Mapping[str, Any]],
     ) -> fx.GraphModule:
+        """Runs the passes on one AOT graph and records it; ``lowering`` is told what the
+        passes did and returns the settings the graph will be lowered with."""
         progress.trace_finished()
         ctx = PassContext(kind=kind, config=config, info=info)
         gm, passes = run_passes(gm, example_inputs, ctx)
@@ -334,7 +360,7 @@ class DTCompileBackend:
             info=info,
             regions=tuple(regions),
             with_regions=with_regions,
-            lowering=dict(lowering),
+            lowering=dict(lowering(passes)),
         )
         self.records.append(record)
         log.info(

@@ -14,6 +14,9 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtcompile.cost_model import AUTO, HardwareProfile, get_profile
+from dtcompile.pass_names import PASS_NAMES
+
 __all__ = ["DTCompileConfig", "config_for", "inductor_settings"]
 
 
@@ -27,7 +30,7 @@ class DTCompileConfig:
     compile, for tests and debugging."""
 
     disable_passes: frozenset[str] = frozenset()
-    """Names of graph passes to skip (see ``dtcompile.passes.PASSES``)."""
+    """Names of graph passes to skip (``dtcompile.pass_names.PASS_NAMES``)."""
 
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """``torch._inductor.config`` settings for this backend's compiles only,
@@ -42,9 +45,13 @@ class DTCompileConfig:
     """Most bytes (per rank, >= 0) of collectives the ``overlap`` pass lets be in
     flight at once when it issues them earlier."""
 
-    cost_profile: str = "h100"
-    """Hardware profile for the estimated collective times in annotations and
-    reports: a name in ``dtcompile.cost_model.PROFILES``."""
+    cost_profile: str | HardwareProfile = "auto"
+    """The machine the passes price their rewrites for and the annotations and
+    reports estimate times on: ``"auto"`` (the profile that follows each graph's
+    devices and process groups' backend: ``cpu_gloo`` for CPU on gloo, the GPU's
+    over NCCL, ``h100`` for the fake and threaded test worlds), a profile's name
+    (``dtcompile.cost_model.PROFILES``, or one ``dtcompile.calibrate()`` saved), or a
+    :class:`~dtcompile.cost_model.HardwareProfile`.  See :func:`dtcompile.cost_model.choose_profile`."""
 
     report: bool = False
     """Print the text report (see :func:`dtcompile.explain`) of every graph this
@@ -83,14 +90,15 @@ class DTCompileConfig:
         _check_bytes("overlap_memory_budget_bytes", self.overlap_memory_budget_bytes, minimum=0)
         object.__setattr__(self, "disable_passes", _pass_names(self.disable_passes))
         object.__setattr__(self, "inductor_config", _inductor_settings(self.inductor_config))
+        if isinstance(self.cost_profile, HardwareProfile):
+            return
         if not isinstance(self.cost_profile, str):
             raise TypeError(
-                f"dtcompile: cost_profile must be a profile name (str), got {type(self.cost_profile).__name__} "
-                f"{self.cost_profile!r}"
+                f"dtcompile: cost_profile must be a profile name (str), {AUTO!r} or a "
+                f"dtcompile.cost_model.HardwareProfile, got {type(self.cost_profile).__name__} {self.cost_profile!r}"
             )
-        from dtcompile.cost_model import get_profile
-
-        get_profile(self.cost_profile)
+        if self.cost_profile != AUTO:
+            get_profile(self.cost_profile)
 
     def __hash__(self) -> int:
         return hash(
@@ -150,9 +158,7 @@ def _pass_names(value: Any) -> frozenset[str]:
     names = frozenset(value)
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"dtcompile: disable_passes must hold pass names (str), got {sorted(map(repr, names))}")
-    from dtcompile.passes import PASSES
-
-    known = {p.name for p in PASSES}
+    known = set(PASS_NAMES)
     unknown = sorted(names - known)
     if unknown:
         raise ValueError(f"dtcompile: disable_passes names unknown passes {unknown}; the passes are {sorted(known)}")

@@ -29,23 +29,55 @@ The profile also carries a device roofline (``matmul_tflops``,
 of a graph and play it on a compute and a communication stream.  This module is
 the pure formulas and the profiles: it reads no graph.
 
+A profile also says what the passes may count on: how much of a collective's
+time can run beside compute (``overlap``: 1 where a collective runs on its own
+engine, as NCCL's do; what ``dtcompile.calibrate()`` measures on a CPU host,
+where gloo's threads share the cores with the compute) and whether a fused
+collective-matmul kernel exists (``fused_collective_matmul``).
+
+Which profile a graph is priced with (:func:`choose_profile`): the one the
+user names (``cost_profile=`` a name or a :class:`HardwareProfile`), else,
+with ``"auto"`` (the default), the one that follows the graph's devices and
+its process groups' backend: a CPU graph on gloo, or on no group, ``cpu_gloo``;
+a CUDA graph on NCCL the profile of its GPU (``h100``, ``a100``; another GPU
+``h100``, saying so); the test worlds that stand in for a job (the fake and the
+threaded process groups) ``h100``, the job they simulate.  A profile that
+:func:`dtcompile.calibrate` measured and saved under a name (a JSON file in
+:func:`profile_dir`) is found by that name, and one saved under the name
+``"auto"`` picks (``cpu_gloo``) replaces the built-in one on this machine.
+
 To add a profile: build a :class:`HardwareProfile` and call
-:func:`register_profile`; ``dtcompile.backend(cost_profile="name")`` then uses
-it.  The ``cpu_gloo`` constants come from ``benchmarks/calibrate_gloo.py``.
+:func:`register_profile`, or save one with :func:`save_profile`;
+``dtcompile.backend(cost_profile="name")`` then uses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 __all__ = [
+    "AUTO",
     "PROFILES",
     "HardwareProfile",
     "Link",
+    "ProfileChoice",
+    "choose_profile",
     "collective_time_us",
     "get_profile",
+    "load_profile",
+    "profile_dir",
     "register_profile",
+    "save_profile",
 ]
+
+AUTO = "auto"
+"""``cost_profile="auto"``: the profile follows the graph's devices and process groups."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +108,35 @@ class HardwareProfile:
     matmul_tflops: float = 400.0
     """Dense matmul throughput of one device (TFLOP/s) for the roofline estimate."""
     memory_gbps: float = 2000.0
-    """Memory bandwidth of one device (GB/s) for the roofline estimate."""
+    """Memory bandwidth of one device (GB/s) for the roofline estimate, and of the
+    copies a rewrite adds (a bucket's buffer)."""
+    overlap: float = 1.0
+    """Fraction (0 to 1) of a collective's time that can run beside compute; the
+    rest holds the compute stream (gloo's threads on the cores the compute uses)."""
+    fused_collective_matmul: bool = True
+    """Whether this kind of machine has fused collective-matmul kernels (torch's
+    symmetric-memory ops over NCCL); without them ``async_tp`` saves nothing."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name == AUTO:
+            raise ValueError(f"HardwareProfile: name must be a non-empty str other than {AUTO!r}, got {self.name!r}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"HardwareProfile {self.name}: overlap must be within [0, 1], got {self.overlap}")
+        if self.matmul_tflops <= 0 or self.memory_gbps <= 0 or self.devices_per_node < 1:
+            raise ValueError(
+                f"HardwareProfile {self.name}: matmul_tflops and memory_gbps must be positive and "
+                f"devices_per_node >= 1, got {self.matmul_tflops}, {self.memory_gbps}, {self.devices_per_node}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HardwareProfile:
+        fields = dict(data)
+        for link in ("intra_node", "inter_node"):
+            fields[link] = Link(**fields[link])
+        return cls(**fields)
 
     def link(self, span: int) -> Link:
         """The link a group uses whose ranks span ``span`` consecutive ranks."""
@@ -92,14 +152,103 @@ def register_profile(profile: HardwareProfile) -> HardwareProfile:
     return profile
 
 
+def profile_dir() -> Path:
+    """Where saved profiles live: ``$DTCOMPILE_PROFILE_DIR``, else ``~/.cache/dtcompile/profiles``."""
+    configured = os.environ.get("DTCOMPILE_PROFILE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "dtcompile" / "profiles"
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike[str] | None = None) -> Path:
+    """Writes ``profile`` as JSON (default ``profile_dir() / f"{profile.name}.json"``); returns the path.
+
+    A saved profile is then found by name (:func:`get_profile`) in every process
+    that reads the same folder, and wins over a built-in one of the same name.
+    """
+    target = Path(path) if path is not None else profile_dir() / f"{profile.name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(profile.to_json(), indent=2, sort_keys=True) + "\n")
+    temporary.replace(target)
+    return target
+
+
+def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
+    """A profile :func:`save_profile` wrote; a clear error if the file is not one."""
+    try:
+        return HardwareProfile.from_json(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"dtcompile: {path} is not a saved cost profile ({type(exc).__name__}: {exc})") from exc
+
+
 def get_profile(name: str) -> HardwareProfile:
+    """The profile called ``name``: saved in :func:`profile_dir`, else registered."""
+    saved = profile_dir() / f"{name}.json"
+    if saved.is_file():
+        return load_profile(saved)
     try:
         return PROFILES[name]
     except KeyError:
         raise ValueError(
-            f"unknown cost profile {name!r}; the profiles are {sorted(PROFILES)} "
-            "(add one with dtcompile.cost_model.register_profile)"
+            f"unknown cost profile {name!r}; the profiles are {sorted(PROFILES)} and {AUTO!r} "
+            f"(add one with dtcompile.cost_model.register_profile, or measure this machine's with "
+            f"dtcompile.calibrate(name={name!r}), which saves it in {profile_dir()})"
         ) from None
+
+
+@dataclass(frozen=True)
+class ProfileChoice:
+    """The profile a graph is priced with, and why that one."""
+
+    profile: HardwareProfile
+    why: str
+    """``given``, or what ``auto`` read: e.g. ``auto: cpu tensors on gloo``."""
+
+    def __str__(self) -> str:
+        return f"{self.profile.name} ({self.why})"
+
+
+# GPU name (as torch.cuda.get_device_name says it) -> profile.
+_GPU_PROFILES = (("H100", "h100"), ("H200", "h100"), ("A100", "a100"))
+# Process groups that stand in for a job: price for the job they simulate.
+_TEST_BACKENDS = frozenset({"fake", "threaded"})
+_SIMULATED_TARGET = "h100"
+
+
+def choose_profile(
+    choice: str | HardwareProfile,
+    devices: Iterable[str] = (),
+    backends: Iterable[str] = (),
+    gpu_name: str | None = None,
+) -> ProfileChoice:
+    """The profile for a graph whose tensors are on ``devices`` (device types) and whose
+    collectives run on groups of ``backends`` (``"gloo"``, ``"nccl"``, ``"fake"``, ...).
+
+    ``choice`` is ``cost_profile``: a profile, a name, or :data:`AUTO`.  See the module docstring.
+    """
+    if isinstance(choice, HardwareProfile):
+        return ProfileChoice(choice, "given")
+    if choice != AUTO:
+        return ProfileChoice(get_profile(choice), "given")
+    devices, backends = set(devices), set(backends)
+    on = f"{'/'.join(sorted(devices)) or 'no'} tensors on {'/'.join(sorted(backends)) or 'no process group'}"
+    if backends & _TEST_BACKENDS:
+        name = _SIMULATED_TARGET
+        why = f"auto: {on}, a test world standing in for a job, priced as the {name} it simulates"
+    elif "cuda" in devices:
+        name = next((profile for key, profile in _GPU_PROFILES if key in (gpu_name or "")), _SIMULATED_TARGET)
+        known = any(key in (gpu_name or "") for key, _ in _GPU_PROFILES)
+        gpu = gpu_name or "an unnamed GPU"
+        why = f"auto: {on}, {gpu}" + ("" if known else f" (no profile of its own: {name}'s; run dtcompile.calibrate())")
+    elif backends <= {"gloo"}:
+        name = "cpu_gloo"
+        why = f"auto: {on}"
+    else:
+        name = _SIMULATED_TARGET
+        why = f"auto: {on} (no profile for them: {name}'s; run dtcompile.calibrate())"
+    profile = get_profile(name)
+    if (profile_dir() / f"{name}.json").is_file():
+        why += f", calibrated on this machine ({profile_dir() / f'{name}.json'})"
+    return ProfileChoice(profile, why)
 
 
 # NVLink numbers: nccl-tests bus bandwidth of large all-reduces on 8-GPU nodes;
@@ -140,16 +289,19 @@ register_profile(
         memory_gbps=3350.0,
     )
 )
-# Fitted by benchmarks/calibrate_gloo.py on the 2-core CI machine (see RESULTS.md).
+# Measured by dtcompile.calibrate() on 2 gloo ranks of the 2-core CI machine
+# (benchmarks/calibrate_gloo.py; RESULTS.md "calibrate_gloo.py").
 register_profile(
     HardwareProfile(
         name="cpu_gloo",
-        description="ranks as processes on one CPU host, gloo over loopback TCP (calibrated)",
-        intra_node=Link(bandwidth_gbps=1.13, hop_latency_us=0.0, base_latency_us=280.0),
-        inter_node=Link(bandwidth_gbps=1.13, hop_latency_us=0.0, base_latency_us=280.0),
+        description="ranks as processes on one CPU host, gloo over loopback TCP (calibrated on 2 cores)",
+        intra_node=Link(bandwidth_gbps=0.9, hop_latency_us=72.0, base_latency_us=380.0),
+        inter_node=Link(bandwidth_gbps=0.9, hop_latency_us=72.0, base_latency_us=380.0),
         devices_per_node=1 << 30,
-        matmul_tflops=0.1,  # two cores, fp32
-        memory_gbps=10.0,
+        matmul_tflops=0.05,  # fp32, while the other rank computes too
+        memory_gbps=11.0,
+        overlap=0.0,  # gloo's threads share the two cores: nothing measured runs beside compute
+        fused_collective_matmul=False,
     )
 )
 

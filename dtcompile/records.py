@@ -19,7 +19,7 @@ from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.regions import RegionInfo
 
-__all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord"]
+__all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price"]
 
 
 class Action(enum.Enum):
@@ -36,6 +36,39 @@ class Action(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Price:
+    """What a rewrite is estimated to save and to cost, in microseconds of a step,
+    under the graph's cost profile; a pass applies a rewrite only when it :attr:`pays`."""
+
+    saves_us: float
+    """Time saved: launches merged, communication hidden under compute."""
+    costs_us: float
+    """Time added: copies into and out of a bucket, overlap lost by waiting for a bucket."""
+    costs_what: str = ""
+    """What the cost is made of, as the record says it (``of copies``)."""
+    profile: str = ""
+    """The cost profile's name."""
+
+    @property
+    def pays(self) -> bool:
+        return self.saves_us > self.costs_us
+
+    def __str__(self) -> str:
+        costs = f"costs {_us(self.costs_us)}" + (f" {self.costs_what}" if self.costs_what else "")
+        on = f" ({self.profile})" if self.profile else ""
+        return f"saves {_us(self.saves_us)}, {costs}{on}"
+
+
+def _us(value: float) -> str:
+    """Microseconds as a reader wants them: ``1234 us``, ``12.3 us``, ``0.00412 us``, ``0 us``."""
+    if abs(value) >= 100:
+        return f"{value:.0f} us"
+    if abs(value) >= 1:
+        return f"{value:.1f} us"
+    return f"{value:.3g} us"
+
+
+@dataclass(frozen=True)
 class Outcome:
     """One decision of a pass: ``str()`` is the line the log and the reports show."""
 
@@ -44,13 +77,16 @@ class Outcome:
     """What was done, or for :attr:`Action.SKIPPED` why not."""
     node: str | None = None
     """The node the decision is about, when there is one."""
+    price: Price | None = None
+    """For a priced rewrite, applied or skipped: what it saves and costs."""
 
     def __str__(self) -> str:
-        return f"{self.node}: {self.text}" if self.node else self.text
+        text = f"{self.node}: {self.text}" if self.node else self.text
+        return f"{text}: {self.price}" if self.price is not None else text
 
     @classmethod
-    def skipped(cls, node: str, reason: str) -> Outcome:
-        return cls(Action.SKIPPED, reason, node)
+    def skipped(cls, node: str, reason: str, price: Price | None = None) -> Outcome:
+        return cls(Action.SKIPPED, reason, node, price)
 
 
 @dataclass(frozen=True)

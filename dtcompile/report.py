@@ -58,9 +58,11 @@ class Report:
     def text(self, aot_graphs: bool = True) -> str:
         """The report; ``aot_graphs=False`` leaves out the annotated forward/backward graphs."""
         lines = []
-        profile = self.graphs[0].info.profile if self.graphs else None
-        if profile is not None:
-            lines.append(f"dtcompile report; cost profile {profile.name}: {profile.description}")
+        info = self.graphs[0].info if self.graphs else None
+        if info is not None:
+            lines.append(
+                f"dtcompile report; cost profile {info.profile.name} ({info.profile_why}): {info.profile.description}"
+            )
         if self.solution:
             lines += ["== auto-parallel solution ==", self.solution]
         by_id: dict[str, list[CompiledGraph]] = {}

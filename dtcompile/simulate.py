@@ -98,9 +98,13 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
 
     A collective is issued when the compute stream reaches it and runs after the
     previous collective; ``wait_tensor`` holds compute until it is done; other
-    nodes take their roofline time.  A fused collective-matmul over ``n`` ranks
-    pipelines ``n`` chunks: it takes ``max(C, M) + min(C, M) / n`` on the compute
-    stream for communication ``C`` and matmuls ``M``.  A ``local_map`` region
+    nodes take their roofline time.  Of a collective's time ``C``, the part the
+    profile cannot overlap, ``(1 - profile.overlap) * C``, also holds the compute
+    stream where it is issued (on a CPU host, gloo's threads take the cores the
+    compute runs on).  A fused collective-matmul over ``n`` ranks pipelines ``n``
+    chunks: it takes ``C + M - overlap * (min(C, M) - min(C, M) / n)`` on the
+    compute stream for communication ``C`` and matmuls ``M`` (``max(C, M) +
+    min(C, M) / n`` where communication overlaps fully).  A ``local_map`` region
     takes its body's time (:func:`region_timeline`); one that issues collectives
     starts once the communication stream is free and holds both streams.
     """
@@ -114,11 +118,14 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
             m = node_time_us(node, profile)
             comm += c
             compute += m
-            clock = max(clock, comm_free) + max(c, m) + min(c, m) / info.group_size
+            hidden = profile.overlap * (min(c, m) - min(c, m) / info.group_size)
+            clock = max(clock, comm_free) + c + m - hidden
         elif info is not None:
             cost = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
             comm += cost
-            comm_free = max(clock, comm_free) + cost
+            start = max(clock, comm_free)
+            clock += (1.0 - profile.overlap) * cost  # the part that holds the compute stream
+            comm_free = start + cost
             done[node] = comm_free
         elif node.target is wait:
             clock = max(clock, done.get(node.args[0], clock))

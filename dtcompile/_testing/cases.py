@@ -163,3 +163,17 @@ def reference_step(case_name: str, world_size: int) -> StepResult:
     with fake_world(world_size):
         reference, _, x = case.build(case.mesh(world_size))
     return run_step(reference, reference, x)
+
+
+def pass_context(config: Any = None, kind: str = "forward", profile: Any = None) -> Any:
+    """A :class:`~dtcompile.passes.PassContext` for a hand-built graph: ``config`` (default
+    options), priced with ``profile`` (a name or profile; default what ``config.cost_profile``
+    picks for a CPU graph in the fake world: ``h100`` under ``auto``)."""
+    from dtcompile.annotations import DynamoGraphInfo
+    from dtcompile.config import DTCompileConfig
+    from dtcompile.cost_model import choose_profile
+    from dtcompile.passes import PassContext
+
+    config = config if config is not None else DTCompileConfig()
+    chosen = choose_profile(profile if profile is not None else config.cost_profile, {"cpu"}, {"fake"})
+    return PassContext(kind=kind, config=config, info=DynamoGraphInfo("test", {}, chosen.profile, chosen.why))

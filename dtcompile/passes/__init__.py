@@ -63,6 +63,7 @@ class GraphPass:
 
 
 # Rewrites first, then ``annotate``: it describes the graph that is lowered.
+# Their names, in this order, are ``dtcompile.pass_names.PASS_NAMES`` (a test checks).
 PASSES: tuple[GraphPass, ...] = (
     GraphPass("async_tp", fuse_async_tp, changes_collectives=True),
     GraphPass("bucketing", bucket_collectives, changes_collectives=True),

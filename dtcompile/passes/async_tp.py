@@ -17,8 +17,13 @@ AOTAutograd (as in torch's ``micro_pipeline_tp.py``):
 On CUDA a pair is fused only over an NCCL group, where the fused op takes
 torch's symmetric-memory kernel: over another group (the fake process group)
 the op would run decomposed, adding host time and overlapping nothing
-(:func:`dtcompile.ops.decomposed_on`).  CPU graphs are fused and run the
-decomposition.  What the pass leaves, it records with the reason.  The fused ops are in
+(:func:`dtcompile.ops.decomposed_on`).  Every fusion is priced under the
+graph's cost profile (:class:`~dtcompile.records.Price`): it hides part of
+the collective under the matmuls where the profile has fused kernels
+(``fused_collective_matmul``), nothing where it has not (``cpu_gloo``), and
+a pair is fused only where that is more than nothing.  CPU graphs priced for
+a GPU job (the fake and threaded test worlds, ``h100`` under ``auto``) are
+fused and run the decomposition, which is what CPU tests exercise.  What the pass leaves, it records with the reason.  The fused ops are in
 :mod:`dtcompile.ops` (symmetric-memory kernels on CUDA, a decomposed
 implementation elsewhere).
 """
@@ -32,10 +37,13 @@ from typing import Any
 import torch
 from torch import fx
 
+from dtcompile.collectives import collective_info
+from dtcompile.cost_model import collective_time_us
 from dtcompile.ops import decomposed_on  # importing it registers the dtcompile:: ops
 from dtcompile.passes._graph import refresh_metadata, single_wait
 from dtcompile.passes.context import PassContext
-from dtcompile.records import Action, Outcome
+from dtcompile.records import Action, Outcome, Price
+from dtcompile.simulate import node_time_us
 from dtcompile.sizes import is_symbolic
 
 __all__ = ["fuse_async_tp"]
@@ -128,7 +136,27 @@ def _hoist_before(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> 
 _SYMBOLIC = "its shape is symbolic (dynamic shapes), and the fused op is built for one shape"
 
 
-def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int]) -> Outcome:
+def _price(ctx: PassContext, collective: fx.Node, matmuls: list[fx.Node]) -> Price:
+    """A fused op pipelines its collective (``C``) with its matmuls (``M``) in ``n``
+    chunks: it hides ``overlap * (min(C, M) - min(C, M) / n)`` (as
+    :func:`dtcompile.simulate.simulate` plays it), where the profile has fused
+    kernels; the decomposition that runs elsewhere hides nothing."""
+    profile = ctx.profile
+    if not profile.fused_collective_matmul:
+        return ctx.price(0.0, 0.0)
+    info = collective_info(collective)
+    c = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
+    m = sum(node_time_us(mm, profile) for mm in matmuls)
+    return ctx.price(profile.overlap * (min(c, m) - min(c, m) / info.group_size), 0.0)
+
+
+def _unpaid(ctx: PassContext) -> str:
+    if not ctx.profile.fused_collective_matmul:
+        return f"{ctx.profile.name} has no fused collective-matmul kernel (the op would run decomposed)"
+    return "the pipelined matmul hides none of the collective"
+
+
+def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int], ctx: PassContext) -> Outcome:
     wait = single_wait(ag)
     if wait is None:
         return Outcome.skipped(ag.name, "not fused: the all-gather has no single wait")
@@ -148,6 +176,9 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int])
     why = decomposed_on(shard.meta["val"].device.type, group)
     if why is not None:
         return Outcome.skipped(ag.name, f"not fused: {why}")
+    price = _price(ctx, ag, [mm for mm, _ in consumers])
+    if not price.pays:
+        return Outcome.skipped(ag.name, f"not fused: {_unpaid(ctx)}", price)
     graph = gm.graph
     with graph.inserting_before(wait):
         fused = graph.call_function(torch.ops.dtcompile.fused_all_gather_matmul.default, (shard, [b for _, b in consumers], gather_dim, group))
@@ -164,10 +195,10 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int])
         mm.replace_all_uses_with(flat)
         graph.erase_node(mm)
     _erase_unused([gathered, *_between(wait, gathered), wait, ag])
-    return Outcome(Action.FUSED, f"fused all_gather(dim {gather_dim}) + {len(consumers)} matmul(s): {ag.name} -> {', '.join(mm.name for mm, _ in consumers)}")
+    return Outcome(Action.FUSED, f"fused all_gather(dim {gather_dim}) + {len(consumers)} matmul(s): {ag.name} -> {', '.join(mm.name for mm, _ in consumers)}", price=price)
 
 
-def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> Outcome:
+def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> Outcome:
     wait = single_wait(rs)
     if wait is None:
         return Outcome.skipped(rs.name, "not fused: the reduce-scatter has no single wait")
@@ -196,6 +227,9 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> Outcome:
         return Outcome.skipped(rs.name, f"not fused: its input comes from {mm.target} ({mm.name}), not from one matmul")
     if len(mm.users) != 1:
         return Outcome.skipped(rs.name, f"matmul->reduce-scatter not fused: the matmul output has {len(mm.users)} users")
+    price = _price(ctx, rs, [mm])
+    if not price.pays:
+        return Outcome.skipped(rs.name, f"not fused: {_unpaid(ctx)}", price)
     graph = gm.graph
     out_shape = list(view.meta["val"].shape)
     with graph.inserting_before(wait):
@@ -207,7 +241,7 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node) -> Outcome:
         result = graph.call_function(aten.reshape.default, (fused, list(wait.meta["val"].shape)))
     wait.replace_all_uses_with(result)
     _erase_unused([wait, rs, source, *(source.all_input_nodes if source is not produced else ()), produced, view, mm])
-    return Outcome(Action.FUSED, f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}")
+    return Outcome(Action.FUSED, f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}", price=price)
 
 
 def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
@@ -244,9 +278,9 @@ def fuse_async_tp(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassCo
     changed = False
     for node in list(graph.nodes):
         if node.target is c10d.all_gather_into_tensor.default:
-            outcome = _fuse_all_gather(gm, node, order)
+            outcome = _fuse_all_gather(gm, node, order, ctx)
         elif node.target is c10d.reduce_scatter_tensor.default:
-            outcome = _fuse_reduce_scatter(gm, node)
+            outcome = _fuse_reduce_scatter(gm, node, ctx)
         else:
             continue
         if outcome.action is Action.FUSED:

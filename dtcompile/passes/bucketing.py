@@ -10,7 +10,17 @@ dtype, reduce op) when
   member depends on another and no node has to move;
 - the bucket stays under ``config.bucket_cap_bytes``, counted as
   :class:`~dtcompile.CollectiveInfo` counts bytes (an all-gather's output, the
-  input of the others): the bucket's buffer is the memory bucketing adds.
+  input of the others): the bucket's buffer is the memory bucketing adds;
+- it pays under the graph's cost profile (:class:`~dtcompile.records.Price`):
+  one collective instead of two saves a launch (``t(bucket) + t(member) -
+  t(bucket + member)``, :func:`~dtcompile.cost_model.collective_time_us`), and
+  costs the copies (the member's input read and written into the bucket's
+  buffer, and a gathered member's result copied out of it, at the profile's
+  ``memory_gbps``; the bucket's first member's too when the second joins) and
+  the overlap lost by waiting: the collectives issued earlier now wait for
+  the later input, and the compute in between could have hidden
+  ``profile.overlap`` of their time.  A member that does not pay closes the
+  bucket and opens the next one.
 
 A bucket is issued right after its last input is computed: inputs are
 flattened and concatenated (for a reduce-scatter, rank by rank, so that each
@@ -22,6 +32,7 @@ taken or not, is recorded with its reason.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,12 +40,16 @@ from typing import Any
 import torch
 from torch import fx
 
+from dtcompile.collectives import CollectiveInfo, collective_info
+from dtcompile.cost_model import collective_time_us
 from dtcompile.passes._graph import (
     first_use_index,
     refresh_metadata,
     single_wait,
 )
 from dtcompile.passes.context import PassContext
+from dtcompile.records import Price
+from dtcompile.simulate import node_time_us
 from dtcompile.sizes import is_symbolic
 
 __all__ = ["bucket_collectives"]
@@ -61,12 +76,15 @@ class _Member:
     ready: int
     first_use: int
     num_bytes: int
+    info: CollectiveInfo
 
 
 @dataclass
 class _Bucket:
     key: tuple[Any, ...]
     members: list[_Member] = field(default_factory=list)
+    prices: list[Price] = field(default_factory=list)
+    """What each member after the first saved and cost when it joined."""
 
     @property
     def ready(self) -> int:
@@ -94,10 +112,45 @@ def _key(node: fx.Node) -> tuple[Any, ...]:
     return (kind, group, None, value.dtype, reduce_op)
 
 
+class _Pricer:
+    """Prices a member joining a bucket under the graph's profile (see the module docstring)."""
+
+    def __init__(self, graph: fx.Graph, ctx: PassContext) -> None:
+        self.ctx = ctx
+        self.profile = ctx.profile
+        # Estimated compute time up to each node (graph order), for the overlap a bucket delays.
+        self.clock = list(itertools.accumulate((node_time_us(n, self.profile) for n in graph.nodes), initial=0.0))
+
+    def time_us(self, member: _Member, num_bytes: int) -> float:
+        info = member.info
+        return collective_time_us(info.op, num_bytes, info.group_size, self.profile.link(info.group_span))
+
+    def copies_us(self, member: _Member) -> float:
+        """Its input read and written into the buffer; a gathered result copied out of it."""
+        moved = 2 * member.value.numel() * member.value.element_size()
+        if member.info.op == "all_gather":
+            moved += 2 * member.num_bytes
+        return moved / (self.profile.memory_gbps * 1e9) * 1e6
+
+    def join(self, bucket: _Bucket, member: _Member) -> Price:
+        t_bucket, t_member = self.time_us(member, bucket.num_bytes), self.time_us(member, member.num_bytes)
+        saves = t_bucket + t_member - self.time_us(member, bucket.num_bytes + member.num_bytes)
+        copies = self.copies_us(member) + (self.copies_us(bucket.members[0]) if len(bucket.members) == 1 else 0.0)
+        # Whichever is ready first now waits for the other: the compute in between
+        # could have hidden (overlap of) its collective's time.
+        if member.ready > bucket.ready:
+            waiting, between = t_bucket, self.clock[member.ready] - self.clock[bucket.ready]
+        else:
+            waiting, between = t_member, self.clock[bucket.ready] - self.clock[member.ready]
+        delay = self.profile.overlap * min(waiting, between)
+        return self.ctx.price(saves, copies + delay, "of copies and delayed overlap" if delay else "of copies")
+
+
 def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
     graph = gm.graph
     index = {node: i for i, node in enumerate(graph.nodes)}
+    pricer = _Pricer(graph, ctx)
     open_buckets: dict[tuple[Any, ...], _Bucket] = {}
     closed: list[_Bucket] = []
     for node in list(graph.nodes):
@@ -115,19 +168,25 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         num_bytes = value.numel() * value.element_size()
         if _BUCKETABLE[node.target] == "all_gather":
             num_bytes *= node.args[1]  # the gathered buffer, as CollectiveInfo counts it
-        member = _Member(node, wait, value, index[source], first_use_index(wait, index), num_bytes)
+        info = collective_info(node)
+        member = _Member(node, wait, value, index[source], first_use_index(wait, index), num_bytes, info)
         key = _key(node)
         bucket = open_buckets.get(key)
         if bucket is not None:
             fits = member.num_bytes + bucket.num_bytes <= ctx.config.bucket_cap_bytes
             independent = max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use)
-            if fits and independent:
+            price = pricer.join(bucket, member) if fits and independent else None
+            if price is not None and price.pays:
                 bucket.members.append(member)
+                bucket.prices.append(price)
                 continue
-            why = "the bucket would pass bucket_cap_bytes" if not fits else (
-                "its input is computed after a bucketed result is used (they depend on each other)"
-            )
-            ctx.skipped(node.name, f"starts a new bucket: {why}")
+            if price is not None:
+                ctx.skipped(node.name, f"starts a new bucket: joining {bucket.members[-1].node.name}'s does not pay", price)
+            else:
+                why = "the bucket would pass bucket_cap_bytes" if not fits else (
+                    "its input is computed after a bucketed result is used (they depend on each other)"
+                )
+                ctx.skipped(node.name, f"starts a new bucket: {why}")
             closed.append(bucket)
         open_buckets[key] = _Bucket(key, [member])
     closed += open_buckets.values()
@@ -141,7 +200,9 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         _rewrite(gm, bucket, max((m.node.args[0] for m in bucket.members), key=order.__getitem__))
         names = ", ".join(m.node.name for m in bucket.members)
         kind = bucket.key[0]
-        ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)")
+        saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
+        what = "of copies and delayed overlap" if any("overlap" in p.costs_what for p in bucket.prices) else "of copies"
+        ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", ctx.price(saves, costs, what))
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

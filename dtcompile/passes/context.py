@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dtcompile.records import Action, Outcome
+from dtcompile.records import Action, Outcome, Price
 
 if TYPE_CHECKING:
     from dtcompile.annotations import DynamoGraphInfo
@@ -39,21 +39,25 @@ class PassContext:
 
     @property
     def profile(self) -> HardwareProfile:
-        """The cost profile named by ``config.cost_profile``."""
+        """The cost profile this graph is priced with (``config.cost_profile``, or what ``auto`` chose)."""
         return self.info.profile
 
     def record(self, outcome: Outcome) -> Outcome:
         self.outcomes.append(outcome)
         return outcome
 
-    def fused(self, text: str) -> Outcome:
-        return self.record(Outcome(Action.FUSED, text))
+    def price(self, saves_us: float, costs_us: float, costs_what: str = "") -> Price:
+        """A :class:`~dtcompile.records.Price` under this graph's profile."""
+        return Price(saves_us, costs_us, costs_what, self.profile.name)
 
-    def bucketed(self, text: str) -> Outcome:
-        return self.record(Outcome(Action.BUCKETED, text))
+    def fused(self, text: str, price: Price | None = None) -> Outcome:
+        return self.record(Outcome(Action.FUSED, text, price=price))
+
+    def bucketed(self, text: str, price: Price | None = None) -> Outcome:
+        return self.record(Outcome(Action.BUCKETED, text, price=price))
 
     def moved(self, node: str, text: str) -> Outcome:
         return self.record(Outcome(Action.MOVED, text, node))
 
-    def skipped(self, node: str, reason: str) -> Outcome:
-        return self.record(Outcome.skipped(node, reason))
+    def skipped(self, node: str, reason: str, price: Price | None = None) -> Outcome:
+        return self.record(Outcome.skipped(node, reason, price))

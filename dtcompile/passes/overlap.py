@@ -32,6 +32,7 @@ gained; every move, and every move refused, is recorded.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +42,9 @@ from torch import fx
 from dtcompile.collectives import collective_info
 from dtcompile.cost_model import collective_time_us
 from dtcompile.passes.context import PassContext
+from dtcompile.records import Action, Outcome
 from dtcompile.regions import issues_collectives
-from dtcompile.simulate import node_time_us
+from dtcompile.simulate import node_time_us, simulate
 
 __all__ = ["reorder_for_overlap"]
 
@@ -162,14 +164,43 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions
     return moved
 
 
+def _peak_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any]) -> int:
+    """The most bytes of collectives in flight at once (issued, not yet waited on)."""
+    order = _order(graph)
+    return max((_bytes_in_flight(graph, infos, order, order[n]) for n in infos), default=0)
+
+
 def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
     # Described once: moving nodes changes no collective (nor what a region issues).
     infos = {node: info for node in gm.graph.nodes if (info := collective_info(node)) is not None}
+    if not infos:
+        return gm
     talking_regions = {node for node in gm.graph.nodes if issues_collectives(node)}
+    original = list(gm.graph.nodes)
+    before = simulate(gm.graph, ctx.profile).total_us
+    held = _peak_in_flight(gm.graph, infos)
+    outcomes = len(ctx.outcomes)
     moved = _sink_waits(gm, ctx) + _hoist_collectives(gm, infos, ctx.config.overlap_memory_budget_bytes, ctx)
     moved += _fill_windows(gm, infos, talking_regions, ctx)
-    if moved:
-        gm.graph.lint()
-        gm.recompile()
+    if not moved:
+        return gm
+    price = ctx.price(before - simulate(gm.graph, ctx.profile).total_us, 0.0)
+    more = _peak_in_flight(gm.graph, infos) - held
+    if not price.pays:
+        # Put every node back where it was: the order this pass found.
+        for previous, node in itertools.pairwise(original):
+            previous.append(node)
+        del ctx.outcomes[outcomes:]
+        ctx.skipped(
+            "graph",
+            f"not reordered: {moved} move(s) would hide no communication (the profile overlaps "
+            f"{ctx.profile.overlap:.0%} of a collective with compute) and hold {more} B more in flight",
+            price,
+        )
+        return gm
+    # The pass's verdict first, then each move.
+    ctx.outcomes.insert(outcomes, Outcome(Action.MOVED, f"{moved} move(s), {more} B more in flight at the peak", "graph", price))
+    gm.graph.lint()
+    gm.recompile()
     return gm

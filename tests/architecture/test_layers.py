@@ -8,10 +8,10 @@ a module may import modules of its own layer or below, never above:
 2. ``dynamo_vars`` -- Dynamo support
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
    ``annotations``, ``ops``
-4. ``dtcompile.records``
+4. ``dtcompile.records``, ``dtcompile.pass_names``
 5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``
 6. the backend -- ``dtcompile.compiler``
-7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver)
+7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver), ``dtcompile.calibration``
 8. the package face -- ``dtcompile`` (``__init__``)
 9. ``dtcompile.testing``
 10. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile_tools``
@@ -41,10 +41,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.annotations",
         "dtcompile.ops",
     ),
-    ("dtcompile.records",),
+    ("dtcompile.records", "dtcompile.pass_names"),
     ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.cache_keys", "dtcompile.dynamo_output"),
     ("dtcompile.compiler",),
-    ("dtcompile.report", "dtcompile.auto_parallel"),
+    ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.calibration"),
     ("dtcompile",),
     ("dtcompile.testing",),
     ("dtcompile._testing", "dtcompile.demo", "dtcompile_tools"),

@@ -13,6 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import dtcompile
 from dtcompile.config import DTCompileConfig
+from dtcompile.pass_names import PASS_NAMES
 from dtcompile.passes import PASSES
 
 
@@ -103,6 +104,7 @@ def test_switched_off_pass_does_not_run_and_passes_log(caplog):
     on = backend_on.records[0].passes[-1]
     off = backend_off.records[0].passes[-1]
     assert [p.name for p in PASSES] == ["async_tp", "bucketing", "overlap", "annotate"]
+    assert tuple(p.name for p in PASSES) == PASS_NAMES  # config.py validates against these
     assert (on.name, on.ran, off.ran) == ("annotate", True, False)
     assert "inference: pass annotate: nodes 3 -> 3, collectives 0 -> 0" in caplog.text
 

@@ -365,7 +365,10 @@ def test_report_option_prints_each_graph(fake_world, capsys):
     _, parallel, x = CASES["tp_mlp"].build(mesh)
     torch.compile(parallel, backend=dtcompile.backend(inductor=False, report=True))(x)
     out = capsys.readouterr().out
-    assert out.startswith("== dtcompile 0/0 forward (cost profile h100) ==\n-- DTensor placements (Dynamo graph) --\n")
+    assert out.startswith(
+        "== dtcompile 0/0 forward (cost profile h100: auto: cpu tensors on fake, a test world standing in for "
+        "a job, priced as the h100 it simulates) ==\n-- DTensor placements (Dynamo graph) --\n"
+    )
     assert "all_reduce = _c10d_functional.all_reduce.default(addmm_1, 'sum', '0')  # all_reduce[tp] x4 256 B ~10.2 us (h100)" in out
 
 

@@ -13,9 +13,7 @@ import torch
 from torch import fx
 
 import dtcompile
-from dtcompile.annotations import DynamoGraphInfo
-from dtcompile.cost_model import get_profile
-from dtcompile.passes import PassContext
+from dtcompile._testing.cases import pass_context
 from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.records import Action
 
@@ -43,9 +41,9 @@ def test_a_bucket_of_the_results_of_another_bucket(fake_world):
     mesh = fake_world(4, (2, 2), ("dp", "ep"))
     ep, dp = (mesh[axis].get_group().group_name for axis in ("ep", "dp"))
     config = dtcompile.DTCompileConfig(inductor=False)
-    ctx = PassContext(kind="backward", config=config, info=DynamoGraphInfo("test", {}, get_profile(config.cost_profile)))
+    ctx = pass_context(config, "backward")
     gm = bucket_collectives(_chained_all_reduces(ep, dp), [], ctx)
-    assert [str(o) for o in ctx.outcomes if o.action is Action.BUCKETED] == [
+    assert [o.text for o in ctx.outcomes if o.action is Action.BUCKETED] == [
         "all_reduce[2 -> 1]: all_reduce_default, all_reduce_default_1 (44 B)",
         "all_reduce[2 -> 1]: all_reduce_default_2, all_reduce_default_3 (44 B)",
     ]
