@@ -30,6 +30,9 @@ def pytest_configure(config):
     # Tests of the caches themselves give each process its own folder.
     if not hasattr(config, "workerinput"):  # xdist workers inherit the controller's
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dtcompile-tests-inductor-")
+        # No profile this machine's user calibrated (~/.cache/dtcompile/profiles) changes what
+        # cost_profile="auto" picks in the tests.
+        os.environ["DTCOMPILE_PROFILE_DIR"] = tempfile.mkdtemp(prefix="dtcompile-tests-profiles-")
 
 
 def pytest_addoption(parser):
