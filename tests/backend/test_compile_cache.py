@@ -11,6 +11,7 @@ pickled its per-process ``hash()`` into them).
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import json
 import os
 import pickle
@@ -26,6 +27,7 @@ import dtcompile
 from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, cache_counts, reference_step, run_step
 from dtcompile.cache_keys import compile_key, stable_mesh_keys
 from dtcompile.config import DTCompileConfig
+from dtcompile.cost_model import get_profile
 from dtcompile.partition import Partitioner
 from dtcompile.testing import fake_world, run_gloo
 
@@ -148,7 +150,8 @@ def test_gloo_ranks_restarted_from_the_cache_equal_eager_and_one_process(tmp_pat
 
 def test_the_key_covers_the_options_that_change_graphs_and_no_others():
     base = DTCompileConfig()
-    key = compile_key(base)
+    h100 = get_profile("h100")
+    key = compile_key(base, h100)
     for changed in (
         base.replace(bucket_cap_bytes=1024),
         base.replace(disable_passes=frozenset({"bucketing"})),
@@ -157,14 +160,17 @@ def test_the_key_covers_the_options_that_change_graphs_and_no_others():
         base.replace(inductor=False),
         base.replace(inductor_config={"max_autotune": True}),
     ):
-        assert compile_key(changed) != key, changed
+        assert compile_key(changed, h100) != key, changed
     for same in (base.replace(report=True), base.replace(trace_pass_graphs=True), base.replace(eager_fallback=False)):
-        assert compile_key(same) == key, same
+        assert compile_key(same, h100) == key, same
+    # The profile a graph is priced with (what "auto" picked for it) is in the key by its numbers.
+    assert compile_key(base, get_profile("cpu_gloo")) != key
+    assert compile_key(base, dataclasses.replace(h100, overlap=0.5)) != key
     # Sets are keyed in a fixed order, whatever the process's string hashing.
     two = base.replace(disable_passes=frozenset({"bucketing", "overlap"}))
-    assert "disable_passes={'bucketing', 'overlap'}" in compile_key(two)
+    assert "disable_passes={'bucketing', 'overlap'}" in compile_key(two, h100)
     # The partitioner carries it into both caches' keys.
-    assert Partitioner(False, key).uuid() != Partitioner(False, compile_key(two)).uuid()
+    assert Partitioner(False, key).uuid() != Partitioner(False, compile_key(two, h100)).uuid()
     assert pickle.loads(pickle.dumps(Partitioner(True, key))).uuid() == Partitioner(True, key).uuid()
 
 

@@ -155,7 +155,7 @@ def test_overlap_on_a_hand_built_graph(fake_world):
     order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
     assert order == ["mul", "all_reduce", "mul", "mul", "mul", "wait_tensor", "add"]
     assert_expected_inline("\n".join(map(str, ctx.outcomes)), """\
-graph: 2 move(s), 0 B more in flight at the peak: saves 5.73e-05 us, costs 0 us (h100)
+graph: 2 move(s), 0 B more in flight at the peak: saves 5.7e-05 us, costs 0 us (h100)
 wait_tensor_default: waits 1 node(s) later, before add_tensor
 all_reduce_default: issued 2 node(s) earlier, after mul_tensor""")
     # Under a 16 B budget the collective stays; the independent compute before it
