@@ -310,6 +310,9 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
             for kind, data in record.collectives.items()
             for c in data["collectives"]
         ]
+        profiles = sorted({(d["cost_profile"], d.get("cost_profile_why", "")) for d in record.collectives.values() if "cost_profile" in d})
+        for name, why in profiles:
+            parts.append(f'<p class="profile">Priced with cost profile <b>{html.escape(name)}</b> ({html.escape(why)})</p>')
         parts.append("<h3>Collectives</h3>" + (_table(["graph", "op", "axis", "group", "shape", "bytes", "est. us"], rows, left=3) if rows else "<p>none</p>"))
         passes = [
             [
