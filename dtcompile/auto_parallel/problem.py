@@ -155,8 +155,9 @@ class Problem:
     traced: TracedModel
     param_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Parameter node -> its bytes per rank under each candidate."""
-    bucket_cap_bytes: int = 256 * 1024 * 1024
-    """dtcompile's ``bucket_cap_bytes``: how many bytes one bucket takes."""
+    bucket_cap_bytes: int | None = 256 * 1024 * 1024
+    """The ``bucket_cap_bytes`` of the config the model will be compiled with: how many bytes one
+    bucket takes; ``None`` where that config disables the ``bucketing`` pass."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where building took its time: ``trace``, ``strategies``, ``measure``, ``edges``."""
 
@@ -195,7 +196,7 @@ def _resolve(node: fx.Node) -> tuple[fx.Node, int]:
 
 class _Builder:
     def __init__(self, traced: TracedModel, mesh: Any, profile: HardwareProfile, fixed: Mapping[str, Layout],
-                 bucket_cap_bytes: int) -> None:
+                 bucket_cap_bytes: int | None) -> None:
         self.traced, self.mesh, self.profile, self.fixed = traced, mesh, profile, fixed
         self.bucket_cap_bytes = bucket_cap_bytes
         self.param_derived: dict[str, bool] = {}
@@ -456,7 +457,7 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
         # use of that gradient: dtcompile's bucketing merges them (not so for a collective
         # on a value computed in the graph, even from parameters alone: its input is ready
         # late, or its result is read at once).
-        bucketed = producer.kind == "param"
+        bucketed = producer.kind == "param" and b.bucket_cap_bytes is not None
 
         def edge(consumer: PNode, slot: int) -> Edge:
             rows, buckets = [], []
@@ -532,10 +533,11 @@ def build_problem(
     *,
     fixed: Mapping[str, Layout] | None = None,
     output_layouts: Mapping[int, Layout] | None = None,
-    bucket_cap_bytes: int = 256 * 1024 * 1024,
+    bucket_cap_bytes: int | None = 256 * 1024 * 1024,
 ) -> Problem:
     """The problem for ``traced`` on ``mesh``; ``fixed`` pins parameters (by name) or
-    inputs (``input0``...) to one layout, ``output_layouts`` pins outputs by position."""
+    inputs (``input0``...) to one layout, ``output_layouts`` pins outputs by position;
+    ``bucket_cap_bytes``: the compile config's (``None``: its ``bucketing`` pass is off)."""
     b = _Builder(traced, mesh, profile, dict(fixed or {}), bucket_cap_bytes)
     b.placeholders()
     for node in traced.gm.graph.nodes:
