@@ -47,11 +47,13 @@ __all__ = ["Infeasible", "SolveResult", "conflicting_constraints", "solve"]
 class Infeasible(ValueError):
     """No choice of placements satisfies the constraints (layouts pinned, memory budget).
 
-    ``conflict``: the named constraint families that cannot all hold (see :func:`conflicting_constraints`)."""
+    ``conflict``: the named constraint families that cannot all hold (see :func:`conflicting_constraints`);
+    ``min_param_bytes``: the fewest parameter bytes per rank the allowed layouts reach."""
 
-    def __init__(self, message: str, conflict: list[str] | None = None) -> None:
+    def __init__(self, message: str, conflict: list[str] | None = None, min_param_bytes: int | None = None) -> None:
         super().__init__(message)
         self.conflict = list(conflict or ())
+        self.min_param_bytes = min_param_bytes
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ def _infeasible(problem: Problem, program: _Program, h: Any, status: Any, budget
         )
     else:
         lines.append("; loosen param_memory_budget_bytes or the pinned layouts (fixed=..., input/output_placements)")
-    return Infeasible("".join(lines), conflict)
+    return Infeasible("".join(lines), conflict, _min_param_bytes(problem))
 
 
 def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, time_limit_s: float = 600.0) -> SolveResult:

@@ -18,7 +18,7 @@ def test_a_budget_below_every_layout_names_the_budget_and_the_least_bytes(tp_mes
     # Pinned replicated, w1.weight alone takes 2048 B per rank; the rest, sharded 4 ways, 560 B.
     with pytest.raises(Infeasible) as info:
         dtcompile.auto_parallel.plan(reference, tp_mesh, (x,), fixed={"w1.weight": R}, param_memory_budget_bytes=1024)
-    assert info.value.conflict == ["param_memory_budget_bytes"]
+    assert info.value.conflict == ["param_memory_budget_bytes"] and info.value.min_param_bytes == 2608
     assert str(info.value) == (
         "auto_parallel: the solver found no placement (Infeasible); these constraints cannot all hold: "
         "param_memory_budget_bytes. param_memory_budget_bytes=1024: the parameters take at least 2608 B per rank "
