@@ -506,6 +506,28 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
     return edges, links
 
 
+def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
+    """An op that writes to one of its arguments in place (``relu_``, a norm's running statistics)
+    is refused: the parallel model reads each value through its own ``redistribute``d copy, so
+    the write would land in a copy and be lost -- a silent wrong result."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return
+    names = {n.name: name for name, n in traced.params + traced.buffers}
+    names.update({n.name: f"input{i}" for i, n in enumerate(traced.inputs)})
+    written = [
+        names.get(arg.name, arg.name)
+        for arg, spec in zip(node.args, schema.arguments)
+        if isinstance(arg, fx.Node) and spec.alias_info is not None and spec.alias_info.is_write
+    ]
+    raise ValueError(
+        f"auto_parallel: node {node.name} ({_op_text(node.target)}) writes to {', '.join(written) or 'its arguments'} "
+        "in place, which the parallel model cannot carry back (each value is read through its own "
+        "redistributed copy); use the op's out-of-place form (nn.ReLU(inplace=False)), or put modules that "
+        "update running statistics in eval() mode before planning"
+    )
+
+
 def _checked(edge: Edge, producer: PNode, consumer: PNode) -> Edge:
     """``edge``, after checking its cost matrix is one row per producer candidate and one column
     per consumer candidate, with at least one possible pair (the solver relies on both)."""
@@ -542,6 +564,7 @@ def build_problem(
     b.placeholders()
     for node in traced.gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
+            _refuse_writes(node, traced)
             b.call(node)
         elif node.op == "get_attr":
             raise ValueError(f"auto_parallel: the model reads the tensor attribute {node.target}; make it a buffer")

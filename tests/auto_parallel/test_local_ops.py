@@ -177,3 +177,19 @@ def test_ops_with_dtensor_strategies_are_not_planned_locally(tp_mesh):
     solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x,))
     assert solution.local_nodes == {}
     assert "runs on local shards" not in solution.explain()
+
+
+@pytest.mark.parametrize("module, node, written", [
+    (nn.BatchNorm1d(16), "add_", "1.num_batches_tracked"),  # training: running statistics
+    (nn.ReLU(inplace=True), "relu_", "addmm"),
+])
+def test_an_in_place_write_is_refused_not_lost(tp_mesh, module, node, written):
+    # The parallel model reads each value through its own redistributed copy: a write would be lost.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(16, 16), module), torch.randn(4, 16)
+    with pytest.raises(ValueError, match=rf"^auto_parallel: node {node} \(aten.{node}\) writes to {written} in place, "):
+        dtcompile.auto_parallel.plan(model, tp_mesh, (x,))
+    model.eval()  # out of training, the norm reads its statistics only
+    if isinstance(module, nn.BatchNorm1d):
+        assert dtcompile.auto_parallel.plan(model, tp_mesh, (x,)).local_nodes == {}
