@@ -507,25 +507,35 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
 
 
 def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
-    """An op that writes to one of its arguments in place (``relu_``, a norm's running statistics)
-    is refused: the parallel model reads each value through its own ``redistribute``d copy, so
-    the write would land in a copy and be lost -- a silent wrong result."""
+    """An op that writes in place to a parameter, buffer or input (or a view of one: a norm's
+    running statistics in training, ``x.relu_()`` on the input) is refused: the parallel model
+    hands each op its own ``redistribute``d copy of such a value, so the write would land in the
+    copy and be lost -- a silent wrong result.  A write to a value computed in the model is
+    kept: the traced graph reads the written value from the in-place op's result."""
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.is_mutable:
         return
     names = {n.name: name for name, n in traced.params + traced.buffers}
     names.update({n.name: f"input{i}" for i, n in enumerate(traced.inputs)})
+
+    def origin(arg: fx.Node) -> fx.Node:
+        while arg.op == "call_function" and getattr(arg.target, "_opname", "") in _VIEWS and arg.args:
+            arg = arg.args[0]
+        return arg
+
     written = [
-        names.get(arg.name, arg.name)
+        names[origin(arg).name]
         for arg, spec in zip(node.args, schema.arguments)
         if isinstance(arg, fx.Node) and spec.alias_info is not None and spec.alias_info.is_write
+        and origin(arg).name in names
     ]
-    raise ValueError(
-        f"auto_parallel: node {node.name} ({_op_text(node.target)}) writes to {', '.join(written) or 'its arguments'} "
-        "in place, which the parallel model cannot carry back (each value is read through its own "
-        "redistributed copy); use the op's out-of-place form (nn.ReLU(inplace=False)), or put modules that "
-        "update running statistics in eval() mode before planning"
-    )
+    if written:
+        raise ValueError(
+            f"auto_parallel: node {node.name} ({_op_text(node.target)}) writes to {', '.join(written)} in place, "
+            "which the parallel model cannot carry back (it reads each parameter, buffer and input through its "
+            "own redistributed copy); put modules that update running statistics in eval() mode before "
+            "planning, or write the model's update out of place"
+        )
 
 
 def _checked(edge: Edge, producer: PNode, consumer: PNode) -> Edge:

@@ -179,17 +179,35 @@ def test_ops_with_dtensor_strategies_are_not_planned_locally(tp_mesh):
     assert "runs on local shards" not in solution.explain()
 
 
-@pytest.mark.parametrize("module, node, written", [
-    (nn.BatchNorm1d(16), "add_", "1.num_batches_tracked"),  # training: running statistics
-    (nn.ReLU(inplace=True), "relu_", "addmm"),
-])
-def test_an_in_place_write_is_refused_not_lost(tp_mesh, module, node, written):
-    # The parallel model reads each value through its own redistributed copy: a write would be lost.
+class InPlaceOnInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.view(4, 16).mul_(2))
+
+
+def test_an_in_place_write_to_a_buffer_or_input_is_refused_not_lost(tp_mesh):
+    # The parallel model reads each of them through its own redistributed copy: a write would be lost.
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model, x = nn.Sequential(nn.Linear(16, 16), module), torch.randn(4, 16)
-    with pytest.raises(ValueError, match=rf"^auto_parallel: node {node} \(aten.{node}\) writes to {written} in place, "):
-        dtcompile.auto_parallel.plan(model, tp_mesh, (x,))
-    model.eval()  # out of training, the norm reads its statistics only
-    if isinstance(module, nn.BatchNorm1d):
-        assert dtcompile.auto_parallel.plan(model, tp_mesh, (x,)).local_nodes == {}
+        x = torch.randn(4, 16)
+        norm = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))  # training: running statistics
+    with pytest.raises(ValueError, match=r"^auto_parallel: node add_ \(aten.add_\) writes to 1.num_batches_tracked in place, "):
+        dtcompile.auto_parallel.plan(norm, tp_mesh, (x,))
+    with pytest.raises(ValueError, match=r"^auto_parallel: node mul_ \(aten.mul_\) writes to input0 in place, "):
+        dtcompile.auto_parallel.plan(InPlaceOnInput(), tp_mesh, (x,))
+    assert dtcompile.auto_parallel.plan(norm.eval(), tp_mesh, (x,)).local_nodes == {}  # reads its statistics only
+
+
+@pytest.mark.models
+def test_an_in_place_op_on_a_computed_value_is_planned_and_equals_the_single_process_model():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 16)), torch.randn(4, 16)
+    with fake_world(4, (4,), ("tp",)) as mesh:
+        solution = dtcompile.auto_parallel.plan(model, mesh, (x,), param_memory_budget_bytes=_budget(model, 2))
+    assert any(n.target == "aten.relu_" for n in solution.problem.nodes.values())
+    results = run_threaded(4, _rank_step, model, x, solution)
+    assert_matches_reference(results)
