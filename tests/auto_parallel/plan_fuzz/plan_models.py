@@ -120,6 +120,8 @@ def draw_case(seed: int, mesh: str) -> Case:
         blocks.append((kind, variant, size))
         if kind == "linear":
             width = size
+    if all(kind == "activation" for kind, _, _ in blocks):
+        blocks.append(("linear", "bias", dim))  # something to differentiate
     return Case(seed, mesh, tuple(blocks), rng.random() < 0.3, dim,
                 budget_share=rng.choice((0, 0, 2, 4)))
 
