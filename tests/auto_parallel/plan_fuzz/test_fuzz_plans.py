@@ -123,6 +123,8 @@ PINNED = [
     (1008, "1d2"),
     # nn.RMSNorm's eps added in place to an intermediate: refused as if it wrote a buffer.
     (1005, "1d2"),
+    # A model of activations only: nothing to differentiate (the generator's bug).
+    (1079, "1d4"),
 ]
 
 
