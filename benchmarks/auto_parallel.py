@@ -1,7 +1,9 @@
 """Auto-parallel at Llama-3-8B size: solve time and plan cost against the hand TP + FSDP plan.
 
 A stack of Llama-3-8B transformer layers (dim 4096, SwiGLU hidden 14336, 32
-query heads and 8 key/value heads of 128, RMSNorm, causal softmax attention),
+query heads and 8 key/value heads of 128, RMSNorm, causal attention through
+``F.scaled_dot_product_attention`` as torchtitan writes it, or spelled out as
+softmax with ``--attention softmax``),
 bfloat16, built on the ``meta`` device (no memory), planned by
 ``dtcompile.auto_parallel.plan`` on the fake process group, mesh 8 x 8
 (``dp`` x ``tp``, world 64), ``h100`` profile.  The input and output (the
@@ -54,9 +56,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, sdpa: bool = True) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.n_heads, self.n_kv_heads, self.head_dim, self.sdpa = n_heads, n_kv_heads, dim // n_heads, sdpa
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -71,17 +73,20 @@ class Attention(nn.Module):
         # Grouped-query attention: each key/value head serves `repeat` query heads.
         k = k.expand(-1, -1, -1, repeat, -1).reshape(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.expand(-1, -1, -1, repeat, -1).reshape(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        out = scores.masked_fill(causal, float("-inf")).softmax(dim=-1) @ v
+        if self.sdpa:  # on CPU: the flash attention kernel, planned with DTensor's efficient-attention strategies
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+            out = scores.masked_fill(causal, float("-inf")).softmax(dim=-1) @ v
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Layer(nn.Module):
-    def __init__(self, dim: int, hidden: int, n_heads: int, n_kv_heads: int) -> None:
+    def __init__(self, dim: int, hidden: int, n_heads: int, n_kv_heads: int, sdpa: bool = True) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(dim)
-        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.attention = Attention(dim, n_heads, n_kv_heads, sdpa)
         self.ffn_norm = RMSNorm(dim)
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
@@ -94,9 +99,10 @@ class Layer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, layers: int, dim: int = 4096, hidden: int = 14336, n_heads: int = 32, n_kv_heads: int = 8) -> None:
+    def __init__(self, layers: int, dim: int = 4096, hidden: int = 14336, n_heads: int = 32, n_kv_heads: int = 8,
+                 sdpa: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Layer(dim, hidden, n_heads, n_kv_heads) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(dim, hidden, n_heads, n_kv_heads, sdpa) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -224,6 +230,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8, help="global batch (one sequence per dp rank)")
+    parser.add_argument("--attention", choices=("sdpa", "softmax"), default="sdpa")
     args = parser.parse_args()
     if args.shared:
         shared_models()
@@ -234,7 +241,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Llama(args.layers).to(torch.bfloat16)
+        model = Llama(args.layers, sdpa=args.attention == "sdpa").to(torch.bfloat16)
         x = torch.empty(args.batch, args.seq, 4096, dtype=torch.bfloat16)
     with fake_world(64, (8, 8), ("dp", "tp")) as mesh:
         from torch.distributed.tensor import Replicate, Shard
@@ -260,7 +267,8 @@ def main() -> None:
         rows.append(("hand TP + FSDP", hand, time.perf_counter() - start))
         assert hand.param_bytes_per_rank() == budget
 
-    print(f"{args.layers} layers, Llama-3-8B sizes, batch {args.batch} x seq {args.seq}, bf16; mesh dp=8 x tp=8 (fake PG), h100")
+    print(f"{args.layers} layers, Llama-3-8B sizes, {args.attention} attention, batch {args.batch} x seq {args.seq}, bf16; "
+          "mesh dp=8 x tp=8 (fake PG), h100")
     print("| plan | total s | trace s | strategies s | measure s | edges s | solve s | variables | groups | nodes | step us | params B/rank |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, solution, total in rows:

@@ -28,7 +28,15 @@ from torch.utils import _pytree as pytree
 
 from dtcompile.sizes import has_unbacked, nbytes_hint, shape_hint
 
-__all__ = ["CollectiveInfo", "axis_name", "collective_info", "graph_collectives", "is_collective", "mesh_axes"]
+__all__ = [
+    "CollectiveInfo",
+    "axis_name",
+    "collective_info",
+    "graph_collectives",
+    "group_backends",
+    "is_collective",
+    "mesh_axes",
+]
 
 
 @dataclass(frozen=True)
@@ -218,3 +226,16 @@ def graph_collectives(
     """The collectives of ``graph`` in program order."""
     infos = (collective_info(n, axes) for n in graph.nodes)
     return [info for info in infos if info is not None]
+
+
+def group_backends(group_names: Sequence[str]) -> set[str]:
+    """The backends (``gloo``, ``nccl``, ``fake``, ...) of the named process groups, or of
+    the default group when none is named; empty without an initialized process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return set()
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    groups = [_resolve_process_group(name) for name in group_names] or [None]
+    return {str(dist.get_backend(group)) for group in groups}

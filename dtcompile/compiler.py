@@ -51,7 +51,7 @@ import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
 from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallback_artifact, format_compiled_graph
 from dtcompile.cache_keys import compile_key, stable_mesh_keys
-from dtcompile.collectives import graph_collectives, is_collective, mesh_axes
+from dtcompile.collectives import graph_collectives, group_backends, is_collective, mesh_axes
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.cost_model import ProfileChoice, choose_profile
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
@@ -157,14 +157,8 @@ def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
 def _profile_for(config: DTCompileConfig, devices: frozenset[str], axes: Mapping[str, str]) -> ProfileChoice:
     """The cost profile this graph is priced with (:func:`dtcompile.cost_model.choose_profile`):
     read from its devices and the backends of its meshes' groups (or the default group's)."""
-    backends = set()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        groups = [_resolve_process_group(name) for name in axes] or [None]
-        backends = {str(torch.distributed.get_backend(group)) for group in groups}
     gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None
-    return choose_profile(config.cost_profile, devices, backends, gpu)
+    return choose_profile(config.cost_profile, devices, group_backends(list(axes)), gpu)
 
 
 class DTCompileBackend:

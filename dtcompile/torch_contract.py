@@ -177,6 +177,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch.distributed.tensor._op_schema", "OpSpec", ("output_specs", "input_specs", "redistribute_cost")),
     ("torch.distributed.tensor._op_schema", "OpStrategy", ("strategies",)),
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
+    # dtcompile.auto_parallel.local_ops: the CPU flash attention borrows this op's strategies
+    ("torch", "ops.aten._scaled_dot_product_efficient_attention", None),
+    ("torch", "ops.aten._scaled_dot_product_efficient_attention.default", None),
     # dynamo_vars.dtensor_api: DTensor.__tensor_unflatten__ rebuilds the spec it was given
     ("torch.distributed.tensor", "DTensor.__tensor_unflatten__", ("inner_tensors", "flatten_spec", "outer_size", "outer_stride")),
     (

@@ -3,6 +3,8 @@
 - :func:`local_map` (also ``dtcompile.local_map``): torch's ``local_map`` as one
   op, :data:`local_map_region`, that carries its placements (:class:`RegionSpec`)
   from Dynamo through AOTAutograd to the dtcompile backend, forward and backward.
+- :func:`local_map_call`: the :class:`LocalMapCall` (function and placements) of a
+  function :func:`local_map` made, ``None`` for anything else.
 - :func:`check_region_outputs` / ``local_map(..., check_placements=True)``:
   verify a region's declared output placements on all simulated ranks.
 
@@ -17,11 +19,12 @@ HOP does) and changes nothing in Dynamo: the Dynamo side is
 """
 
 from hops.check import PlacementCheckError, check_region_outputs
-from hops.local_map import local_map
+from hops.local_map import LocalMapCall, local_map, local_map_call
 from hops.region_op import keep_regions, local_map_region, regions_kept
 from hops.spec import LocalMapError, RegionSpec, format_placements, parse_placements
 
 __all__ = [
+    "LocalMapCall",
     "LocalMapError",
     "PlacementCheckError",
     "RegionSpec",
@@ -29,6 +32,7 @@ __all__ = [
     "format_placements",
     "keep_regions",
     "local_map",
+    "local_map_call",
     "local_map_region",
     "parse_placements",
     "regions_kept",

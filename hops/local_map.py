@@ -34,7 +34,7 @@ from hops.spec import (
     output_count_error,
 )
 
-__all__ = ["LocalMapCall", "local_map", "make_spec", "region_name"]
+__all__ = ["LocalMapCall", "local_map", "local_map_call", "make_spec", "region_name"]
 
 
 class LocalMapCall(NamedTuple):
@@ -220,6 +220,17 @@ def local_map(
         check_placements,
     )
     return functools.partial(_local_map_call, *call)
+
+
+def local_map_call(value: Any) -> LocalMapCall | None:
+    """The arguments of ``value`` when it is a function :func:`local_map` made (a
+    ``staticmethod`` of one too), else ``None``: how other code recognises a region
+    (``dtcompile.auto_parallel`` keeps each one whole) without knowing how it is built."""
+    if isinstance(value, staticmethod):
+        value = value.__func__
+    if not (isinstance(value, functools.partial) and value.func is _local_map_call):
+        return None
+    return LocalMapCall(*value.args[: len(LocalMapCall._fields)])
 
 
 @torch.compiler.disable

@@ -12,12 +12,13 @@ The modules, in the order the work flows:
 
 - :mod:`~dtcompile.auto_parallel.trace` -- the forward as aten ops on fake tensors;
 - :mod:`~dtcompile.auto_parallel.strategies` -- DTensor's candidate strategies per op;
+- :mod:`~dtcompile.auto_parallel.local_ops` -- ops DTensor has no strategy for, run on local shards;
 - :mod:`~dtcompile.auto_parallel.measure` -- an op's forward and backward, and a
   redistribution, priced with dtcompile's cost model;
 - :mod:`~dtcompile.auto_parallel.transfer` -- an edge's redistributions, bucketed parameter collectives;
 - :mod:`~dtcompile.auto_parallel.problem` -- candidates, edges, fan-outs;
 - :mod:`~dtcompile.auto_parallel.tying` -- repeated layers share one choice;
-- :mod:`~dtcompile.auto_parallel.solver` -- the integer program (HiGHS);
+- :mod:`~dtcompile.auto_parallel.solver` -- the integer program (HiGHS), its named constraints;
 - :mod:`~dtcompile.auto_parallel.solution` -- the choice, explained;
 - :mod:`~dtcompile.auto_parallel.apply` -- the parallel model;
 - :mod:`~dtcompile.auto_parallel.api` -- the entry points, arguments checked.

@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from dtcompile.auto_parallel.placements import Layout
-from dtcompile.cost_model import HardwareProfile, get_profile
+from dtcompile.collectives import group_backends
+from dtcompile.cost_model import HardwareProfile, choose_profile
 
 __all__ = ["auto_parallel", "plan"]
 
@@ -43,6 +44,27 @@ def _layout(what: str, value: Any, mesh: Any) -> Layout:
     return tuple(value)
 
 
+def _compile_config(config: Any, profile: Any) -> tuple[Any, int | None]:
+    """``(cost profile, bucket_cap_bytes or None)`` from the config the model will be compiled with."""
+    from dtcompile.config import DTCompileConfig
+
+    config = getattr(config, "config", config)  # a dtcompile.backend(...) carries its config
+    if config is None:
+        config = DTCompileConfig()
+    elif not isinstance(config, DTCompileConfig):
+        raise TypeError(
+            f"auto_parallel: config must be the DTCompileConfig (or dtcompile.backend(...)) the model will be "
+            f"compiled with, got {type(config).__name__}"
+        )
+    elif profile is not None and (profile if isinstance(profile, str) else getattr(profile, "name", None)) != config.cost_profile:
+        raise ValueError(
+            f"auto_parallel: cost_profile={profile!r} but the compile config's cost_profile is {config.cost_profile!r}; "
+            "give one of them"
+        )
+    bucket_cap = None if "bucketing" in config.disable_passes else config.bucket_cap_bytes
+    return (profile if profile is not None else config.cost_profile), bucket_cap
+
+
 def _check(model: Any, mesh: Any, example_inputs: Any, budget: Any, profile: Any) -> tuple[tuple[Any, ...], HardwareProfile]:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -62,10 +84,12 @@ def _check(model: Any, mesh: Any, example_inputs: Any, budget: Any, profile: Any
         raise ValueError("auto_parallel: the model already has DTensor parameters; pass the single-device model")
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
         raise ValueError(f"auto_parallel: param_memory_budget_bytes must be an int >= 0 or None, got {budget!r}")
-    if isinstance(profile, str):
-        profile = get_profile(profile)
-    elif not isinstance(profile, HardwareProfile):
+    if not isinstance(profile, (str, HardwareProfile)):
         raise TypeError(f"auto_parallel: cost_profile must be a profile name or a HardwareProfile, got {profile!r}")
+    # "auto" reads the mesh as the backend reads a graph: its device and its groups' backend.
+    names = [mesh.get_group(axis).group_name for axis in range(mesh.ndim)]
+    gpu = torch.cuda.get_device_name() if mesh.device_type == "cuda" and torch.cuda.is_available() else None
+    profile = choose_profile(profile, {mesh.device_type}, group_backends(names), gpu).profile
     return tuple(example_inputs), profile
 
 
@@ -78,7 +102,8 @@ def plan(
     output_placements: Sequence[Any] | None = None,
     param_memory_budget_bytes: int | None = None,
     fixed: Mapping[str, Any] | None = None,
-    cost_profile: str | HardwareProfile = "h100",
+    cost_profile: str | HardwareProfile | None = None,
+    config: Any = None,
 ) -> Any:
     """Choose every parameter's, input's, output's and op's placements; returns the
     :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`)."""
@@ -88,6 +113,7 @@ def plan(
     from dtcompile.auto_parallel.trace import trace_forward
     from dtcompile.auto_parallel.tying import tie_repeated_layers
 
+    cost_profile, bucket_cap_bytes = _compile_config(config, cost_profile)
     example_inputs, profile = _check(model, mesh, example_inputs, param_memory_budget_bytes, cost_profile)
     num_inputs = len(pytree.tree_leaves(example_inputs))
     pinned: dict[str, Layout] = {}
@@ -116,7 +142,7 @@ def plan(
     start = time.perf_counter()
     traced = trace_forward(model, example_inputs, mesh.device_type)
     traced_s = time.perf_counter() - start
-    problem = build_problem(traced, mesh, profile, fixed=pinned, output_layouts=outs)
+    problem = build_problem(traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes)
     problem.seconds["trace"] = traced_s
     tie_repeated_layers(problem)
     result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes)
@@ -144,7 +170,8 @@ def auto_parallel(
     output_placements: Sequence[Any] | None = None,
     param_memory_budget_bytes: int | None = None,
     fixed: Mapping[str, Any] | None = None,
-    cost_profile: str | HardwareProfile = "h100",
+    cost_profile: str | HardwareProfile | None = None,
+    config: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Choose the placements of ``model`` on ``mesh`` and return ``(parallel_model, solution)``.
 
@@ -154,7 +181,14 @@ def auto_parallel(
     a placements tuple to pin, or ``None`` to let the solver choose.
     ``param_memory_budget_bytes``: the most parameter bytes one rank may hold.
     ``fixed``: parameter name (or ``input0``...) -> placements to pin.
-    ``cost_profile``: the hardware profile the costs are estimated with.
+    ``cost_profile``: the hardware profile the costs are estimated with (default: the
+    config's, ``"auto"``: the profile of the mesh's device and its groups' backend, as
+    the backend picks it for a graph: ``h100`` on the fake and threaded test worlds,
+    ``cpu_gloo`` on gloo).
+    ``config``: the :class:`~dtcompile.config.DTCompileConfig` (or ``dtcompile.backend(...)``)
+    the model will be compiled with: parameter collectives are priced as its ``bucketing``
+    pass merges them (its ``bucket_cap_bytes``; one by one where it disables the pass), and
+    its ``cost_profile`` is the default.
 
     ``parallel_model`` is a copy of ``model`` whose parameters are DTensors in the
     chosen placements; it takes this rank's local shard of each input in
@@ -166,6 +200,6 @@ def auto_parallel(
 
     solution = plan(
         model, mesh, example_inputs, input_placements=input_placements, output_placements=output_placements,
-        param_memory_budget_bytes=param_memory_budget_bytes, fixed=fixed, cost_profile=cost_profile,
+        param_memory_budget_bytes=param_memory_budget_bytes, fixed=fixed, cost_profile=cost_profile, config=config,
     )
     return parallelize(model, solution), solution

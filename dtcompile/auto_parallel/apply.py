@@ -16,6 +16,8 @@ that is the traced forward rebuilt as an FX graph over DTensors
   candidates were filtered to those it does, :mod:`~dtcompile.auto_parallel.strategies`),
   and :func:`expect_layout` checks each result's placements, so a divergence is an
   error naming the node rather than silent extra communication;
+- an op whose candidate runs outside DTensor's dispatch (no strategy registered) is
+  called through :func:`~dtcompile.auto_parallel.local_ops.run_local` on the local shards;
 - tensors made inside the model from no input (a causal mask) are made whole on
   every rank and wrapped as replicated DTensors where a DTensor op reads them.
 
@@ -39,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from dtcompile.auto_parallel.local_ops import run_local
 from dtcompile.auto_parallel.solution import Solution
 
 __all__ = ["AutoParallelModule", "expect_layout", "parallelize"]
@@ -121,6 +124,10 @@ def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any
             if pnode.kind == "region":  # the local_map function itself, on the DTensors
                 consts[f"region{node.args[1]}"] = traced.regions[node.args[1]].fn
                 new = graph.call_function(_call_region, (graph.get_attr(f"region{node.args[1]}"), *args[0]))
+            elif solution.choice(node.name).local:  # outside DTensor's dispatch, on local shards
+                outs_name = f"outs_{node.name}"
+                consts[outs_name] = solution.choice(node.name).outputs
+                new = graph.call_function(run_local, (node.target, graph.get_attr(outs_name), *args), dict(kwargs))
             else:
                 new = graph.call_function(node.target, tuple(args), dict(kwargs))
             outs = solution.choice(node.name).outputs
@@ -137,13 +144,27 @@ def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any
 
 
 class AutoParallelModule(nn.Module):
-    """The user's module with DTensor parameters, run as the solution chose (see the module docstring)."""
+    """The user's module with DTensor parameters, run as the solution chose (see the module docstring).
+
+    It holds the (copied) user module's own parameters, buffers and submodules under
+    their own names, so ``named_parameters()``, ``named_buffers()`` and ``state_dict()``
+    name everything as the user's model does (``norm.weight``, not ``module.norm.weight``):
+    a checkpoint moves between the two (``torch.distributed.checkpoint.state_dict``'s
+    ``get_model_state_dict`` / ``set_model_state_dict`` with ``full_state_dict=True``, or
+    DCP).  The planned forward is kept outside the module tree (:attr:`code` shows it).
+    """
 
     def __init__(self, module: nn.Module, solution: Solution, mesh: Any) -> None:
         super().__init__()
-        self.module = module
+        for name, param in module._parameters.items():
+            self.register_parameter(name, param)
+        for name, buffer in module._buffers.items():
+            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+        for name, child in module._modules.items():
+            self.add_module(name, child)
         graph, consts = _build_graph(solution, mesh)
-        self.plan = fx.GraphModule(consts, graph, class_name="AutoParallelForward")
+        # Not a submodule: named_modules() and state_dict() stay the user's.
+        object.__setattr__(self, "_plan", fx.GraphModule(consts, graph, class_name="AutoParallelForward"))
         traced = solution.problem.traced
         self._param_names = [name for name, _ in traced.params]
         self._buffer_names = [name for name, _ in traced.buffers]
@@ -156,7 +177,7 @@ class AutoParallelModule(nn.Module):
     @property
     def code(self) -> str:
         """The forward's Python code: one ``redistribute`` per value read in a new layout, one op per node."""
-        return self.plan.code
+        return self._plan.code
 
     def forward(self, *args: Any) -> Any:
         flat, spec = pytree.tree_flatten(args)
@@ -173,10 +194,10 @@ class AutoParallelModule(nn.Module):
                 inputs.append(DTensor.from_local(x, self._mesh, layout, run_check=False))
             else:
                 raise TypeError(f"auto_parallel: input {i} is {type(x).__name__}, not a tensor")
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
+        params = dict(self.named_parameters(remove_duplicate=False))
+        buffers = dict(self.named_buffers(remove_duplicate=False))
         states = [params[n] for n in self._param_names] + [_replicated(buffers[n], self._mesh) for n in self._buffer_names]
-        outs = self.plan(*states, *inputs)
+        outs = self._plan(*states, *inputs)
         return pytree.tree_unflatten(list(outs), self._output_spec)
 
 
@@ -196,9 +217,15 @@ def parallelize(model: nn.Module, solution: Solution, mesh: Any = None) -> AutoP
         )
     module = copy.deepcopy(model)
     placements = solution.param_placements
-    for name, param in list(module.named_parameters()):
+    # A tied parameter (one tensor under several names) is distributed once, under its first
+    # name (the one named_parameters() and the plan use), and set under every name.
+    made: dict[int, nn.Parameter] = {}
+    first = {id(param): name for name, param in module.named_parameters()}
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        if id(param) not in made:
+            dist = distribute_tensor(param.detach(), mesh, placements[first[id(param)]])
+            made[id(param)] = nn.Parameter(dist, requires_grad=param.requires_grad)
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        dist = distribute_tensor(param.detach(), mesh, placements[name])
-        setattr(owner, attr, nn.Parameter(dist, requires_grad=param.requires_grad))
+        setattr(owner, attr, made[id(param)])
     return AutoParallelModule(module, solution, mesh)

@@ -61,6 +61,8 @@ class OpMeasure:
     """The layout DTensor gave each output (compared with the strategy's)."""
     grad_layouts: tuple[Layout | None, ...]
     """Per tensor input: the layout of its gradient, ``None`` when it gets none."""
+    out_requires_grad: tuple[bool, ...] = ()
+    """Per output: whether autograd differentiates it (``native_layer_norm``'s mean and rstd: no)."""
 
 
 def _axis_names(mesh: Any) -> dict[str, str]:
@@ -149,13 +151,16 @@ def measure_op(
         out = target(*call_args, **call_kwargs)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         out_layouts = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
+        out_rg = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
         boundary = len(recorder.graph.nodes)
         grad_layouts_in: tuple[Layout | None, ...] = (None,) * num_in
-        if grad_outs:
-            diff = [outs[i] for i in differentiable]
+        # Only outputs autograd differentiates take a gradient (not an op's saved statistics).
+        kept = [j for j, i in enumerate(differentiable) if out_rg[i]] if grad_outs else []
+        if kept:
+            diff = [outs[differentiable[j]] for j in kept]
             grads = [
                 DTensor.from_local(g, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
-                for (shape, _, layout), g in zip(grad_outs, grads_local)
+                for j, ((shape, _, layout), g) in enumerate(zip(grad_outs, grads_local)) if j in kept
             ]
             wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
             got = iter(torch.autograd.grad(diff, wrt, grads, allow_unused=True))
@@ -164,7 +169,7 @@ def measure_op(
                 for _, _, rg in tensors
             )
     forward, backward, found = _read_graph(recorder.graph, boundary, mesh, profile)
-    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in)
+    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg)
 
 
 _NOT_WORK = {"empty", "empty_strided", "detach", "alias", "device", "lift_fresh", "lift_fresh_copy"}

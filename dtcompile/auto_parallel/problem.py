@@ -43,6 +43,7 @@ Every cost is in microseconds under one :class:`~dtcompile.cost_model.HardwarePr
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -56,6 +57,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
+from dtcompile.auto_parallel.local_ops import BORROWED, REPLICATED, borrowed_strategies, replicated_strategy, run_local
 from dtcompile.auto_parallel.measure import _TensorSlot, measure_op
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, layouts, local_numel, output_grad_layout
 from dtcompile.auto_parallel.regions import region_op
@@ -88,6 +90,9 @@ class Candidate:
     collectives: tuple[PlannedCollective, ...] = ()
     """Collectives inside the node (DTensor's, in its backward)."""
     comm_us: float = 0.0
+    local: str = ""
+    """Empty where DTensor runs the op; else how it runs on each rank's local shards
+    (:mod:`dtcompile.auto_parallel.local_ops`: ``borrowed`` or ``replicated``)."""
 
     @property
     def cost_us(self) -> float:
@@ -150,8 +155,9 @@ class Problem:
     traced: TracedModel
     param_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Parameter node -> its bytes per rank under each candidate."""
-    bucket_cap_bytes: int = 256 * 1024 * 1024
-    """dtcompile's ``bucket_cap_bytes``: how many bytes one bucket takes."""
+    bucket_cap_bytes: int | None = 256 * 1024 * 1024
+    """The ``bucket_cap_bytes`` of the config the model will be compiled with: how many bytes one
+    bucket takes; ``None`` where that config disables the ``bucketing`` pass."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where building took its time: ``trace``, ``strategies``, ``measure``, ``edges``."""
 
@@ -190,13 +196,15 @@ def _resolve(node: fx.Node) -> tuple[fx.Node, int]:
 
 class _Builder:
     def __init__(self, traced: TracedModel, mesh: Any, profile: HardwareProfile, fixed: Mapping[str, Layout],
-                 bucket_cap_bytes: int) -> None:
+                 bucket_cap_bytes: int | None) -> None:
         self.traced, self.mesh, self.profile, self.fixed = traced, mesh, profile, fixed
         self.bucket_cap_bytes = bucket_cap_bytes
         self.param_derived: dict[str, bool] = {}
         self.node_cache: dict[Any, list[Candidate]] = {}
         self.nodes: dict[str, PNode] = {}
-        self.measures: dict[Any, Candidate] = {}
+        self.measures: dict[Any, Candidate | None] = {}
+        self.errors: dict[Any, str] = {}
+        """Why a measurement failed, for the error when nothing can run an op."""
         self.transfers: dict[Any, Transfer | None] = {}
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
 
@@ -271,6 +279,8 @@ class _Builder:
             self.node_cache[key] = self._candidates(node, args, kwargs, in_metas, in_rg, metas, out_rg, options,
                                                     produced_by, weight_only)
         candidates = self.node_cache[key]
+        # An output autograd does not differentiate (a norm's saved statistics) has no gradient.
+        out_rg = [rg and any(c.grad_out[i] is not None for c in candidates) for i, rg in enumerate(out_rg)]
         self.nodes[node.name] = PNode(
             node.name, "op", refs, metas, out_rg, candidates, target=_op_text(node.target), fx_node=node, group=node.name
         )
@@ -278,20 +288,18 @@ class _Builder:
     def _candidates(self, node: fx.Node, args: Any, kwargs: Any, in_metas: list[Any], in_rg: list[bool],
                     metas: list[Any], out_rg: list[bool], options: list[list[Layout]],
                     produced_by: list[list[Layout]], weight_only: bool) -> list[Candidate]:
-        """DTensor's strategies for ``node``, each measured (see the module docstring)."""
+        """DTensor's strategies for ``node``, each measured (see the module docstring); for an op
+        DTensor has none for, a twin's strategies run on local shards; where none of those can
+        run, the replicated fallback (:mod:`dtcompile.auto_parallel.local_ops`)."""
         start = time.perf_counter()
+        out_shapes = [m[0] if m else None for m in metas]
+        local = ""
         try:
-            strategies = op_strategies(
-                node.target, args, kwargs, in_metas, options, [m[0] if m else None for m in metas], self.mesh
-            )
-        except UnsupportedOp as e:
-            raise ValueError(f"auto_parallel: node {node.name}: {e}; the model uses an op DTensor cannot shard") from None
+            strategies = op_strategies(node.target, args, kwargs, in_metas, options, out_shapes, self.mesh)
+        except UnsupportedOp:
+            local = BORROWED
+            strategies = borrowed_strategies(node.target, args, kwargs, in_metas, options, out_shapes, self.mesh)
         self.seconds["strategies"] += time.perf_counter() - start
-        if not strategies:
-            raise ValueError(
-                f"auto_parallel: node {node.name} ({_op_text(node.target)}): DTensor lists no strategy that "
-                f"shards its tensors evenly over mesh {tuple(self.mesh.shape)}"
-            )
         # A Partial input only comes from a producer that makes it (redistribute cannot); the
         # strategy's variant that is handed it replicated stays (see strategies.py).
         strategies = [
@@ -300,33 +308,57 @@ class _Builder:
                    for i, layout in enumerate(ins) for p in layout)
         ]
         start = time.perf_counter()
-        candidates = []
         signature = (node.target, repr((args, kwargs)), tuple(in_metas), tuple(in_rg))
+        candidates = self._measured(node, signature, args, kwargs, in_metas, in_rg, metas, out_rg, strategies,
+                                    weight_only, local)
+        if not candidates:
+            fallback = replicated_strategy(len(in_metas), metas, self.mesh)
+            candidates = self._measured(node, signature, args, kwargs, in_metas, in_rg, metas, out_rg, [fallback],
+                                        False, REPLICATED)
+        self.seconds["measure"] += time.perf_counter() - start
+        if not candidates:
+            error = self.errors.get((signature, *fallback, REPLICATED), "")
+            raise ValueError(
+                f"auto_parallel: node {node.name} ({_op_text(node.target)}) cannot be planned: no DTensor strategy "
+                f"runs it on mesh {tuple(self.mesh.shape)}, and run whole on every rank it fails ({error}); "
+                "pin the parameters and inputs around it with fixed=..., or wrap the code that calls it in "
+                "dtcompile.local_map with the placements it needs"
+            )
+        return candidates
+
+    def _measured(self, node: fx.Node, signature: Any, args: Any, kwargs: Any, in_metas: list[Any],
+                  in_rg: list[bool], metas: list[Any], out_rg: list[bool], strategies: list[Any],
+                  weight_only: bool, local: str) -> list[Candidate]:
+        """The strategies DTensor (or, ``local`` set, :func:`run_local`) runs as chosen, measured."""
+        candidates = []
         for ins, outs in strategies:
-            for grad_out in _grad_variants(node.target, outs, out_rg, weight_only):
-                key = (signature, ins, outs, grad_out)
+            target = functools.partial(run_local, node.target, outs) if local else node.target
+            for grad_out in _grad_variants(node.target, outs, out_rg, weight_only and not local):
+                key = (signature, ins, outs, grad_out, local)
                 if key not in self.measures:
                     try:
                         m = measure_op(
-                            node.target, args, kwargs, [(s, d, rg) for (s, d), rg in zip(in_metas, in_rg)], ins, metas,
+                            target, args, kwargs, [(s, d, rg) for (s, d), rg in zip(in_metas, in_rg)], ins, metas,
                             grad_out, self.mesh, self.profile, self.traced.fake_mode,
                         )
                     except Exception as e:  # DTensor cannot run it (forward or backward): not a candidate
                         log.debug("auto_parallel: %s %s -> %s dropped: %s", node.name, ins, outs, e)
                         self.measures[key] = None
+                        self.errors[(signature, ins, outs, local)] = f"{type(e).__name__}: {e}"
                         continue
                     # DTensor ran the strategy as chosen: nothing moved before the op, same outputs.
                     same = all(o is None or g == o for g, o in zip(m.out_layouts, outs)) and not any(
                         c.direction == "forward" for c in m.collectives
                     )
+                    # An output autograd does not differentiate takes no gradient.
+                    grads_back = tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))
                     self.measures[key] = None if not same else Candidate(
-                        ins, outs, m.grad_layouts, grad_out, m.forward_us, m.backward_us, m.collectives,
-                        sum(c.time_us(self.profile) for c in m.collectives),
+                        ins, outs, m.grad_layouts, grads_back, m.forward_us, m.backward_us, m.collectives,
+                        sum(c.time_us(self.profile) for c in m.collectives), local,
                     )
                 if self.measures[key] is not None:
                     candidates.append(self.measures[key])
-        self.seconds["measure"] += time.perf_counter() - start
-        return candidates
+        return list(dict.fromkeys(candidates))
 
     def region(self, node: fx.Node, refs: list[tuple[str, int]], metas: list[Any]) -> None:
         """A ``local_map`` region: its one candidate, its declared placements, measured."""
@@ -425,7 +457,7 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
         # use of that gradient: dtcompile's bucketing merges them (not so for a collective
         # on a value computed in the graph, even from parameters alone: its input is ready
         # late, or its result is read at once).
-        bucketed = producer.kind == "param"
+        bucketed = producer.kind == "param" and b.bucket_cap_bytes is not None
 
         def edge(consumer: PNode, slot: int) -> Edge:
             rows, buckets = [], []
@@ -446,7 +478,7 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
                         row.append(t.time_us)
                 rows.append(row)
                 buckets.append(row_buckets)
-            return Edge(p, k, consumer.name, slot, rows, buckets if bucketed else None)
+            return _checked(Edge(p, k, consumer.name, slot, rows, buckets if bucketed else None), producer, consumer)
 
         if len(users) == 1:
             c, slot = users[0]
@@ -474,6 +506,58 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
     return edges, links
 
 
+def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
+    """An op that writes in place to a parameter, buffer or input (or a view of one: a norm's
+    running statistics in training, ``x.relu_()`` on the input) is refused: the parallel model
+    hands each op its own ``redistribute``d copy of such a value, so the write would land in the
+    copy and be lost -- a silent wrong result.  A write to a value computed in the model is
+    kept: the traced graph reads the written value from the in-place op's result."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return
+    names = {n.name: name for name, n in traced.params + traced.buffers}
+    names.update({n.name: f"input{i}" for i, n in enumerate(traced.inputs)})
+
+    def origin(arg: fx.Node) -> fx.Node:
+        while arg.op == "call_function" and getattr(arg.target, "_opname", "") in _VIEWS and arg.args:
+            arg = arg.args[0]
+        return arg
+
+    written = [
+        names[origin(arg).name]
+        for arg, spec in zip(node.args, schema.arguments)
+        if isinstance(arg, fx.Node) and spec.alias_info is not None and spec.alias_info.is_write
+        and origin(arg).name in names
+    ]
+    if written:
+        raise ValueError(
+            f"auto_parallel: node {node.name} ({_op_text(node.target)}) writes to {', '.join(written)} in place, "
+            "which the parallel model cannot carry back (it reads each parameter, buffer and input through its "
+            "own redistributed copy); put modules that update running statistics in eval() mode before "
+            "planning, or write the model's update out of place"
+        )
+
+
+def _checked(edge: Edge, producer: PNode, consumer: PNode) -> Edge:
+    """``edge``, after checking its cost matrix is one row per producer candidate and one column
+    per consumer candidate, with at least one possible pair (the solver relies on both)."""
+    rows, cols = len(producer.candidates), len(consumer.candidates)
+    where = f"auto_parallel: the edge {producer.name} -> {consumer.name} (argument {edge.slot})"
+    if not rows or not cols:
+        empty = producer if not rows else consumer
+        raise ValueError(f"{where}: node {empty.name} ({empty.target}) has no candidate strategy; please report this")
+    if len(edge.cost) != rows or any(len(row) != cols for row in edge.cost):
+        shape = (len(edge.cost), sorted({len(row) for row in edge.cost}))
+        raise ValueError(f"{where}: its cost matrix is {shape}, not ({rows}, {cols}); please report this")
+    if all(math.isinf(c) for row in edge.cost for c in row):
+        raise ValueError(
+            f"{where}: no layout {producer.name} can give ({producer.target}) is one {consumer.name} "
+            f"({consumer.target}) can read, with its gradient coming back as {producer.name} needs it; "
+            "pin the parameters and inputs around it with fixed=..., or wrap the code in dtcompile.local_map"
+        )
+    return edge
+
+
 def build_problem(
     traced: TracedModel,
     mesh: Any,
@@ -481,14 +565,16 @@ def build_problem(
     *,
     fixed: Mapping[str, Layout] | None = None,
     output_layouts: Mapping[int, Layout] | None = None,
-    bucket_cap_bytes: int = 256 * 1024 * 1024,
+    bucket_cap_bytes: int | None = 256 * 1024 * 1024,
 ) -> Problem:
     """The problem for ``traced`` on ``mesh``; ``fixed`` pins parameters (by name) or
-    inputs (``input0``...) to one layout, ``output_layouts`` pins outputs by position."""
+    inputs (``input0``...) to one layout, ``output_layouts`` pins outputs by position;
+    ``bucket_cap_bytes``: the compile config's (``None``: its ``bucketing`` pass is off)."""
     b = _Builder(traced, mesh, profile, dict(fixed or {}), bucket_cap_bytes)
     b.placeholders()
     for node in traced.gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
+            _refuse_writes(node, traced)
             b.call(node)
         elif node.op == "get_attr":
             raise ValueError(f"auto_parallel: the model reads the tensor attribute {node.target}; make it a buffer")

@@ -79,13 +79,14 @@ def _layouts(value: Any) -> tuple[tuple[Any, ...], ...]:
 
 
 def _as_region(value: Any) -> Region | None:
-    from hops.local_map import LocalMapCall, _local_map_call, region_name
+    from hops import local_map_call
+    from hops.local_map import region_name
 
+    call = local_map_call(value)
+    if call is None:
+        return None
     if isinstance(value, staticmethod):
         value = value.__func__
-    if not (isinstance(value, functools.partial) and value.func is _local_map_call):
-        return None
-    call = LocalMapCall(*value.args[: len(LocalMapCall._fields)])
     ins = _layouts(call.in_placements)
     grads = _layouts(call.in_grad_placements) or ins
     return Region(value, region_name(call.func), ins, _layouts(call.out_placements), grads)

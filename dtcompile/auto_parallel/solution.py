@@ -12,7 +12,9 @@ backward), then per tensor argument the redistributions that bring it to the
 node and its gradient back (an edge out of a parameter without its collectives'
 launch latency, which its bucket's ``# bucket`` line counts once).  A value several nodes read is redistributed once,
 by its fan-out line (``x_fanout = redistribute(x)``), whose readers then cost
-nothing for it.  ``solution.explain(name)`` lists every candidate of one node with
+nothing for it.  A node DTensor has no strategy for says so (``runs on local shards
+(borrowed)`` or ``(replicated)``, :mod:`dtcompile.auto_parallel.local_ops`), and a
+closing line names each.  ``solution.explain(name)`` lists every candidate of one node with
 what it would cost if that node alone changed, and why it lost.
 """
 
@@ -86,6 +88,13 @@ class Solution:
 
     def param_bytes_per_rank(self) -> int:
         return sum(sizes[self.result.choice[name]] for name, sizes in self.problem.param_bytes.items())
+
+    @property
+    def local_nodes(self) -> dict[str, str]:
+        """Node name -> how its op runs outside DTensor's dispatch, for every node DTensor has no
+        strategy for (``borrowed``: a twin op's strategies; ``replicated``: the fallback), see
+        :mod:`dtcompile.auto_parallel.local_ops`."""
+        return {name: self.choice(name).local for name in self.problem.nodes if self.choice(name).local}
 
     def fanout_of(self, name: str, slot: int) -> str | None:
         """The fan-out node argument ``slot`` of ``name`` reads through, if its value has several readers."""
@@ -169,7 +178,8 @@ class Solution:
         else:
             args = ", ".join(self._name(p) if k == 0 else f"{self._name(p)}[{k}]" for p, k in node.inputs)
             call = f"{'redistribute' if node.kind == 'fanout' else node.target}({args})"
-        return f"{self._name(name)} = {call}  # placement={placement}, cost=[{cost}]"
+        local = f", runs on local shards ({c.local})" if c.local else ""
+        return f"{self._name(name)} = {call}  # placement={placement}, cost=[{cost}]{local}"
 
     def _args_text(self, fx_node: Any) -> str:
         """The node's arguments as in the traced graph: values by name, constants as written."""
@@ -205,6 +215,12 @@ class Solution:
                 lines.append(
                     f"# bucket: {direction} {op}[{axis}] x{size} of parameter collectives, "
                     f"launch {launch_latency_us(bucket, self.problem.profile):.2f} us"
+                )
+            for node_name, how in self.local_nodes.items():
+                lines.append(
+                    f"# {node_name} ({self.problem.nodes[node_name].target}) has no DTensor strategy: "
+                    + ("planned with its twin's, run on local shards" if how == "borrowed"
+                       else "its inputs replicated, run whole on every rank")
                 )
             lines.append(
                 f"# estimated step: {self.cost_us:.2f} us ({self.problem.profile.name}); "

@@ -19,6 +19,13 @@ Variables, constraints and objective (``x`` binary, ``y`` continuous in ``[0, 1]
 - objective: every group's candidate cost times its number of copies, plus every
   block's ``cost . y``.
 
+Each constraint is built by a named builder (:func:`_one_choice_per_group`,
+:func:`_edge_blocks`, :func:`_fanout_agreement`, :func:`_memory_budget`) and
+belongs to a named family (``edge a -> b``, ``readers of x_fanout``,
+``param_memory_budget_bytes``...).  When no choice satisfies them all,
+:class:`Infeasible` names the families that conflict: an irreducible set found
+by dropping each family in turn (:func:`conflicting_constraints`).
+
 ``highspy`` is an optional dependency (``pip install 'dtcompile[autoparallel]'``):
 HiGHS is a maintained open-source MIP solver with a Python API that builds a
 model in memory, with no subprocess or temporary files as PuLP+CBC uses.
@@ -28,17 +35,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dtcompile.auto_parallel.problem import Problem
 from dtcompile.auto_parallel.transfer import launch_latency_us
 
-__all__ = ["Infeasible", "SolveResult", "solve"]
+__all__ = ["Infeasible", "SolveResult", "conflicting_constraints", "solve"]
 
 
 class Infeasible(ValueError):
-    """No choice of placements satisfies the constraints (layouts pinned, memory budget)."""
+    """No choice of placements satisfies the constraints (layouts pinned, memory budget).
+
+    ``conflict``: the named constraint families that cannot all hold (see :func:`conflicting_constraints`);
+    ``min_param_bytes``: the fewest parameter bytes per rank the allowed layouts reach."""
+
+    def __init__(self, message: str, conflict: list[str] | None = None, min_param_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.conflict = list(conflict or ())
+        self.min_param_bytes = min_param_bytes
 
 
 @dataclass(frozen=True)
@@ -64,27 +79,42 @@ def _highspy() -> Any:
     return highspy
 
 
-def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, time_limit_s: float = 600.0) -> SolveResult:
-    """Choose one candidate per node minimising the step's estimated time."""
-    highspy = _highspy()
-    import numpy as np
+@dataclass
+class _Program:
+    """The integer program as it is built: columns, and rows each in a named constraint family."""
 
-    start = time.perf_counter()
-    groups = problem.groups()
-    members = {g: len(names) for g, names in groups.items()}
-    col_cost: list[float] = []
-    col_int: list[int] = []
-    x: dict[str, int] = {}  # group -> first column
-    for g in groups:
-        node = problem.nodes[g]
-        x[g] = len(col_cost)
-        for c in node.candidates:
-            col_cost.append(c.cost_us * members[g])
-            col_int.append(1)
-    rows: list[tuple[list[int], list[float], float, float]] = []
-    for g in groups:
+    cost: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    rows: list[tuple[str, list[int], list[float], float, float]] = field(default_factory=list)
+    """``(family, columns, coefficients, lower, upper)``."""
+    x: dict[str, int] = field(default_factory=dict)
+    """Group -> its first choice column."""
+    z: dict[Any, int] = field(default_factory=dict)
+    """Bucket -> its column."""
+
+    def column(self, cost: float, integer: bool) -> int:
+        self.cost.append(cost)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, family: str, cols: list[int], vals: list[float], lower: float, upper: float) -> None:
+        self.rows.append((family, cols, vals, lower, upper))
+
+
+def _one_choice_per_group(problem: Problem, program: _Program, groups: dict[str, list[str]]) -> None:
+    """``x[g, s]`` binary, cost times copies; family ``one candidate of <group>``: ``sum_s x[g, s] = 1``."""
+    for g, names in groups.items():
+        program.x[g] = len(program.cost)
+        for c in problem.nodes[g].candidates:
+            program.column(c.cost_us * len(names), True)
         n = len(problem.nodes[g].candidates)
-        rows.append((list(range(x[g], x[g] + n)), [1.0] * n, 1.0, 1.0))
+        program.row(f"one candidate of {g}", list(range(program.x[g], program.x[g] + n)), [1.0] * n, 1.0, 1.0)
+
+
+def _edge_blocks(problem: Problem, program: _Program) -> None:
+    """``y`` per possible pair of each edge block; family ``edge <producer> -> <consumer>``: its
+    rows and columns sum to the two groups' choices; family ``bucket <key>``: ``z[k] >= y``."""
+    import numpy as np
 
     blocks: dict[tuple[str, str], Any] = {}
     block_buckets: dict[tuple[str, str], Any] = {}
@@ -92,68 +122,78 @@ def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, tim
         gp, gc = problem.nodes[edge.producer].group, problem.nodes[edge.consumer].group
         if gp == gc:
             raise AssertionError(f"edge {edge.producer} -> {edge.consumer} inside one tied group")
-        matrix = np.asarray(edge.cost, dtype=float)
+        matrix = np.asarray(edge.cost, dtype=float)  # its shape was checked where it was built
         key = (gp, gc)
         blocks[key] = matrix if key not in blocks else blocks[key] + matrix
         if edge.buckets is not None:
             block_buckets[key] = edge.buckets  # tied copies of one edge join the same buckets
-    z: dict[Any, int] = {}  # bucket -> its column: 1 when any parameter collective joins it
     for (gp, gc), matrix in blocks.items():
+        family = f"edge {gp} -> {gc}"
         by_row: dict[int, list[int]] = {}
         by_col: dict[int, list[int]] = {}
         buckets = block_buckets.get((gp, gc))
         for i, j in zip(*np.nonzero(np.isfinite(matrix))):
-            col = len(col_cost)
-            col_cost.append(float(matrix[i, j]))
-            col_int.append(0)
+            col = program.column(float(matrix[i, j]), False)
             by_row.setdefault(int(i), []).append(col)
             by_col.setdefault(int(j), []).append(col)
             for bucket in buckets[i][j] if buckets is not None else ():
-                if bucket not in z:
-                    z[bucket] = len(col_cost)
-                    col_cost.append(launch_latency_us(bucket, problem.profile))
-                    col_int.append(1)
-                rows.append(([col, z[bucket]], [1.0, -1.0], -math.inf, 0.0))
+                if bucket not in program.z:
+                    program.z[bucket] = program.column(launch_latency_us(bucket, problem.profile), True)
+                program.row(f"bucket {bucket}", [col, program.z[bucket]], [1.0, -1.0], -math.inf, 0.0)
         for i in range(matrix.shape[0]):
             cols = by_row.get(i, [])
-            rows.append((cols + [x[gp] + i], [1.0] * len(cols) + [-1.0], 0.0, 0.0))
+            program.row(family, cols + [program.x[gp] + i], [1.0] * len(cols) + [-1.0], 0.0, 0.0)
         for j in range(matrix.shape[1]):
             cols = by_col.get(j, [])
-            rows.append((cols + [x[gc] + j], [1.0] * len(cols) + [-1.0], 0.0, 0.0))
+            program.row(family, cols + [program.x[gc] + j], [1.0] * len(cols) + [-1.0], 0.0, 0.0)
 
-    seen_links = set()
+
+def _fanout_agreement(problem: Problem, program: _Program) -> None:
+    """Family ``readers of <fan-out>``: ``x[f, a] <= sum_{j ok with a} x[c, j]`` per reader."""
+    seen = set()
     for link in problem.links:
         gf, gc = problem.nodes[link.fanout].group, problem.nodes[link.consumer].group
         key = (gf, gc, tuple(tuple(r) for r in link.ok))
-        if key in seen_links:
+        if key in seen:
             continue
-        seen_links.add(key)
+        seen.add(key)
         for a, ok in enumerate(link.ok):
-            cols = [x[gc] + j for j, good in enumerate(ok) if good]
-            rows.append(([x[gf] + a] + cols, [1.0] + [-1.0] * len(cols), -math.inf, 0.0))
+            cols = [program.x[gc] + j for j, good in enumerate(ok) if good]
+            program.row(f"readers of {gf}", [program.x[gf] + a] + cols, [1.0] + [-1.0] * len(cols), -math.inf, 0.0)
 
-    if param_memory_budget_bytes is not None:
-        per_col: dict[int, float] = {}
-        for name, sizes in problem.param_bytes.items():
-            g = problem.nodes[name].group  # tied parameters: each copy's bytes count
-            for s, size in enumerate(sizes):
-                per_col[x[g] + s] = per_col.get(x[g] + s, 0.0) + float(size)
-        rows.append((list(per_col), list(per_col.values()), -math.inf, float(param_memory_budget_bytes)))
 
+def _memory_budget(problem: Problem, program: _Program, budget: int | None) -> None:
+    """Family ``param_memory_budget_bytes``: ``sum bytes(p, s) x[p, s] <= budget``."""
+    if budget is None:
+        return
+    per_col: dict[int, float] = {}
+    for name, sizes in problem.param_bytes.items():
+        g = problem.nodes[name].group  # tied parameters: each copy's bytes count
+        for s, size in enumerate(sizes):
+            per_col[program.x[g] + s] = per_col.get(program.x[g] + s, 0.0) + float(size)
+    program.row("param_memory_budget_bytes", list(per_col), list(per_col.values()), -math.inf, float(budget))
+
+
+def _run(program: _Program, time_limit_s: float, skip: frozenset[str] = frozenset()) -> tuple[Any, Any]:
+    """Solve ``program`` without the families in ``skip``; ``(HiGHS, status)``."""
+    highspy = _highspy()
+    import numpy as np
+
+    rows = [r for r in program.rows if r[0] not in skip]
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-9)
     lp = highspy.HighsLp()
-    lp.num_col_ = len(col_cost)
+    lp.num_col_ = len(program.cost)
     lp.num_row_ = len(rows)
-    lp.col_cost_ = np.asarray(col_cost)
-    lp.col_lower_ = np.zeros(len(col_cost))
-    lp.col_upper_ = np.ones(len(col_cost))
-    lp.row_lower_ = np.asarray([r[2] for r in rows])
-    lp.row_upper_ = np.asarray([r[3] for r in rows])
+    lp.col_cost_ = np.asarray(program.cost)
+    lp.col_lower_ = np.zeros(len(program.cost))
+    lp.col_upper_ = np.ones(len(program.cost))
+    lp.row_lower_ = np.asarray([r[3] for r in rows])
+    lp.row_upper_ = np.asarray([r[4] for r in rows])
     starts, index, value = [0], [], []
-    for cols, vals, _, _ in rows:
+    for _, cols, vals, _, _ in rows:
         index += cols
         value += vals
         starts.append(len(index))
@@ -161,24 +201,81 @@ def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, tim
     lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
     lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
     lp.a_matrix_.value_ = np.asarray(value, dtype=float)
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in col_int]
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in program.integer]
     h.passModel(lp)
     h.run()
-    status = h.getModelStatus()
-    if status != highspy.HighsModelStatus.kOptimal:
-        raise Infeasible(
-            f"auto_parallel: the solver found no placement ({h.modelStatusToString(status)}); "
-            "loosen param_memory_budget_bytes or the pinned layouts"
+    return h, h.getModelStatus()
+
+
+# Families every choice needs (one candidate per group): never among the conflicting ones.
+_STRUCTURAL = "one candidate of "
+
+
+def conflicting_constraints(program: _Program, time_limit_s: float = 60.0, max_solves: int = 200) -> list[str]:
+    """An irreducible set of named constraint families that cannot all hold (a deletion filter,
+    as autoparallel's ``get_violated_constraints_log`` reports violated constraints by name):
+    each family is dropped in turn, and kept out when the rest is still infeasible.  ``[]`` when
+    all can hold."""
+    highspy = _highspy()
+    if _run(program, time_limit_s)[1] == highspy.HighsModelStatus.kOptimal:
+        return []  # nothing conflicts
+    families = list(dict.fromkeys(r[0] for r in program.rows if not r[0].startswith(_STRUCTURAL)))
+    dropped: set[str] = set()
+    needed: list[str] = []
+    for solves, family in enumerate(families):
+        if solves >= max_solves:
+            return needed + [f for f in families if f not in dropped and f not in needed]
+        _, status = _run(program, time_limit_s, frozenset(dropped | {family}))
+        if status == highspy.HighsModelStatus.kOptimal:
+            needed.append(family)  # without it the rest can hold: part of the conflict
+        else:
+            dropped.add(family)
+    return needed
+
+
+def _min_param_bytes(problem: Problem) -> int:
+    """The fewest parameter bytes per rank any choice of candidates holds (pins included)."""
+    return sum(int(min(sizes)) for sizes in problem.param_bytes.values())
+
+
+def _infeasible(problem: Problem, program: _Program, h: Any, status: Any, budget: int | None) -> Infeasible:
+    conflict = conflicting_constraints(program)
+    lines = [f"auto_parallel: the solver found no placement ({h.modelStatusToString(status)})"]
+    if conflict:
+        lines.append("; these constraints cannot all hold: " + ", ".join(conflict))
+    if "param_memory_budget_bytes" in conflict and budget is not None:
+        lines.append(
+            f". param_memory_budget_bytes={budget}: the parameters take at least {_min_param_bytes(problem)} B per "
+            "rank in any layout they may take (with the pinned ones); loosen the budget or the pinned layouts"
         )
+    else:
+        lines.append("; loosen param_memory_budget_bytes or the pinned layouts (fixed=..., input/output_placements)")
+    return Infeasible("".join(lines), conflict, _min_param_bytes(problem))
+
+
+def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, time_limit_s: float = 600.0) -> SolveResult:
+    """Choose one candidate per node minimising the step's estimated time; :class:`Infeasible`,
+    naming the constraint families that conflict, when no choice satisfies them all."""
+    highspy = _highspy()
+    start = time.perf_counter()
+    groups = problem.groups()
+    program = _Program()
+    _one_choice_per_group(problem, program, groups)
+    _edge_blocks(problem, program)
+    _fanout_agreement(problem, program)
+    _memory_budget(problem, program, param_memory_budget_bytes)
+    h, status = _run(program, time_limit_s)
+    if status != highspy.HighsModelStatus.kOptimal:
+        raise _infeasible(problem, program, h, status, param_memory_budget_bytes)
     values = h.getSolution().col_value
     choice: dict[str, int] = {}
     for g, names in groups.items():
         n = len(problem.nodes[g].candidates)
-        best = max(range(n), key=lambda s: values[x[g] + s])
+        best = max(range(n), key=lambda s: values[program.x[g] + s])
         for name in names:
             choice[name] = best
-    used = tuple(bucket for bucket, col in z.items() if values[col] > 0.5)
+    used = tuple(bucket for bucket, col in program.z.items() if values[col] > 0.5)
     return SolveResult(
         choice, used, float(h.getInfo().objective_function_value), time.perf_counter() - start,
-        len(col_cost), len(rows), len(groups),
+        len(program.cost), len(program.rows), len(groups),
     )

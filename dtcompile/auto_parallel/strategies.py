@@ -8,7 +8,8 @@ dispatch takes first), else its registered strategy function
 (``op_strategy_funcs``).  Each ``OpSpec`` is one candidate: input layouts, output
 layouts.
 
-A candidate is kept only if it shards every tensor evenly and DTensor, handed
+A candidate is kept only if it shards every tensor evenly, with ``Shard``,
+``Replicate`` and ``Partial`` placements only, and DTensor, handed
 inputs in exactly those layouts, runs that very strategy: no communication
 before the op and the same output layouts (DTensor breaks ties between
 strategies its own way).  The problem checks that on the measured run
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dtcompile.auto_parallel.measure import _global_stride, _TensorSlot
 from dtcompile.auto_parallel.placements import Layout, even
@@ -123,6 +124,11 @@ def op_strategies(
         in_layouts = tuple(tuple(s.placements) for s in ins)
         out_layouts = _layouts_of(spec.output_specs)
         if len(in_layouts) != len(tensors):
+            continue
+        # Only Shard, Replicate and Partial: sizes, costs and redistributions here know no other
+        # placement (a view's _StridedShard is left out; see the README's limits).
+        if not all(isinstance(p, (Shard, Replicate, Partial)) for layout in (*in_layouts, *out_layouts)
+                   if layout is not None for p in layout):
             continue
         if not all(even(shape, layout, mesh.shape) for (shape, _), layout in zip(tensors, in_layouts)):
             continue

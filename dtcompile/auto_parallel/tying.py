@@ -8,7 +8,8 @@ dtypes, and the same candidates.  Tied nodes (and tied parameters) then form one
 group: one set of choice variables, whose cost counts once per copy, and edges
 between two groups merge into one block (:mod:`dtcompile.auto_parallel.solver`).
 The first of the matching instances is the representative; the others copy its
-choice.  The
+choice, unless tying would put both ends of an edge into one group (a layer of
+one op feeding the next, such as two ``LayerNorm`` layers in a row).  The
 copies' *measurements* still run (each instance is traced as the model runs), but
 through the builder's cache of identical op signatures.
 """
@@ -69,11 +70,23 @@ def tie_repeated_layers(problem: Problem) -> int:
             if key not in representative:
                 representative[key] = names
                 continue
-            for rep, copy in zip(representative[key], names):
+            mapping = dict(zip(names, representative[key]))
+            if _joins_an_edge(problem, mapping):
+                continue  # a layer of one op feeding the next (two LayerNorms in a row): kept apart
+            for copy, rep in mapping.items():
                 problem.nodes[copy].group = problem.nodes[rep].group
                 tied += 1
     _tie_fanouts(problem)
     return tied
+
+
+def _joins_an_edge(problem: Problem, mapping: dict[str, str]) -> bool:
+    """Whether tying each node of ``mapping`` to its representative's group would put both ends
+    of an edge into one group (one choice cannot price the edge between its two copies)."""
+    def group(name: str) -> str:
+        return problem.nodes[mapping[name]].group if name in mapping else problem.nodes[name].group
+
+    return any(group(e.producer) == group(e.consumer) for e in problem.edges if e.producer in mapping or e.consumer in mapping)
 
 
 def _tie_fanouts(problem: Problem) -> None:

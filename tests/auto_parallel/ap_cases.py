@@ -66,23 +66,54 @@ BUILDS = {
 }
 
 
-def _step_against_reference(rank: int, model: Any, reference: Any, x: Any, mesh: Any, solution: Any) -> tuple[Any, ...]:
-    """One compiled step of the applied ``model`` and the same step of ``reference``: both
-    outputs and gradients (full tensors), the number of compiled graphs, the parameter layouts."""
+def step_against_reference(
+    rank: int, model: Any, reference: Any, args: Any, mesh: Any, solution: Any,
+    disable_passes: frozenset[str] = frozenset(),
+) -> tuple[Any, ...]:
+    """One compiled step of the applied ``model`` and the same step of ``reference`` (loss: the
+    sum of each output's ``pow(2).mean()``): both outputs and gradients (full tensors), the
+    number of compiled graphs, the parameter layouts, the compiled graphs' collectives.
+    ``args``: one input tensor, or a tuple of them.  Checks first that the applied model names
+    every parameter and buffer as ``reference`` does."""
     from torch.distributed.tensor import distribute_tensor
+    from torch.utils import _pytree as pytree
 
-    local_x = distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)
-    backend = dtcompile.backend(inductor=False)
-    out = torch.compile(model, backend=backend, fullgraph=True)(local_x).full_tensor()
-    out.pow(2).mean().backward()
+    names = [n for n, _ in model.named_parameters()], [n for n, _ in model.named_buffers()]
+    assert names == ([n for n, _ in reference.named_parameters()], [n for n, _ in reference.named_buffers()]), (
+        f"rank {rank}: the parallel model's names {names} are not the reference's"
+    )
+    assert list(model.state_dict()) == list(reference.state_dict())
+    args = args if isinstance(args, tuple) else (args,)
+    local = [
+        distribute_tensor(x, mesh, layout, src_data_rank=None)
+        for x, layout in zip(pytree.tree_leaves(args), solution.input_placements)
+    ]
+    backend = dtcompile.backend(inductor=False, disable_passes=set(disable_passes))
+    outs = pytree.tree_leaves(torch.compile(model, backend=backend, fullgraph=True)(*local))
+    outs = [o.full_tensor() for o in outs]
+    sum(o.pow(2).mean() for o in outs if o.is_floating_point()).backward()
     # A parameter's gradient comes back in the parameter's own placements.
     for name, p in model.named_parameters():
-        assert p.grad.placements == p.placements, f"rank {rank}: grad of {name} is {p.grad.placements}, not {p.placements}"
-    grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
-    ref_out = reference(x)
-    ref_out.pow(2).mean().backward()
+        if p.grad is not None:
+            assert p.grad.placements == p.placements, f"rank {rank}: grad of {name} is {p.grad.placements}, not {p.placements}"
+    grads = {name: p.grad.full_tensor() if p.grad is not None else None for name, p in model.named_parameters()}
+    ref_outs = pytree.tree_leaves(reference(*args))
+    sum(o.pow(2).mean() for o in ref_outs if o.is_floating_point()).backward()
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
-    return out.detach(), grads, ref_out.detach(), ref_grads, len(backend.records), solution.param_placements
+    out = outs[0] if len(outs) == 1 else tuple(outs)
+    ref_out = ref_outs[0] if len(ref_outs) == 1 else tuple(ref_outs)
+    collectives = compiled_collectives(list(backend.records))
+    return (
+        detached(out), grads, detached(ref_out), ref_grads, len(backend.records), solution.param_placements, collectives,
+    )
+
+
+def detached(value: Any) -> Any:
+    return tuple(v.detach() for v in value) if isinstance(value, tuple) else value.detach()
+
+
+def _step_against_reference(rank: int, model: Any, reference: Any, x: Any, mesh: Any, solution: Any) -> tuple[Any, ...]:
+    return step_against_reference(rank, model, reference, x, mesh, solution)
 
 
 def rank_step(
@@ -111,14 +142,15 @@ def rank_step(
     return _step_against_reference(rank, parallelize(reference, solution), reference, x, mesh, solution)
 
 
-def assert_matches_reference(results: list[tuple[Any, ...]]) -> None:
-    for rank, (out, grads, ref_out, ref_grads, num_graphs, _) in enumerate(results):
+def assert_matches_reference(results: list[tuple[Any, ...]], rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    for rank, (out, grads, ref_out, ref_grads, num_graphs, *_) in enumerate(results):
         assert num_graphs >= 2, f"rank {rank}: dtcompile compiled {num_graphs} graphs"
-        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}, output: {m}")
+        torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol, msg=lambda m, r=rank: f"rank {r}, output: {m}")
         assert grads.keys() == ref_grads.keys()
+        assert any(g is not None for g in grads.values()), f"rank {rank}: no parameter got a gradient"
         for name, grad in grads.items():
             torch.testing.assert_close(
-                grad, ref_grads[name], rtol=1e-5, atol=1e-5, msg=lambda m, r=rank, n=name: f"rank {r}, grad of {n}: {m}"
+                grad, ref_grads[name], rtol=rtol, atol=atol, msg=lambda m, r=rank, n=name: f"rank {r}, grad of {n}: {m}"
             )
     placements = [r[5] for r in results]
     assert all(p == placements[0] for p in placements), f"ranks planned differently: {placements}"

@@ -103,7 +103,7 @@ MEGATRON = {"w1.weight": (Shard(0),), "w1.bias": (Shard(0),), "w2.weight": (Shar
 def test_pinned_parameters_keep_their_placements_and_collectives_still_match(mlp):
     model, solution = _plan(mlp, fixed=MEGATRON)
     assert solution.param_placements == MEGATRON
-    assert {n: p.placements for n, p in model.module.named_parameters()} == MEGATRON
+    assert {n: p.placements for n, p in model.named_parameters()} == MEGATRON
     compiled = compiled_collectives(compiled_records(model, mlp[3], disable_passes=KEEP_COLLECTIVES))
     assert predicted_collectives(solution) == compiled
 

@@ -34,3 +34,15 @@ def test_a_deeper_stack_adds_no_choices_and_repeats_the_layer_plan(tp_mesh):
             assert placements[f"{layer}.{name}"] == placements[f"1.{name}"]
     # Each copy's cost counts: the deeper stack's estimate grows with it.
     assert six.cost_us > three.cost_us
+
+
+def test_layers_of_one_op_feeding_each_other_are_not_tied(tp_mesh):
+    # blocks.0 and blocks.1 match, but tying them would put both ends of the edge between
+    # them into one choice (the plan fuzzer's first find).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 16), nn.LayerNorm(16), nn.LayerNorm(16), nn.Linear(16, 8))
+    ids = torch.randint(0, 16, (4, 8))
+    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (ids,), param_memory_budget_bytes=1000)
+    nodes = solution.problem.nodes
+    assert nodes["native_layer_norm"].group != nodes["native_layer_norm_1"].group
+    assert solution.param_bytes_per_rank() <= 1000

@@ -1070,3 +1070,19 @@ def test_the_report_lists_each_graphs_regions(fake_world):
         "gather_matmul: gather_matmul on (tp=4): [S(0), S(1)] -> [S(1)] | grads [S(0), S(1)] | saved 2 (3 ops; issues all_gather[tp] x4 192 B)"
     ) < backward
     assert "ops; issues reduce_scatter[tp] x4 192 B)" in text[backward:]
+
+
+def test_local_map_call_recognises_a_region_and_nothing_else():
+    from hops import LocalMapCall, local_map, local_map_call
+
+    def body(x):
+        return x * 2
+
+    made = local_map(body, out_placements=[Shard(0)], in_placements=([Shard(0)],), redistribute_inputs=True)
+    call = local_map_call(made)
+    assert isinstance(call, LocalMapCall)
+    assert call.func is body and call.out_placements == [Shard(0)] and call.in_placements == ([Shard(0)],)
+    assert call.redistribute_inputs is True and call.in_grad_placements is None
+    assert local_map_call(staticmethod(made)) == call  # as a class attribute
+    for other in (body, staticmethod(body), made.func, None, 3):
+        assert local_map_call(other) is None
