@@ -11,7 +11,8 @@ Each row is one model at one size on gloo ranks of this machine,
   2 cores).
 
 Variants, each compiled once, checked against eager (output and every
-gradient), then timed in alternating rounds (median step of rank 0):
+gradient), then timed taking turns step by step, the first of each turn
+rotating (median of ``steps x rounds`` steps of rank 0):
 ``stock`` (Inductor as the release has it), ``dtcompile`` (its passes priced
 under the profile ``auto`` picks: ``cpu_gloo``), ``no passes``
 (``disable_passes`` = the communication passes).
@@ -184,15 +185,17 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: grad: {m}")
         fns[name], models[name], backends[name] = fn, model, backend
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(rounds):
-        order = list(fns) if round_ % 2 == 0 else list(fns)[::-1]
-        for name in order:
+    names = list(fns)
+    for name in names:  # warm
+        _step(fns[name], models[name], x)
+    # Step by step, the variants taking turns (the first of each turn rotating), so that
+    # drift in the machine's load reaches every variant alike.
+    for i in range(steps * rounds):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
             _step(fns[name], models[name], x)
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                _step(fns[name], models[name], x)
-                times[name].append(time.perf_counter() - start)
+            times[name].append(time.perf_counter() - start)
     result = {name: statistics.median(t) for name, t in times.items()}
     result["comm"] = _replay_comm(backends["no passes"], steps)
     result["predicted"] = _simulated_us(backends["dtcompile"]) / _simulated_us(backends["no passes"])
@@ -220,6 +223,9 @@ def _compute_alone(kind: str, world: int, dim: int, hidden: int, rows: int, step
 
 
 def _compute_alone_on_one(kind: str, world: int, dim: int, hidden: int, rows: int, steps: int) -> float:
+    # The fake group's collectives return uninitialized memory: denormals there would slow
+    # the matmuls as no real step is slowed.
+    torch.set_flush_denormal(True)
     from dtcompile.testing import fake_world
 
     with fake_world(world, (world,) if kind != "fsdp_tp" else (2, world // 2), ("dp",) if kind == "fsdp" else ("tp",) if kind == "tp_sp" else ("dp", "tp")) as mesh:
@@ -242,7 +248,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="kind:dim x hidden x rows, comma separated")
     parser.add_argument("--four", action="store_true", help=f"also the 4-rank rows ({FOUR_ROWS})")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trace", default=None, help="folder for torch.profiler traces of one dtcompile step per row")
     parser.add_argument("--decisions", action="store_true", help="print the passes' priced decisions per row")
@@ -250,7 +256,7 @@ def main() -> None:
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
     rows = args.rows.split(",") + (FOUR_ROWS.split(",") if args.four else [])
-    print(f"torch {torch.__version__}; gloo ranks on this machine; median step of {args.steps} x {args.rounds} alternating rounds, rank 0")
+    print(f"torch {torch.__version__}; gloo ranks on this machine; median of {args.steps} x {args.rounds} steps per variant, variants taking turns step by step, rank 0")
     print("every variant's output and gradients checked against eager first\n")
     print("| row | ranks | stock ms | dtcompile ms | no passes ms | dtcompile / stock | no passes / stock "
           "| compute ms | comm ms | bound ms | serial ms | predicted dtc / no passes | measured dtc / no passes |")
