@@ -25,6 +25,10 @@ its serial sum.  ``predicted``: dtcompile's step over the no-passes step as
 :func:`dtcompile.simulate.simulate` plays their graphs under the profile
 (what the passes decided from); ``measured``: the same ratio on the clock.
 
+Each rank computes with the machine's cores shared out (``torch.set_num_threads``:
+one thread per rank on two cores), as a rank has a device of its own; the
+compute-alone processes likewise.
+
 ``--trace DIR`` writes a ``torch.profiler`` trace of one dtcompile step per
 row (rank 0) and prints how much of the step's wall time gloo's collectives
 (``gloo:``/``c10d::`` events) took, and how much of that ran beside compute.
@@ -35,6 +39,7 @@ row (rank 0) and prints how much of the step's wall time gloo's collectives
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -55,6 +60,12 @@ from dtcompile.testing.worlds import run_gloo  # noqa: E402
 
 DEFAULT_ROWS = "fsdp:256x1024x2048,fsdp:512x2048x512,fsdp:1024x4096x256,tp_sp:128x512x256,tp_sp:256x1024x128"
 FOUR_ROWS = "fsdp_tp:128x512x128"
+
+
+def _threads(world: int) -> int:
+    """Threads per rank: the machine's cores shared out, as a rank has a device of its own
+    (two ranks of two threads each on two cores spin against each other)."""
+    return max(1, (os.cpu_count() or 1) // world)
 
 
 def _model(kind: str, mesh, dim: int, hidden: int) -> nn.Module:
@@ -169,6 +180,7 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 
 def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, steps: int, rounds: int, trace: str | None) -> dict:
+    torch.set_num_threads(_threads(world))
     mesh = _mesh(kind, world)
     x = _input(kind, dim, rows)
     eager = _model(kind, mesh, dim, hidden)
@@ -212,24 +224,32 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
 
 def _compute_alone(kind: str, world: int, dim: int, hidden: int, rows: int, steps: int) -> float:
     """Rank 0's step compiled by stock Inductor on the fake process group (compute only), in
-    ``world`` processes at once, as the gloo ranks share this machine's cores."""
-    import concurrent.futures
+    ``world`` processes stepping together, as the gloo ranks share this machine's cores."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(world, mp_context=context) as pool:
-        futures = [pool.submit(_compute_alone_on_one, kind, world, dim, hidden, rows, steps) for _ in range(world)]
-        return statistics.median(f.result() for f in futures)
+    barrier, results = context.Barrier(world), context.Queue()
+    workers = [
+        context.Process(target=_compute_alone_on_one, args=(barrier, results, kind, world, dim, hidden, rows, steps))
+        for _ in range(world)
+    ]
+    for w in workers:
+        w.start()
+    times = [results.get(timeout=1800) for _ in workers]
+    for w in workers:
+        w.join()
+    return statistics.median(times)
 
 
-def _compute_alone_on_one(kind: str, world: int, dim: int, hidden: int, rows: int, steps: int) -> float:
+def _compute_alone_on_one(barrier, results, kind: str, world: int, dim: int, hidden: int, rows: int, steps: int) -> None:
+    from dtcompile.testing import fake_world
+
     # The fake group's collectives return uninitialized memory: denormals there would slow
     # the matmuls as no real step is slowed.
     torch.set_flush_denormal(True)
-    from dtcompile.testing import fake_world
-
-    with fake_world(world, (world,) if kind != "fsdp_tp" else (2, world // 2), ("dp",) if kind == "fsdp" else ("tp",) if kind == "tp_sp" else ("dp", "tp")) as mesh:
-        torch._dynamo.reset()
+    torch.set_num_threads(_threads(world))
+    names = ("dp",) if kind == "fsdp" else ("tp",) if kind == "tp_sp" else ("dp", "tp")
+    with fake_world(world, (world,) if kind != "fsdp_tp" else (2, world // 2), names) as mesh:
         model = _model(kind, mesh, dim, hidden)
         x = _input(kind, dim, rows)
         fn = torch.compile(model, backend="inductor")
@@ -237,11 +257,12 @@ def _compute_alone_on_one(kind: str, world: int, dim: int, hidden: int, rows: in
             _step(fn, model, x)
         samples = []
         for _ in range(steps):
+            barrier.wait()  # every process compiled, and stepping together
             start = time.perf_counter()
             _step(fn, model, x)
             samples.append(time.perf_counter() - start)
         torch._dynamo.reset()
-    return statistics.median(samples)
+    results.put(statistics.median(samples))
 
 
 def main() -> None:
