@@ -51,6 +51,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from schedule_owner import train_step  # noqa: E402  (this folder is on the path of a script run)
+
 import dtcompile  # noqa: E402
 from dtcompile._testing.models import MLP, Block, BlockArgs, _data_parallel, parallelize_block  # noqa: E402
 from dtcompile.collectives import collective_info  # noqa: E402
@@ -90,14 +92,6 @@ def _mesh(kind: str, world: int):
     if kind == "fsdp_tp":
         return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     return init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if kind == "fsdp" else "tp",))
-
-
-def _step(fn, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    for p in model.parameters():
-        p.grad = None
-    out = fn(x)
-    out.pow(2).mean().backward()
-    return out.detach()
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -158,7 +152,7 @@ def _profile_step(fn, model, x, path: Path) -> tuple[float, float, float]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        _step(fn, model, x)
+        train_step(fn, model, x)
         wall = (time.perf_counter() - start) * 1e6
     prof.export_chrome_trace(str(path))
     events = [e for e in prof.events() if e.time_range.elapsed_us() > 0]
@@ -184,14 +178,14 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
     mesh = _mesh(kind, world)
     x = _input(kind, dim, rows)
     eager = _model(kind, mesh, dim, hidden)
-    want = _step(eager, eager, x)
+    want = train_step(eager, eager, x)
     want_grads = _grads(eager)
     fns, models, backends = {}, {}, {}
     for name, make in _variants().items():
         backend = make()
         model = _model(kind, mesh, dim, hidden)
         fn = torch.compile(model, backend=backend)
-        got = _step(fn, model, x)
+        got = train_step(fn, model, x)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: output: {m}")
         for g, w in zip(_grads(model), want_grads):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: grad: {m}")
@@ -199,14 +193,14 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for name in names:  # warm
-        _step(fns[name], models[name], x)
+        train_step(fns[name], models[name], x)
     # Step by step, the variants taking turns (the first of each turn rotating), so that
     # drift in the machine's load reaches every variant alike.
     for i in range(steps * rounds):
         for name in names[i % len(names):] + names[: i % len(names)]:
             dist.barrier()
             start = time.perf_counter()
-            _step(fns[name], models[name], x)
+            train_step(fns[name], models[name], x)
             times[name].append(time.perf_counter() - start)
     result = {name: statistics.median(t) for name, t in times.items()}
     result["comm"] = _replay_comm(backends["no passes"], steps)
@@ -254,12 +248,12 @@ def _compute_alone_on_one(barrier, results, kind: str, world: int, dim: int, hid
         x = _input(kind, dim, rows)
         fn = torch.compile(model, backend="inductor")
         for _ in range(2):
-            _step(fn, model, x)
+            train_step(fn, model, x)
         samples = []
         for _ in range(steps):
             barrier.wait()  # every process compiled, and stepping together
             start = time.perf_counter()
-            _step(fn, model, x)
+            train_step(fn, model, x)
             samples.append(time.perf_counter() - start)
         torch._dynamo.reset()
     results.put(statistics.median(samples))

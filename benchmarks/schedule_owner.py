@@ -60,7 +60,8 @@ def _stack(mesh, dim: int, hidden: int, seed: int = 0) -> nn.Module:
     return _data_parallel(model, mesh, shard=True)
 
 
-def _step(fn, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def train_step(fn, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One forward (``fn``) and backward of ``model`` from ``x``, gradients reset first; the output."""
     for p in model.parameters():
         p.grad = None
     out = fn(x)
@@ -75,7 +76,7 @@ def _rank(rank: int, world_size: int, dim: int, hidden: int, rows: int, steps: i
     torch.manual_seed(1)
     x = torch.randn(rows, dim)
     eager_model = _stack(mesh, dim, hidden)
-    want = _step(eager_model, eager_model, x)
+    want = train_step(eager_model, eager_model, x)
     want_grads = [p.grad.full_tensor() for p in eager_model.parameters()]
     variants = _variants()
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -85,16 +86,16 @@ def _rank(rank: int, world_size: int, dim: int, hidden: int, rows: int, steps: i
             torch._dynamo.reset()
             model = _stack(mesh, dim, hidden)
             fn = torch.compile(model, backend=variants[name]())
-            got = _step(fn, model, x)
+            got = train_step(fn, model, x)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: output: {m}")
             for p, g in zip(model.parameters(), want_grads):
                 torch.testing.assert_close(p.grad.full_tensor(), g, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: grad: {m}")
             for _ in range(2):
-                _step(fn, model, x)
+                train_step(fn, model, x)
             for _ in range(steps):
                 torch.distributed.barrier()
                 start = time.perf_counter()
-                _step(fn, model, x)
+                train_step(fn, model, x)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 

@@ -86,3 +86,28 @@ def tp_mesh(fake_world):
 @pytest.fixture
 def dp_tp_mesh(fake_world):
     return fake_world(8, (2, 4), ("dp", "tp"))
+
+
+# The fuzzers' fixtures (tests/fuzz, tests/auto_parallel/plan_fuzz): their budget and seed
+# (--fuzz-examples, --fuzz-seed) and their reports, printed in pytest's terminal summary.
+_FUZZ_REPORTS = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def fuzz_options(request):
+    """``(examples, seed)``: ``None`` for each one not given on the command line."""
+    return request.config.getoption("fuzz_examples"), request.config.getoption("fuzz_seed")
+
+
+@pytest.fixture
+def fuzz_report(request):
+    """Call with a text: it is printed at the end of the run (under the test module's name),
+    also when the test passes."""
+    reports = request.config.stash.setdefault(_FUZZ_REPORTS, [])
+    return lambda text: reports.append((request.node.module.__name__, text))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for module, text in config.stash.get(_FUZZ_REPORTS, []):
+        terminalreporter.write_sep("=", f"dtcompile fuzzer: {module}")
+        terminalreporter.write_line(text)

@@ -101,15 +101,15 @@ def cases_for(examples, seed):
     return cases[:examples] if len(cases) > examples else cases
 
 
-def test_fuzz_plans_compiled_match_the_single_process_model(plan_fuzz_options, plan_fuzz_report):
-    examples, seed = plan_fuzz_options
+def test_fuzz_plans_compiled_match_the_single_process_model(fuzz_options, fuzz_report):
+    examples, seed = fuzz_options
     examples = CI_EXAMPLES if examples is None else examples
     seed = CI_SEED if seed is None else seed
     start = time.perf_counter()
     cases = cases_for(examples, seed)
     infeasible = run_batch(cases)
     kinds = sorted({kind for case in cases for kind, _, _ in case.blocks})
-    plan_fuzz_report(
+    fuzz_report(
         f"plan fuzzer: {len(cases)} models (seed {seed}) in {time.perf_counter() - start:.0f} s: "
         f"{len(cases) - infeasible} planned, compiled and equal to the single-process model, "
         f"{infeasible} infeasible for their budget; blocks drawn: {', '.join(kinds)}"
