@@ -37,14 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtcompile.cost_model import (
-    AUTO,
-    HardwareProfile,
-    Link,
-    choose_profile,
-    register_profile,
-    save_profile,
-)
+from dtcompile.collectives import profile_for_groups
+from dtcompile.cost_model import AUTO, HardwareProfile, Link, register_profile, save_profile
 
 __all__ = ["calibrate", "fit_link"]
 
@@ -186,8 +180,7 @@ def calibrate(
     device = _device(group)
     backend = str(dist.get_backend(group))
     if name is None:
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        name = choose_profile(AUTO, {device.type}, {backend.split(":")[-1]}, gpu).profile.name
+        name = profile_for_groups(AUTO, {device.type}, [group.group_name] if group is not None else []).profile.name
     if not isinstance(name, str) or not name or name == AUTO:
         raise ValueError(f"dtcompile.calibrate: name must be a profile name other than {AUTO!r}, got {name!r}")
     link = fit_link(_collectives(group, device, iters), dist.get_world_size(group))
@@ -198,7 +191,8 @@ def calibrate(
         device=device,
     )
     # Rank 0's numbers on every rank: each rank's passes decide from this profile.
-    dist.broadcast(measured, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(measured, src=first, group=group)
     bandwidth, hop, base, copy, tflops, overlap = measured.tolist()
     shared = Link(bandwidth_gbps=bandwidth, hop_latency_us=hop, base_latency_us=base)
     profile = HardwareProfile(
@@ -216,7 +210,7 @@ def calibrate(
         fused_collective_matmul=device.type == "cuda" and "nccl" in backend,
     )
     register_profile(profile)
-    if save and dist.get_rank() == (dist.get_global_rank(group, 0) if group is not None else 0):
+    if save and dist.get_rank() == first:
         save_profile(profile, path)
     dist.barrier(group=group)
     return profile

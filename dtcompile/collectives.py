@@ -18,7 +18,7 @@ sizes read from a tensor, as a MoE's token dispatch and combine are) is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from dtcompile.cost_model import HardwareProfile, ProfileChoice, choose_profile
 from dtcompile.sizes import has_unbacked, nbytes_hint, shape_hint
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "collective_info",
     "graph_collectives",
     "group_backends",
+    "profile_for_groups",
     "is_collective",
     "mesh_axes",
 ]
@@ -239,3 +241,12 @@ def group_backends(group_names: Sequence[str]) -> set[str]:
 
     groups = [_resolve_process_group(name) for name in group_names] or [None]
     return {str(dist.get_backend(group)) for group in groups}
+
+
+def profile_for_groups(choice: str | HardwareProfile, devices: Set[str], group_names: Sequence[str]) -> ProfileChoice:
+    """The cost profile for work on ``devices`` (device types) whose collectives run on the
+    named groups (the default group's when none is named): :func:`~dtcompile.cost_model.choose_profile`
+    given those groups' backends and, on CUDA, this process's GPU.  The backend reads a
+    graph so, ``auto_parallel`` a mesh, and ``calibrate`` its group."""
+    gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None
+    return choose_profile(choice, devices, group_backends(group_names), gpu)

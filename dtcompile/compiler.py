@@ -51,9 +51,8 @@ import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
 from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallback_artifact, format_compiled_graph
 from dtcompile.cache_keys import compile_key, stable_mesh_keys
-from dtcompile.collectives import graph_collectives, group_backends, is_collective, mesh_axes
+from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig, config_for
-from dtcompile.cost_model import ProfileChoice, choose_profile
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
 from dtcompile.lowering import inline_regions
 from dtcompile.partition import Partitioner
@@ -154,13 +153,6 @@ def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
     return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
 
 
-def _profile_for(config: DTCompileConfig, devices: frozenset[str], axes: Mapping[str, str]) -> ProfileChoice:
-    """The cost profile this graph is priced with (:func:`dtcompile.cost_model.choose_profile`):
-    read from its devices and the backends of its meshes' groups (or the default group's)."""
-    gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None
-    return choose_profile(config.cost_profile, devices, group_backends(list(axes)), gpu)
-
-
 class DTCompileBackend:
     """The compiler function ``torch.compile`` calls; made by :func:`backend`.
 
@@ -208,7 +200,8 @@ class DTCompileBackend:
                 warnings.warn(f"dtcompile: ignored {'; '.join(ignored)}", stacklevel=2)
         compile_id = torch._guards.CompileContext.current_compile_id()
         axes = mesh_axes(gm, example_inputs)
-        priced = _profile_for(config, _devices(example_inputs), axes)
+        # Priced for its devices and its meshes' groups (the default group's when it has none).
+        priced = profile_for_groups(config.cost_profile, _devices(example_inputs), list(axes))
         info = describe_dynamo_graph(
             gm, str(compile_id) if compile_id is not None else "?", axes, priced.profile, priced.why
         )

@@ -182,11 +182,16 @@ def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
 
 def get_profile(name: str) -> HardwareProfile:
     """The profile called ``name``: saved in :func:`profile_dir`, else registered."""
+    return _lookup(name)[0]
+
+
+def _lookup(name: str) -> tuple[HardwareProfile, Path | None]:
+    """The profile called ``name``, and the file it was loaded from (``None``: registered)."""
     saved = profile_dir() / f"{name}.json"
     if saved.is_file():
-        return load_profile(saved)
+        return load_profile(saved), saved
     try:
-        return PROFILES[name]
+        return PROFILES[name], None
     except KeyError:
         raise ValueError(
             f"unknown cost profile {name!r}; the profiles are {sorted(PROFILES)} and {AUTO!r} "
@@ -245,9 +250,9 @@ def choose_profile(
     else:
         name = _SIMULATED_TARGET
         why = f"auto: {on} (no profile for them: {name}'s; run dtcompile.calibrate())"
-    profile = get_profile(name)
-    if (profile_dir() / f"{name}.json").is_file():
-        why += f", calibrated on this machine ({profile_dir() / f'{name}.json'})"
+    profile, saved = _lookup(name)
+    if saved is not None:
+        why += f", calibrated on this machine ({saved})"
     return ProfileChoice(profile, why)
 
 

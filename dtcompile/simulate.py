@@ -22,7 +22,7 @@ from dtcompile.cost_model import HardwareProfile, collective_time_us
 from dtcompile.regions import is_region, region_body
 from dtcompile.sizes import hint, nbytes_hint, numel_hint
 
-__all__ = ["Timeline", "node_time_us", "region_timeline", "simulate"]
+__all__ = ["Timeline", "fused_hidden_us", "node_time_us", "region_timeline", "simulate"]
 
 
 _FREE = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select",
@@ -76,6 +76,14 @@ def node_time_us(node: Any, profile: HardwareProfile) -> float:
     return moved / (profile.memory_gbps * 1e9) * 1e6
 
 
+def fused_hidden_us(comm_us: float, matmul_us: float, group_size: int, profile: HardwareProfile) -> float:
+    """What a fused collective-matmul over ``group_size`` ranks hides of its collective
+    (``C``) under its matmuls (``M``), pipelining ``group_size`` chunks:
+    ``overlap * (min(C, M) - min(C, M) / n)``."""
+    shorter = min(comm_us, matmul_us)
+    return profile.overlap * (shorter - shorter / group_size)
+
+
 @dataclass(frozen=True)
 class Timeline:
     """Estimated run of one graph: a compute stream and a communication stream."""
@@ -118,8 +126,7 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
             m = node_time_us(node, profile)
             comm += c
             compute += m
-            hidden = profile.overlap * (min(c, m) - min(c, m) / info.group_size)
-            clock = max(clock, comm_free) + c + m - hidden
+            clock = max(clock, comm_free) + c + m - fused_hidden_us(c, m, info.group_size, profile)
         elif info is not None:
             cost = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
             comm += cost

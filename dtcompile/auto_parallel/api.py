@@ -20,8 +20,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from dtcompile.auto_parallel.placements import Layout
-from dtcompile.collectives import group_backends
-from dtcompile.cost_model import HardwareProfile, choose_profile
+from dtcompile.collectives import profile_for_groups
+from dtcompile.cost_model import HardwareProfile
 
 __all__ = ["auto_parallel", "plan"]
 
@@ -88,8 +88,7 @@ def _check(model: Any, mesh: Any, example_inputs: Any, budget: Any, profile: Any
         raise TypeError(f"auto_parallel: cost_profile must be a profile name or a HardwareProfile, got {profile!r}")
     # "auto" reads the mesh as the backend reads a graph: its device and its groups' backend.
     names = [mesh.get_group(axis).group_name for axis in range(mesh.ndim)]
-    gpu = torch.cuda.get_device_name() if mesh.device_type == "cuda" and torch.cuda.is_available() else None
-    profile = choose_profile(profile, {mesh.device_type}, group_backends(names), gpu).profile
+    profile = profile_for_groups(profile, {mesh.device_type}, names).profile
     return tuple(example_inputs), profile
 
 

@@ -43,7 +43,7 @@ from dtcompile.ops import decomposed_on  # importing it registers the dtcompile:
 from dtcompile.passes._graph import refresh_metadata, single_wait
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome, Price
-from dtcompile.simulate import node_time_us
+from dtcompile.simulate import fused_hidden_us, node_time_us
 from dtcompile.sizes import is_symbolic
 
 __all__ = ["fuse_async_tp"]
@@ -137,17 +137,16 @@ _SYMBOLIC = "its shape is symbolic (dynamic shapes), and the fused op is built f
 
 
 def _price(ctx: PassContext, collective: fx.Node, matmuls: list[fx.Node]) -> Price:
-    """A fused op pipelines its collective (``C``) with its matmuls (``M``) in ``n``
-    chunks: it hides ``overlap * (min(C, M) - min(C, M) / n)`` (as
-    :func:`dtcompile.simulate.simulate` plays it), where the profile has fused
-    kernels; the decomposition that runs elsewhere hides nothing."""
+    """What fusing saves: :func:`~dtcompile.simulate.fused_hidden_us` (as
+    :func:`~dtcompile.simulate.simulate` plays a fused op), where the profile has
+    fused kernels; the decomposition that runs elsewhere hides nothing."""
     profile = ctx.profile
     if not profile.fused_collective_matmul:
         return ctx.price(0.0, 0.0)
     info = collective_info(collective)
     c = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
     m = sum(node_time_us(mm, profile) for mm in matmuls)
-    return ctx.price(profile.overlap * (min(c, m) - min(c, m) / info.group_size), 0.0)
+    return ctx.price(fused_hidden_us(c, m, info.group_size, profile), 0.0)
 
 
 def _unpaid(ctx: PassContext) -> str:

@@ -32,6 +32,7 @@ taken or not, is recorded with its reason.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,8 +76,12 @@ class _Member:
     fake value until the pass ends."""
     ready: int
     first_use: int
-    num_bytes: int
     info: CollectiveInfo
+
+    @property
+    def num_bytes(self) -> int:
+        """As :class:`~dtcompile.CollectiveInfo` counts them: an all-gather's gathered buffer, the others' input."""
+        return self.info.bytes
 
 
 @dataclass
@@ -112,14 +117,23 @@ def _key(node: fx.Node) -> tuple[Any, ...]:
     return (kind, group, None, value.dtype, reduce_op)
 
 
+_COPIES = "of copies"
+_COPIES_AND_DELAY = "of copies and delayed overlap"
+
+
 class _Pricer:
     """Prices a member joining a bucket under the graph's profile (see the module docstring)."""
 
     def __init__(self, graph: fx.Graph, ctx: PassContext) -> None:
+        self.graph = graph
         self.ctx = ctx
         self.profile = ctx.profile
-        # Estimated compute time up to each node (graph order), for the overlap a bucket delays.
-        self.clock = list(itertools.accumulate((node_time_us(n, self.profile) for n in graph.nodes), initial=0.0))
+
+    @functools.cached_property
+    def clock(self) -> list[float]:
+        """Estimated compute time up to each node (graph order), for the overlap a bucket
+        delays; played once, on the first join priced."""
+        return list(itertools.accumulate((node_time_us(n, self.profile) for n in self.graph.nodes), initial=0.0))
 
     def time_us(self, member: _Member, num_bytes: int) -> float:
         info = member.info
@@ -143,7 +157,7 @@ class _Pricer:
         else:
             waiting, between = t_member, self.clock[bucket.ready] - self.clock[member.ready]
         delay = self.profile.overlap * min(waiting, between)
-        return self.ctx.price(saves, copies + delay, "of copies and delayed overlap" if delay else "of copies")
+        return self.ctx.price(saves, copies + delay, _COPIES_AND_DELAY if delay else _COPIES)
 
 
 def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
@@ -165,11 +179,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         if is_symbolic(value):
             ctx.skipped(node.name, "not bucketed: its shape is symbolic (dynamic shapes); a bucket is built for one shape")
             continue
-        num_bytes = value.numel() * value.element_size()
-        if _BUCKETABLE[node.target] == "all_gather":
-            num_bytes *= node.args[1]  # the gathered buffer, as CollectiveInfo counts it
-        info = collective_info(node)
-        member = _Member(node, wait, value, index[source], first_use_index(wait, index), num_bytes, info)
+        member = _Member(node, wait, value, index[source], first_use_index(wait, index), collective_info(node))
         key = _key(node)
         bucket = open_buckets.get(key)
         if bucket is not None:
@@ -201,7 +211,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         names = ", ".join(m.node.name for m in bucket.members)
         kind = bucket.key[0]
         saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
-        what = "of copies and delayed overlap" if any("overlap" in p.costs_what for p in bucket.prices) else "of copies"
+        what = _COPIES_AND_DELAY if any(p.costs_what == _COPIES_AND_DELAY for p in bucket.prices) else _COPIES
         ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", ctx.price(saves, costs, what))
     graph.eliminate_dead_code()
     graph.lint()

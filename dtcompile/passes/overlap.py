@@ -165,9 +165,22 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions
 
 
 def _peak_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any]) -> int:
-    """The most bytes of collectives in flight at once (issued, not yet waited on)."""
+    """The most bytes of collectives in flight at once (issued, not yet waited on), read
+    where each collective is issued, as :func:`_bytes_in_flight` counts them: one walk."""
     order = _order(graph)
-    return max((_bytes_in_flight(graph, infos, order, order[n]) for n in infos), default=0)
+    in_flight: dict[fx.Node, tuple[int, int]] = {}  # collective -> (its last wait's position, bytes)
+    peak = 0
+    for node in graph.nodes:
+        info = infos.get(node)
+        if info is None:
+            continue
+        position = order[node]
+        in_flight = {c: held for c, held in in_flight.items() if held[0] > position}
+        waits = [order[u] for u in node.users if u.target is _WAIT]
+        if not info.fused and waits and max(waits) > position:
+            in_flight[node] = (max(waits), info.bytes)
+        peak = max(peak, sum(b for _, b in in_flight.values()))
+    return peak
 
 
 def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
