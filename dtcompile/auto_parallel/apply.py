@@ -42,6 +42,7 @@ from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from dtcompile.auto_parallel.local_ops import run_local
+from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.solution import Solution
 
 __all__ = ["AutoParallelModule", "expect_layout", "parallelize"]
@@ -116,15 +117,17 @@ def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any
         pnode = problem.nodes[node.name]
         if pnode.kind == "constant":
             new = graph.node_copy(node, lambda n: value((n.name, 0)))
+        elif pnode.kind == "region":  # the local_map function itself, on the DTensors
+            index = region_of(node)
+            consts[f"region{index}"] = traced.regions[index].fn
+            operands = [reading(node.name, slot) for slot in range(len(pnode.inputs))]
+            new = graph.call_function(_call_region, (graph.get_attr(f"region{index}"), *operands))
         else:
             slots = iter(range(len(pnode.inputs)))
             args, kwargs = pytree.tree_map_only(
                 fx.Node, lambda _: reading(node.name, next(slots)), (node.args, node.kwargs)
             )
-            if pnode.kind == "region":  # the local_map function itself, on the DTensors
-                consts[f"region{node.args[1]}"] = traced.regions[node.args[1]].fn
-                new = graph.call_function(_call_region, (graph.get_attr(f"region{node.args[1]}"), *args[0]))
-            elif solution.choice(node.name).local:  # outside DTensor's dispatch, on local shards
+            if solution.choice(node.name).local:  # outside DTensor's dispatch, on local shards
                 outs_name = f"outs_{node.name}"
                 consts[outs_name] = solution.choice(node.name).outputs
                 new = graph.call_function(run_local, (node.target, graph.get_attr(outs_name), *args), dict(kwargs))

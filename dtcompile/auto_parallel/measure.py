@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, local_numel
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, is_shard, local_numel
 from dtcompile.collectives import collective_info, flattened_axes
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.simulate import node_time_us
@@ -95,7 +95,7 @@ def _global_stride(shape: Sequence[int]) -> tuple[int, ...]:
 def _local_shape(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     local = list(shape)
     for placement, size in zip(layout, mesh_shape):
-        if isinstance(placement, Shard):
+        if is_shard(placement):
             local[placement.dim] //= size
     return tuple(local)
 

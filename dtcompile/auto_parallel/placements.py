@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from dtcompile.cost_model import HardwareProfile, collective_time_us
 from hops.spec import format_placements
@@ -26,10 +27,13 @@ __all__ = [
     "axis_span",
     "even",
     "grad_layout",
+    "is_shard",
     "layouts",
     "local_numel",
     "output_grad_layout",
+    "strided_variant",
     "text",
+    "unstrided",
 ]
 
 Layout = tuple[Any, ...]
@@ -68,11 +72,16 @@ def text(layout: Layout | None) -> str:
     return "-" if layout is None else format_placements(layout)
 
 
+def is_shard(placement: Any) -> bool:
+    """``Shard`` or ``_StridedShard`` (which is no ``Shard`` subclass in torch 2.13 to 2.15)."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
 def even(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]) -> bool:
     """Whether every sharded dim of ``shape`` divides evenly by the axes that shard it."""
     ways = [1] * len(shape)
     for placement, size in zip(layout, mesh_shape):
-        if isinstance(placement, Shard):
+        if is_shard(placement):
             if placement.dim >= len(shape):
                 return False
             ways[placement.dim] *= size
@@ -83,20 +92,55 @@ def local_numel(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int])
     """Elements of one rank's shard of an evenly sharded tensor."""
     numel = math.prod(shape)
     for placement, size in zip(layout, mesh_shape):
-        if isinstance(placement, Shard):
+        if is_shard(placement):
             numel //= size
     return numel
 
 
-def layouts(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Layout]:
-    """Every layout of a tensor of ``shape`` without ``Partial``, sharding evenly; replicated first."""
+def layouts(shape: Sequence[int], mesh_shape: Sequence[int], *, strided: bool = False) -> list[Layout]:
+    """Every layout of a tensor of ``shape`` without ``Partial``, sharding evenly; replicated first.
+
+    With ``strided``, each layout in which an axis shards a dim that a later axis shards
+    too is also offered as :func:`strided_variant` (FSDP2 over tensor parallelism)."""
     per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
     found: list[Layout] = [()]
     for _ in mesh_shape:
         found = [(*prefix, p) for prefix in found for p in per_axis]
     found = [layout for layout in found if even(shape, layout, mesh_shape)]
-    found.sort(key=lambda layout: sum(isinstance(p, Shard) for p in layout))
+    if strided:
+        found += [v for v in map(functools.partial(strided_variant, mesh_shape=mesh_shape), found) if v is not None]
+    found.sort(key=lambda layout: sum(map(is_shard, layout)))
     return found
+
+
+def strided_variant(layout: Layout, mesh_shape: Sequence[int]) -> Layout | None:
+    """``layout`` with each axis that shards a dim a later axis shards too made a
+    ``_StridedShard`` (``None`` where there is none): ``(S(0), S(0))`` becomes
+    ``(_S(0,4), S(0))`` on a 2 x 4 mesh.
+
+    DTensor's ``(S(0), S(0))`` gives rank ``(d, t)`` row block ``4d + t``: the later
+    axis splits each of the earlier axis's shards.  ``_StridedShard(0, split_factor=4)``
+    on the earlier axis turns that around: the later axis (tensor parallelism) splits
+    the tensor first, the earlier one (data parallelism) each of those shards, as
+    FSDP2's ``fully_shard`` lays out a tensor-parallel parameter.  Gathered over the
+    earlier axis it is the later axis's ``Shard`` -- one all-gather, where ``(S(0), S(0))``
+    must be gathered whole and cut again -- and a gradient ``Partial`` over the earlier
+    axis reduce-scatters straight into it."""
+    out, changed = list(layout), False
+    for axis, placement in enumerate(layout):
+        if not isinstance(placement, Shard):
+            continue
+        split = math.prod(
+            size for later, size in zip(layout[axis + 1:], mesh_shape[axis + 1:]) if later == Shard(placement.dim)
+        )
+        if split > 1:
+            out[axis], changed = _StridedShard(placement.dim, split_factor=split), True
+    return tuple(out) if changed else None
+
+
+def unstrided(layout: Layout) -> Layout:
+    """``layout`` gathered over its ``_StridedShard`` axes: where ops read a value stored so."""
+    return tuple(Replicate() if isinstance(p, _StridedShard) else p for p in layout)
 
 
 def grad_layout(grad: Layout, value: Layout) -> Layout:

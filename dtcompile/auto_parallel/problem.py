@@ -59,8 +59,15 @@ from torch.distributed.tensor import Partial, Replicate
 
 from dtcompile.auto_parallel.local_ops import BORROWED, REPLICATED, borrowed_strategies, replicated_strategy, run_local
 from dtcompile.auto_parallel.measure import _TensorSlot, measure_op
-from dtcompile.auto_parallel.placements import Layout, PlannedCollective, layouts, local_numel, output_grad_layout
-from dtcompile.auto_parallel.regions import region_op
+from dtcompile.auto_parallel.placements import (
+    Layout,
+    PlannedCollective,
+    layouts,
+    local_numel,
+    output_grad_layout,
+    unstrided,
+)
+from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
@@ -208,10 +215,11 @@ class _Builder:
         self.transfers: dict[Any, Transfer | None] = {}
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
 
-    def _layouts_for(self, name: str, shape: tuple[int, ...]) -> list[Layout]:
+    def _layouts_for(self, name: str, shape: tuple[int, ...], kind: str) -> list[Layout]:
         if name in self.fixed:
             return [tuple(self.fixed[name])]
-        return layouts(shape, self.mesh.shape)
+        # A parameter may also be stored FSDP2-over-TP (``_StridedShard``), gathered before use.
+        return layouts(shape, self.mesh.shape, strided=kind == "param")
 
     def placeholders(self) -> None:
         t = self.traced
@@ -222,7 +230,7 @@ class _Builder:
             if meta is None:
                 raise ValueError(f"auto_parallel: {label} is not a tensor; only tensor inputs are supported")
             shape = meta[0]
-            options = [tuple([Replicate()] * self.mesh.ndim)] if kind == "buffer" else self._layouts_for(label, shape)
+            options = [tuple([Replicate()] * self.mesh.ndim)] if kind == "buffer" else self._layouts_for(label, shape, kind)
             if not options:
                 raise ValueError(f"auto_parallel: no layout of {label} (shape {list(shape)}) shards evenly over mesh {tuple(self.mesh.shape)}")
             rg = t.requires_grad[node.name]
@@ -241,6 +249,10 @@ class _Builder:
         metas = _out_metas(node)
         if all(m is None for m in metas):
             raise ValueError(f"auto_parallel: node {node.name} ({node.target}) makes no tensor; not supported")
+        index = region_of(node)
+        if index is not None:  # hops' region op: (body, spec, *operands)
+            self.region(node, index, [_ref(a) for a in node.args[2:]], metas)
+            return
         tensor_args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
         if self.is_constant(node):
             time_us = node_time_us(node, self.profile)
@@ -252,16 +264,16 @@ class _Builder:
             )
             return
         refs = [_ref(a) for a in tensor_args]
-        if node.target is region_op()._opoverload:
-            self.region(node, refs, metas)
-            return
         slots = iter(range(len(tensor_args)))
         args, kwargs = pytree.tree_map_only(fx.Node, lambda _: _TensorSlot(next(slots)), (node.args, node.kwargs))
         in_metas = [self.nodes[p].outputs[k] for p, k in refs]
         in_rg = [self.nodes[p].requires_grad[k] for p, k in refs]
         options, produced_by = [], []
         for (p, k), (_shape, _) in zip(refs, in_metas):
-            produced = list(dict.fromkeys(c.outputs[k] for c in self.nodes[p].candidates if c.outputs[k] is not None))
+            # A stored _StridedShard is read gathered over its axis: ops see Shard, Replicate, Partial.
+            produced = list(dict.fromkeys(
+                unstrided(c.outputs[k]) for c in self.nodes[p].candidates if c.outputs[k] is not None
+            ))
             produced_by.append(produced)
             # What the producer can give, and the replicated layout: strategies that follow
             # their input (views, reductions) are offered for these; a strategy that reads
@@ -360,9 +372,9 @@ class _Builder:
                     candidates.append(self.measures[key])
         return list(dict.fromkeys(candidates))
 
-    def region(self, node: fx.Node, refs: list[tuple[str, int]], metas: list[Any]) -> None:
+    def region(self, node: fx.Node, index: int, refs: list[tuple[str, int]], metas: list[Any]) -> None:
         """A ``local_map`` region: its one candidate, its declared placements, measured."""
-        region = self.traced.regions[node.args[1]]
+        region = self.traced.regions[index]
         in_metas = [self.nodes[p].outputs[k] for p, k in refs]
         in_rg = [self.nodes[p].requires_grad[k] for p, k in refs]
         out_rg = [bool(m is not None and m[1].is_floating_point and any(in_rg)) for m in metas]
@@ -576,7 +588,7 @@ def build_problem(
         if node.op == "call_function" and node.target is not operator.getitem:
             _refuse_writes(node, traced)
             b.call(node)
-        elif node.op == "get_attr":
+        elif node.op == "get_attr" and not isinstance(getattr(traced.gm, node.target), fx.GraphModule):
             raise ValueError(f"auto_parallel: the model reads the tensor attribute {node.target}; make it a buffer")
     b.outputs(dict(output_layouts or {}))
     start = time.perf_counter()

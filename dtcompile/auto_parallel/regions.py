@@ -3,11 +3,12 @@
 On plain tensors a ``local_map`` function runs its body as it is, so tracing the
 single-device model would inline the body and lose the region.  While
 :func:`keep_regions` is active, every ``local_map`` function found on the model's
-modules (an attribute or class attribute that is a ``hops.local_map`` result,
-such as ``RegionAttention.core``) is shadowed on its instance by a call of one
-op, ``dtcompile_autoparallel::region(tensors, index)``, which traces as a single
-node; its fake implementation runs the body to learn the outputs' shapes.  The
-instance attributes are removed again on exit (the class keeps its own).
+modules (an attribute or class attribute that :func:`hops.local_map_call`
+recognises, such as ``RegionAttention.core``) is shadowed on its instance by a
+call of hops' own region op, :data:`hops.local_map_region`, below autograd: the
+op's ``make_fx`` rule traces the body into a subgraph and records one node, whose
+``meta[REGION]`` names the :class:`Region`.  The instance attributes are removed
+again on exit (the class keeps its own).
 
 The solver then gives the region exactly one candidate: its declared
 ``in_placements`` (read), ``out_placements`` (made) and ``in_grad_placements``
@@ -18,7 +19,6 @@ fake DTensors; the applied model calls the ``local_map`` function itself.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,9 +26,14 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import nn
+from torch import fx, nn
 
-__all__ = ["Region", "keep_regions", "region_op"]
+from hops import RegionSpec, format_placements, local_map_call, local_map_region
+
+__all__ = ["REGION", "Region", "keep_regions", "region_of"]
+
+REGION = "dtcompile_autoparallel_region"
+"""The key, in a traced region node's ``meta``, of its index in :func:`keep_regions`' regions."""
 
 
 @dataclass(frozen=True)
@@ -41,30 +46,23 @@ class Region:
     in_placements: tuple[tuple[Any, ...], ...]
     out_placements: tuple[tuple[Any, ...], ...]
     in_grad_placements: tuple[tuple[Any, ...], ...]
+    body: Any = None
+    """The user's function (what the ``local_map`` result runs on local shards)."""
+
+    def spec(self) -> RegionSpec:
+        """The region op's argument: its placements as text (no mesh: the trace has none)."""
+
+        def texts(layouts: tuple[tuple[Any, ...], ...]) -> tuple[str | None, ...]:
+            return tuple(format_placements(layout) for layout in layouts)
+
+        return RegionSpec(
+            self.name, "()", texts(self.in_placements), texts(self.out_placements), texts(self.in_grad_placements)
+        )
 
 
-_ACTIVE: dict[int, tuple[Region, list[Any]]] = {}
-"""Region index -> (region, [output pytree spec]) while :func:`keep_regions` is active."""
-_INDEX = itertools.count()
-
-
-@functools.cache
-def region_op() -> Any:
-    """The op a region traces as (defined on first use: importing this module registers nothing)."""
-
-    @torch.library.custom_op("dtcompile_autoparallel::region", mutates_args=())
-    def region(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:
-        raise RuntimeError("dtcompile_autoparallel::region only traces; the applied model calls the region itself")
-
-    @region.register_fake
-    def _(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:
-        found, spec = _ACTIVE[index]
-        out = found.fn.args[0](*tensors)  # the local_map function's body, on the fake tensors
-        flat, out_spec = pytree.tree_flatten(out)
-        spec[:] = [out_spec]
-        return [t.clone() for t in flat]
-
-    return region
+def region_of(node: fx.Node) -> int | None:
+    """The index of the region a traced node is (``None``: not a region)."""
+    return node.meta.get(REGION) if node.target is local_map_region else None
 
 
 def _layouts(value: Any) -> tuple[tuple[Any, ...], ...]:
@@ -79,7 +77,6 @@ def _layouts(value: Any) -> tuple[tuple[Any, ...], ...]:
 
 
 def _as_region(value: Any) -> Region | None:
-    from hops import local_map_call
     from hops.local_map import region_name
 
     call = local_map_call(value)
@@ -89,16 +86,31 @@ def _as_region(value: Any) -> Region | None:
         value = value.__func__
     ins = _layouts(call.in_placements)
     grads = _layouts(call.in_grad_placements) or ins
-    return Region(value, region_name(call.func), ins, _layouts(call.out_placements), grads)
+    return Region(value, region_name(call.func), ins, _layouts(call.out_placements), grads, call.func)
 
 
 def _shadow(found: Region, index: int) -> Any:
     def call(*args: Any) -> Any:
-        flat = pytree.tree_leaves(args)
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        flat, in_spec = pytree.tree_flatten(args)
         if any(not isinstance(a, torch.Tensor) for a in flat):
             raise ValueError(f"auto_parallel: local_map region {found.name} takes non-tensor arguments; not supported")
-        outs = region_op()(list(flat), index)
-        return pytree.tree_unflatten(list(outs), _ACTIVE[index][1][0])
+        out_spec: list[Any] = []
+
+        def body(*tensors: Any) -> tuple[Any, ...]:
+            leaves, spec = pytree.tree_flatten(found.body(*pytree.tree_unflatten(list(tensors), in_spec)))
+            out_spec[:] = [spec]
+            return tuple(leaves)
+
+        # Below autograd the op reaches make_fx's rule: one node, the body a subgraph.
+        with torch._C._AutoDispatchBelowAutograd():
+            outs = local_map_region(body, found.spec(), *flat)
+        mode = get_proxy_mode()
+        if mode is not None:
+            node = next(n for n in reversed(mode.tracer.graph.nodes) if n.target is local_map_region)
+            node.meta[REGION] = index
+        return pytree.tree_unflatten(list(outs), out_spec[0])
 
     return call
 
@@ -109,6 +121,7 @@ def keep_regions(model: nn.Module) -> Iterator[dict[int, Region]]:
     yields region index -> :class:`Region`."""
     shadowed: list[tuple[nn.Module, str, Any]] = []
     found: dict[int, Region] = {}
+    indices = itertools.count()
     try:
         for module in model.modules():
             names = {n for klass in type(module).__mro__ for n in vars(klass)} | set(vars(module))
@@ -119,8 +132,7 @@ def keep_regions(model: nn.Module) -> Iterator[dict[int, Region]]:
                 region = _as_region(value)
                 if region is None:
                     continue
-                index = next(_INDEX)
-                _ACTIVE[index] = (region, [])
+                index = next(indices)
                 found[index] = region
                 shadowed.append((module, attr, vars(module).get(attr, _MISSING)))
                 object.__setattr__(module, attr, _shadow(region, index))
@@ -131,8 +143,6 @@ def keep_regions(model: nn.Module) -> Iterator[dict[int, Region]]:
                 object.__delattr__(module, attr)
             else:
                 object.__setattr__(module, attr, before)
-        for index in found:
-            _ACTIVE.pop(index, None)
 
 
 _MISSING = object()

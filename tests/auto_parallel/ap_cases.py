@@ -59,6 +59,8 @@ _PLAN_LOCK = threading.Lock()
 
 BUILDS = {
     "mlp": models.build_mlp,
+    # The MLP for a 2-D (dp, tp) mesh: its hand plan (unused here) is tensor parallel over tp.
+    "mlp_2d": lambda mesh: models.build_mlp(mesh["tp"]),
     "block": models.build_block,
     "fsdp_mlp": models.build_fsdp_mlp,
     "block_2d": models.build_block_2d,

@@ -91,17 +91,9 @@ def _auto_against_hand(reference, hand, hand_x, mesh, x, layout):
     return solution, step_us(compiled_records(model, auto_x)), step_us(compiled_records(hand, hand_x))
 
 
-_FSDP2_OUT_OF_REACH = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the solver offers no _StridedShard layout: under FSDP2's parameter bytes, TP + FSDP2 "
-    "(dp sharding each tp shard) is out of its reach, and it settles for a dearer plan",
-)
-
-
 @pytest.mark.models
 @pytest.mark.parametrize(
-    "shard", [pytest.param(False, id="ddp"), pytest.param(True, id="fsdp2", marks=_FSDP2_OUT_OF_REACH)]
+    "shard", [pytest.param(False, id="ddp"), pytest.param(True, id="fsdp2")]
 )
 def test_mlp_on_a_2d_mesh_is_no_dearer_than_tp_with_data_parallelism(fake_world, shard):
     # The hand plans: Megatron over tp, and over dp the parameters replicated (DDP:

@@ -28,6 +28,22 @@ def test_tp_mlp_on_2_gloo_ranks():
 
 
 @pytest.mark.models
+def test_fsdp2_over_tp_mlp_on_2x2_threaded_ranks():
+    # The bytes of TP + FSDP2 (each tp shard sharded again over dp): the solver stores the
+    # column-wise weight and bias _StridedShard over dp, gathered to the tp shard in forward,
+    # their gradients reduce-scattered straight back into it.
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    batch_rows = (Shard(0), Replicate())
+    budget = ((16 * 32 + 32) // 4 + 16 * 32 // 4 + 16 // 2) * 4
+    results = run_threaded(4, rank_step, "mlp_2d", (2, 2), ("dp", "tp"), [batch_rows], [batch_rows], budget)
+    assert_matches_reference(results)
+    placements = results[0][5]
+    assert placements["w1.weight"] == (_StridedShard(0, split_factor=2), Shard(0)), placements
+
+
+@pytest.mark.models
 @pytest.mark.parametrize("case_name, shape", [("tp_sp_block", (4,)), ("fsdp_mlp", (4,)), ("block_2d", (2, 2))])
 def test_planned_once_applied_on_4_threaded_ranks(case_name, shape):
     # Planned on the fake process group (as it would be offline), applied on each rank's mesh.
