@@ -23,7 +23,7 @@ def test_the_solution_meets_the_region_at_its_declared_placements(tp_mesh):
     assert region.grads == (HEADS,) * 3  # in_grad_placements, as declared
     line = next(line for line in solution.explain().splitlines() if "local_map" in line)
     assert line.startswith(
-        "region = local_map[causal_attention](transpose, transpose_1, transpose_2)  "
+        "causal_attention = local_map[causal_attention](transpose, transpose_1, transpose_2)  "
         "# placement=(S(1), S(1), S(1)) -> S(1), cost=["
     )
 
