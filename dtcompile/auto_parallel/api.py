@@ -106,6 +106,7 @@ def plan(
 ) -> Any:
     """Choose every parameter's, input's, output's and op's placements; returns the
     :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`)."""
+    from dtcompile.auto_parallel.local_ops import decomposition_for
     from dtcompile.auto_parallel.problem import build_problem
     from dtcompile.auto_parallel.solution import Solution
     from dtcompile.auto_parallel.solver import solve
@@ -139,7 +140,7 @@ def plan(
             outs[i] = _layout(f"output_placements[{i}]", value, mesh)
 
     start = time.perf_counter()
-    traced = trace_forward(model, example_inputs, mesh.device_type)
+    traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
     traced_s = time.perf_counter() - start
     problem = build_problem(traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes)
     problem.seconds["trace"] = traced_s

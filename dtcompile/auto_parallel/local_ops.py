@@ -17,6 +17,12 @@ gradient comes back in the layout the input was read in):
   replicated, or sharded on the batch or the heads on each mesh axis.  An
   ``attn_mask`` is sharded like the query where it has that dim, and read whole
   where it broadcasts over it (a size-1 or missing dim).
+- **decomposed** (before either): an aten op with neither a strategy nor a twin
+  but with a registered decomposition (``torch._decomp``: ``glu``,
+  ``hardswish``, ``mse_loss``...) is traced as that decomposition
+  (:func:`decomposition_for`, used by :func:`~dtcompile.auto_parallel.trace.trace_forward`),
+  whose ops DTensor has strategies for; each of its nodes is planned like any
+  other, the replicated layouts among their candidates.
 - **replicated** (the fallback, for any op): every input redistributed to
   ``Replicate``, the op run whole on every rank, its outputs ``Replicate``.
   Always valid: each rank computes what the single-device model computes.  It
@@ -25,7 +31,8 @@ gradient comes back in the layout the input was read in):
   op (or borrowed one) can run.
 
 The solution's explanation marks each node planned this way
-(``Solution.local_nodes``).
+(``Solution.local_nodes``), and names each op traced as its decomposition
+(``Solution.decomposed``).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtcompile.auto_parallel.placements import Layout
 
-__all__ = ["BORROWED", "REPLICATED", "borrowed_strategies", "replicated_strategy", "run_local"]
+__all__ = ["BORROWED", "REPLICATED", "borrowed_strategies", "decomposition_for", "replicated_strategy", "run_local"]
 
 BORROWED = "borrowed"
 """A candidate's ``local`` value: the strategies of a twin op with the same semantics, run on local shards."""
@@ -119,3 +126,17 @@ def borrowed_strategies(
     if twin is None or getattr(op, "namespace", "") != "aten":
         return []
     return twin(args, kwargs, tensors, options, out_shapes, mesh)
+
+
+def decomposition_for(op: Any) -> Any:
+    """The registered decomposition of an aten op DTensor cannot run and no twin lends
+    strategies to; ``None`` for any other op (see the module docstring)."""
+    from torch._decomp import decomposition_table
+
+    from dtcompile.auto_parallel.strategies import has_strategy
+
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten" or has_strategy(op):
+        return None
+    if f"{op._opname}.{op._overloadname}" in _TWINS:
+        return None
+    return decomposition_table.get(op)

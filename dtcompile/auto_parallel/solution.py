@@ -96,6 +96,16 @@ class Solution:
         :mod:`dtcompile.auto_parallel.local_ops`."""
         return {name: self.choice(name).local for name in self.problem.nodes if self.choice(name).local}
 
+    @property
+    def decomposed(self) -> dict[str, list[str]]:
+        """Op (``aten.glu``) -> the nodes of its decomposition, for every op DTensor has no strategy
+        for that was traced as its registered decomposition (:mod:`~dtcompile.auto_parallel.local_ops`)."""
+        found: dict[str, list[str]] = {}
+        for name, op in self.problem.traced.decomposed.items():
+            if name in self.problem.nodes:
+                found.setdefault(op, []).append(name)
+        return found
+
     def fanout_of(self, name: str, slot: int) -> str | None:
         """The fan-out node argument ``slot`` of ``name`` reads through, if its value has several readers."""
         return self._fanout_of.get((name, slot))
@@ -222,6 +232,8 @@ class Solution:
                     + ("planned with its twin's, run on local shards" if how == "borrowed"
                        else "its inputs replicated, run whole on every rank")
                 )
+            for op, names in self.decomposed.items():
+                lines.append(f"# {op} has no DTensor strategy: planned as its decomposition ({', '.join(names)})")
             lines.append(
                 f"# estimated step: {self.cost_us:.2f} us ({self.problem.profile.name}); "
                 f"parameters {self.param_bytes_per_rank()} B per rank"

@@ -33,7 +33,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from dtcompile.auto_parallel.measure import _global_stride, _TensorSlot
 from dtcompile.auto_parallel.placements import Layout, even
 
-__all__ = ["UnsupportedOp", "op_strategies"]
+__all__ = ["UnsupportedOp", "has_strategy", "op_strategies"]
 
 
 class UnsupportedOp(ValueError):
@@ -44,6 +44,18 @@ def _propagator() -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_strategy(op: Any) -> bool:
+    """Whether DTensor's dispatch can run ``op``: a registered strategy, or a custom handler."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = _propagator()
+    return (
+        op in propagator.op_strategy_funcs
+        or op in propagator.op_single_dim_strategy_funcs
+        or op in DTensor._op_dispatcher._custom_op_handlers
+    )
 
 
 def _meta(shape: Sequence[int], dtype: torch.dtype) -> Any:
@@ -91,7 +103,7 @@ def op_strategies(
         return DTensorSpec(mesh, tuple(options[slot.index][0]), tensor_meta=metas[slot.index])
 
     single = propagator.op_single_dim_strategy_funcs.get(op)
-    if single is None and op not in propagator.op_strategy_funcs:
+    if not has_strategy(op) or (single is None and op not in propagator.op_strategy_funcs):
         raise UnsupportedOp(f"{op}: DTensor has no registered sharding strategy for it")
 
     def strategies_for(opts: Sequence[Sequence[Layout]]) -> list[Any]:

@@ -7,7 +7,10 @@ buffers and inputs as the graph's placeholders.  The ops are the aten ops
 DTensor dispatches on (``linear`` is ``t`` + ``addmm``), each node keeps the
 module it was called from (``nn_module_stack``), which is how repeated layers
 are recognised (:mod:`dtcompile.auto_parallel.tying`).  A ``local_map`` region
-stays one node (:mod:`dtcompile.auto_parallel.regions`).
+stays one node (:mod:`dtcompile.auto_parallel.regions`).  An op DTensor has no
+strategy for but that has a registered decomposition is traced as that
+decomposition (``decompose``; the trace is repeated until no such op is left),
+and each of its nodes remembers the op it came from (``decomposed``).
 
 Only the forward is traced: the backward of each op is measured under each of
 its strategies (:mod:`dtcompile.auto_parallel.measure`), because the model that
@@ -17,7 +20,7 @@ fixes what the backward does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +53,8 @@ class TracedModel:
     """Placeholder name -> whether that parameter or input requires grad."""
     module_of: dict[str, str]
     """Node name -> the innermost submodule (its path) whose call produced it."""
+    decomposed: dict[str, str]
+    """Node name -> the op (``aten.glu``) whose decomposition it is part of (traced so: DTensor has no strategy for it)."""
 
 
 def _fake(fake_mode: Any, value: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
@@ -59,8 +64,26 @@ def _fake(fake_mode: Any, value: torch.Tensor, device: str, requires_grad: bool)
         )
 
 
-def trace_forward(model: nn.Module, example_inputs: Sequence[Any], device: str) -> TracedModel:
-    """Trace ``model(*example_inputs)`` on fake tensors on ``device`` (the mesh's device type)."""
+def trace_forward(
+    model: nn.Module, example_inputs: Sequence[Any], device: str, decompose: Callable[[Any], Any] | None = None
+) -> TracedModel:
+    """Trace ``model(*example_inputs)`` on fake tensors on ``device`` (the mesh's device type);
+    an op for which ``decompose(op)`` gives a function is traced as that function."""
+    table: dict[Any, Any] = {}
+    for _ in range(8):  # a decomposition may call ops that need one in turn
+        traced = _trace(model, example_inputs, device, table)
+        more = {} if decompose is None else {
+            n.target: fn for n in traced.gm.graph.nodes
+            if n.op == "call_function" and n.target not in table and (fn := decompose(n.target)) is not None
+        }
+        if not more:
+            return traced
+        table.update(more)
+    raise ValueError(f"auto_parallel: decomposing {sorted(map(str, table))} does not end; please report this")
+
+
+def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: dict[Any, Any]) -> TracedModel:
+    import torch.fx.traceback as fx_traceback
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -104,16 +127,13 @@ def trace_forward(model: nn.Module, example_inputs: Sequence[Any], device: str) 
         handles.append(module.register_forward_pre_hook(lambda *_: starts.append(graph_len())))
         handles.append(module.register_forward_hook(lambda *_, path=path: spans.append((path, starts.pop(), graph_len()))))
     try:
-        with keep_regions(model) as regions, fake_mode:
-            gm = make_fx(forward, tracing_mode="real")(*fake_params, *fake_buffers, *fake_inputs)
+        # Kept node meta records each node's ``original_aten``: the op a decomposition came from.
+        with keep_regions(model) as regions, fake_mode, fx_traceback.preserve_node_meta():
+            gm = make_fx(forward, tracing_mode="real", decomposition_table=table or None)(*fake_params, *fake_buffers, *fake_inputs)
     finally:
         for handle in handles:
             handle.remove()
     all_nodes = list(gm.graph.nodes)
-    regions: dict[int, Any]
-    """Region index -> its :class:`~dtcompile.auto_parallel.regions.Region` (``local_map`` functions)."""
-    requires_grad: dict[str, bool]
-    """Placeholder name -> whether that parameter or input requires grad."""
     module_of: dict[str, str] = {}
     # Outer calls end after inner ones: assign outer first, inner ones overwrite.
     for path, start, end in sorted(spans, key=lambda s: (s[1], -s[2])):
@@ -127,7 +147,12 @@ def trace_forward(model: nn.Module, example_inputs: Sequence[Any], device: str) 
     flags = [p.requires_grad for _, p in params] + [False] * len(buffers)
     flags += [isinstance(x, torch.Tensor) and x.requires_grad for x in flat_inputs]
     requires_grad = {node.name: flag for node, flag in zip(placeholders, flags)}
+    # Node meta holds a copy of the op (copy.copy): compared by name.
+    names = {str(op): f"{op.namespace}.{op._opname}" for op in table}
+    decomposed = {
+        n.name: names[str(n.meta["original_aten"])] for n in gm.graph.nodes if str(n.meta.get("original_aten")) in names
+    }
     return TracedModel(
         gm, param_nodes, buffer_nodes, placeholders[num_states:], input_spec, out_spec[0], fake_mode,
-        regions, requires_grad, module_of,
+        regions, requires_grad, module_of, decomposed,
     )

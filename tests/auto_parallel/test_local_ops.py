@@ -111,6 +111,32 @@ def test_an_op_without_any_strategy_falls_back_to_replicated(tp_mesh):
     )
 
 
+def test_an_op_with_a_decomposition_is_planned_as_its_decomposition(tp_mesh):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo_models import GLUHead
+
+    torch.manual_seed(0)
+    model, x = GLUHead(), torch.randn(4, 8, 16)
+    # A third of the replicated parameter bytes: up's weight must be sharded.
+    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x, x.clone()), param_memory_budget_bytes=_budget(model, 3))
+    assert solution.local_nodes == {}
+    decomposed = solution.decomposed
+    assert set(decomposed) == {"aten.glu", "aten.hardswish", "aten._prelu_kernel", "aten.mse_loss"}
+    traced_ops = {n.target for n in solution.problem.traced.gm.graph.nodes if n.op == "call_function"}
+    assert not {torch.ops.aten.glu.default, torch.ops.aten.mse_loss.default} & traced_ops
+    assert {solution.problem.nodes[n].target for n in decomposed["aten.glu"]} == {"aten.slice", "aten.sigmoid", "aten.mul"}
+    # Unlike the replicated fallback, each node of the decomposition may run sharded.
+    for name in decomposed["aten.glu"]:
+        assert {Shard(0), Shard(1)} <= {c.outputs[0][0] for c in solution.problem.nodes[name].candidates}, name
+    assert (
+        f"# aten.glu has no DTensor strategy: planned as its decomposition ({', '.join(decomposed['aten.glu'])})"
+        in solution.explain()
+    )
+
+
 def test_an_op_nothing_can_run_is_an_error_naming_node_op_and_fix(tp_mesh):
     model, x = _build(Unplannable, 4, 16)
     with pytest.raises(ValueError) as info:

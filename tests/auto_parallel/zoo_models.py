@@ -151,6 +151,22 @@ class DecoderLayer(nn.Module):
         return self.layer(tgt, memory)
 
 
+class GLUHead(nn.Module):
+    """A GLU MLP with Hardswish and PReLU, and an MSE loss against a target: ops DTensor has
+    no strategy for (``glu``, ``hardswish``, ``_prelu_kernel``, ``mse_loss``), planned as their
+    decompositions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+        self.act = nn.Hardswish()
+        self.prelu = nn.PReLU()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.prelu(self.act(self.down(F.glu(self.up(x), dim=-1)))), target)
+
+
 def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -184,6 +200,7 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]] = {
     "tied_embeddings_lm": lambda: (SmallLM(tied=True), (_tokens(),)),
     "with_buffers": lambda: (WithBuffers(), (torch.randn(BATCH, SEQ, DIM),)),
     "causal_sdpa": lambda: (CausalSDPA(), (torch.randn(BATCH, SEQ, DIM),)),
+    "glu_hardswish_prelu_mse": lambda: (GLUHead(), (torch.randn(BATCH, SEQ, DIM), torch.randn(BATCH, SEQ, DIM))),
     "torchtitan_llama3": lambda: _titan("llama3"),
     "torchtitan_qwen3": lambda: _titan("qwen3"),
 }
