@@ -43,6 +43,7 @@ Every cost is in microseconds under one :class:`~dtcompile.cost_model.HardwarePr
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -175,6 +176,28 @@ class Problem:
         return found
 
 
+_MEASURE_TABLES: collections.OrderedDict[Any, tuple[dict[Any, Candidate | None], dict[Any, str]]] = (
+    collections.OrderedDict()
+)
+
+
+def _measure_tables(mesh: Any, profile: HardwareProfile) -> tuple[dict[Any, Candidate | None], dict[Any, str]]:
+    """The measurements made on meshes like ``mesh`` under ``profile`` (the 8 latest such keys kept).
+
+    A measurement depends on the op, its arguments, shapes and layouts (its key in the
+    table) and on the mesh's device, shape, axis names, ranks and flattenings (the
+    collectives' axes and spans) and the profile: the table's key."""
+    flattened = tuple(sorted(getattr(mesh._get_root_mesh(), "_flatten_mapping", {})))
+    key = (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), flattened,
+           profile)
+    if key not in _MEASURE_TABLES:
+        _MEASURE_TABLES[key] = ({}, {})
+        while len(_MEASURE_TABLES) > 8:
+            _MEASURE_TABLES.popitem(last=False)
+    _MEASURE_TABLES.move_to_end(key)
+    return _MEASURE_TABLES[key]
+
+
 def _tensor_meta(value: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
     if isinstance(value, torch.Tensor):
         return tuple(int(s) for s in value.shape), value.dtype
@@ -209,9 +232,11 @@ class _Builder:
         self.param_derived: dict[str, bool] = {}
         self.node_cache: dict[Any, list[Candidate]] = {}
         self.nodes: dict[str, PNode] = {}
-        self.measures: dict[Any, Candidate | None] = {}
-        self.errors: dict[Any, str] = {}
-        """Why a measurement failed, for the error when nothing can run an op."""
+        # Measurements outlive one plan: planning again (other pins, another budget, the
+        # next model of a batch) measures only what it has not seen on this mesh.
+        self.measures, self.errors = _measure_tables(mesh, profile)
+        """Measured candidates (``None``: DTensor cannot run it); why a measurement failed,
+        for the error when nothing can run an op."""
         self.transfers: dict[Any, Transfer | None] = {}
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
 

@@ -3,7 +3,7 @@
 A model is a stack of 1 to 4 blocks over activations ``(batch, seq, dim)``,
 each block drawn from the catalogue: ``Linear`` (to another width), a norm
 (``LayerNorm``, ``RMSNorm``), an activation (GELU, ReLU, SiLU, tanh, sigmoid,
-softmax), a residual MLP, a gated MLP, self-attention (``nn.MultiheadAttention``
+softmax, Hardswish, PReLU), a residual MLP, a gated MLP (SiLU-gated, or ``F.glu``), self-attention (``nn.MultiheadAttention``
 or ``F.scaled_dot_product_attention``, causal or not), or a reshape (transposed
 sequence mixing); it may start from an ``Embedding`` of token ids.  The options
 are a mesh (1-D of 2 or 4, 2 x 2), random ``fixed`` pins of up to two parameters
@@ -26,7 +26,7 @@ MESHES = {"1d2": ((2,), ("tp",)), "1d4": ((4,), ("tp",)), "2x2": ((2, 2), ("dp",
 BLOCKS = ("linear", "norm", "activation", "residual_mlp", "gated_mlp", "mha", "sdpa", "seq_mix")
 ACTIVATIONS = {
     "gelu": F.gelu, "relu": F.relu, "silu": F.silu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "softmax": lambda x: F.softmax(x, dim=-1),
+    "softmax": lambda x: F.softmax(x, dim=-1), "hardswish": F.hardswish, "prelu": None,  # nn.PReLU: a parameter
 }
 BATCH, SEQ, VOCAB = 4, 8, 16
 
@@ -55,6 +55,8 @@ class Block(nn.Module):
             self.proj = nn.Linear(dim, width, bias=variant == "bias")
         elif kind == "norm":
             self.norm = nn.LayerNorm(dim) if variant == "layer" else nn.RMSNorm(dim)
+        elif kind == "activation" and variant == "prelu":
+            self.prelu = nn.PReLU()
         elif kind in ("residual_mlp", "gated_mlp"):
             self.up = nn.Linear(dim, width)
             self.gate = nn.Linear(dim, width, bias=False) if kind == "gated_mlp" else None
@@ -73,9 +75,11 @@ class Block(nn.Module):
         if kind == "norm":
             return self.norm(x)
         if kind == "activation":
-            return ACTIVATIONS[variant](x)
+            return self.prelu(x) if variant == "prelu" else ACTIVATIONS[variant](x)
         if kind == "residual_mlp":
             return x + self.down(F.gelu(self.up(x)))
+        if kind == "gated_mlp" and variant == "glu":
+            return x + self.down(F.glu(torch.cat([self.up(x), self.gate(x)], dim=-1), dim=-1))
         if kind == "gated_mlp":
             return x + self.down(F.silu(self.gate(x)) * self.up(x))
         if kind == "mha":
@@ -113,6 +117,7 @@ def draw_case(seed: int, mesh: str) -> Case:
         variant = {
             "linear": rng.choice(("bias", "nobias")), "norm": rng.choice(("layer", "rms")),
             "activation": rng.choice(sorted(ACTIVATIONS)), "sdpa": rng.choice(("causal", "full")),
+            "gated_mlp": rng.choice(("silu", "glu")),
         }.get(kind, "")
         size = rng.choice((8, 16, 32))
         if kind in ("mha", "sdpa", "seq_mix", "residual_mlp", "gated_mlp", "norm") and width != dim:

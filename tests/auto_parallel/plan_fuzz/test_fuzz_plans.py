@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from ap_cases import KEEP_COLLECTIVES, assert_matches_reference, predicted_collectives, step_against_reference
-from plan_models import MESHES, build, draw_case
+from plan_models import MESHES, Case, build, draw_case
 
 import dtcompile
 from dtcompile.testing import fake_world, run_threaded
@@ -116,18 +116,22 @@ def test_fuzz_plans_compiled_match_the_single_process_model(fuzz_options, fuzz_r
     )
 
 
-# Finds of the fuzzer, each a bug fixed since: (seed, mesh) as the failure named them.
-PINNED = [
+# Finds of the fuzzer, each a bug fixed since: the case the failure named (kept as data: a seed
+# draws another model once the catalogue grows).
+PINNED = {
     # Two LayerNorms in a row in an nn.Sequential: tied as repeated layers, both ends of the
     # edge between them in one choice group (an AssertionError in the solver).
-    (1008, "1d2"),
+    "tied_layernorms": Case(1008, "1d2", (("norm", "layer", 32), ("norm", "layer", 16), ("residual_mlp", "", 8)),
+                            embed=True, dim=16),
     # nn.RMSNorm's eps added in place to an intermediate: refused as if it wrote a buffer.
-    (1005, "1d2"),
+    "rmsnorm_eps_in_place": Case(1005, "1d2", (("sdpa", "causal", 16), ("norm", "rms", 32), ("linear", "nobias", 8),
+                                               ("linear", "bias", 16)), embed=True, dim=16, budget_share=4),
     # A model of activations only: nothing to differentiate (the generator's bug).
-    (1079, "1d4"),
-]
+    "activations_only": Case(1079, "1d4", (("activation", "softmax", 16), ("linear", "bias", 16)), embed=False, dim=16,
+                             budget_share=4),
+}
 
 
-@pytest.mark.parametrize("seed, mesh_name", PINNED)
-def test_pinned_finds(seed, mesh_name):
-    run_batch([draw_case(seed, mesh_name)])  # raises on a failure (an infeasible plan must be honestly so)
+@pytest.mark.parametrize("name", list(PINNED))
+def test_pinned_finds(name):
+    run_batch([PINNED[name]])  # raises on a failure (an infeasible plan must be honestly so)
