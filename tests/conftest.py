@@ -90,7 +90,7 @@ def dp_tp_mesh(fake_world):
 
 # The fuzzers' fixtures (tests/fuzz, tests/auto_parallel/plan_fuzz): their budget and seed
 # (--fuzz-examples, --fuzz-seed) and their reports, printed in pytest's terminal summary.
-_FUZZ_REPORTS = pytest.StashKey[list]()
+_FUZZ_REPORT = "dtcompile_fuzz_report"
 
 
 @pytest.fixture
@@ -101,13 +101,15 @@ def fuzz_options(request):
 
 @pytest.fixture
 def fuzz_report(request):
-    """Call with a text: it is printed at the end of the run (under the test module's name),
-    also when the test passes."""
-    reports = request.config.stash.setdefault(_FUZZ_REPORTS, [])
-    return lambda text: reports.append((request.node.module.__name__, text))
+    """Call with a text: it is printed at the end of the run (under the test's id), also when
+    the test passes, and also from pytest-xdist's workers (it travels as a user property)."""
+    return lambda text: request.node.user_properties.append((_FUZZ_REPORT, text))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    for module, text in config.stash.get(_FUZZ_REPORTS, []):
-        terminalreporter.write_sep("=", f"dtcompile fuzzer: {module}")
-        terminalreporter.write_line(text)
+    for outcome in ("passed", "failed"):
+        for report in terminalreporter.stats.get(outcome, []):
+            for key, text in getattr(report, "user_properties", ()):
+                if key == _FUZZ_REPORT and report.when == "call":
+                    terminalreporter.write_sep("=", f"dtcompile fuzzer: {report.nodeid}")
+                    terminalreporter.write_line(text)

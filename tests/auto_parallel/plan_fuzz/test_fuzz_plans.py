@@ -7,7 +7,8 @@ below the least bytes the pinned layouts allow).
 Plans are made on the fake process group, one at a time; then one threaded world per mesh runs
 its whole batch (each rank applies, compiles and steps every model; Dynamo's caches are emptied
 between models, every rank waiting).  ``--fuzz-examples N`` / ``--fuzz-seed S`` run more or
-elsewhere; a failure names its seed, ``test_pinned_finds`` keeps the ones found.
+elsewhere (the batch in ``CHUNKS`` tests, for pytest-xdist); a failure names its seed,
+``test_pinned_finds`` keeps the ones found.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dtcompile.testing import fake_world, run_threaded
 
 pytestmark = pytest.mark.fuzz
 
-CI_EXAMPLES = 20
+CI_EXAMPLES = 200
+CHUNKS = 4
 CI_SEED = 20261125
 SHARES = {"1d2": 0.4, "1d4": 0.3, "2x2": 0.3}
 
@@ -81,7 +83,7 @@ def run_batch(cases):
         by_mesh.setdefault(case.mesh, []).append((case, model, args, solution))
     for mesh_name, planned in by_mesh.items():
         world_size = 4 if mesh_name != "1d2" else 2
-        per_rank = run_threaded(world_size, _rank_batch, mesh_name, planned, timeout=900.0)
+        per_rank = run_threaded(world_size, _rank_batch, mesh_name, planned, timeout=120.0 + 20.0 * len(planned))
         for k, (case, _, _, solution) in enumerate(planned):
             results = [r[k] for r in per_rank]
             try:
@@ -101,18 +103,20 @@ def cases_for(examples, seed):
     return cases[:examples] if len(cases) > examples else cases
 
 
-def test_fuzz_plans_compiled_match_the_single_process_model(fuzz_options, fuzz_report):
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_fuzz_plans_compiled_match_the_single_process_model(chunk, fuzz_options, fuzz_report):
+    # The batch in CHUNKS tests, so that pytest-xdist's workers share it.
     examples, seed = fuzz_options
     examples = CI_EXAMPLES if examples is None else examples
     seed = CI_SEED if seed is None else seed
     start = time.perf_counter()
-    cases = cases_for(examples, seed)
+    cases = cases_for(examples, seed)[chunk::CHUNKS]
     infeasible = run_batch(cases)
     kinds = sorted({kind for case in cases for kind, _, _ in case.blocks})
     fuzz_report(
-        f"plan fuzzer: {len(cases)} models (seed {seed}) in {time.perf_counter() - start:.0f} s: "
-        f"{len(cases) - infeasible} planned, compiled and equal to the single-process model, "
-        f"{infeasible} infeasible for their budget; blocks drawn: {', '.join(kinds)}"
+        f"plan fuzzer, chunk {chunk + 1} of {CHUNKS}: {len(cases)} models (seed {seed}) in "
+        f"{time.perf_counter() - start:.0f} s: {len(cases) - infeasible} planned, compiled and equal to the "
+        f"single-process model, {infeasible} infeasible for their budget; blocks drawn: {', '.join(kinds)}"
     )
 
 
