@@ -42,7 +42,7 @@ from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from dtcompile.auto_parallel.local_ops import run_local
-from dtcompile.auto_parallel.regions import region_of
+from dtcompile.auto_parallel.regions import REGION_ARGS, region_of
 from dtcompile.auto_parallel.solution import Solution
 
 __all__ = ["AutoParallelModule", "expect_layout", "parallelize"]
@@ -58,9 +58,10 @@ def expect_layout(value: Any, placements: tuple[Any, ...], node: str) -> Any:
     return value
 
 
-def _call_region(fn: Any, *args: Any) -> tuple[Any, ...]:
-    """A ``local_map`` function's outputs, flat (the traced region op returns a list)."""
-    return tuple(pytree.tree_leaves(fn(*args)))
+def _call_region(fn: Any, args_spec: Any, *operands: Any) -> tuple[Any, ...]:
+    """A ``local_map`` function called with its arguments as traced (``operands``: their leaves),
+    its outputs flat (as the traced region op returns them)."""
+    return tuple(pytree.tree_leaves(fn(*pytree.tree_unflatten(list(operands), args_spec))))
 
 
 def _replicated(value: torch.Tensor, mesh: Any) -> DTensor:
@@ -120,8 +121,11 @@ def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any
         elif pnode.kind == "region":  # the local_map function itself, on the DTensors
             index = region_of(node)
             consts[f"region{index}"] = traced.regions[index].fn
+            consts[f"region{index}_args"] = node.meta[REGION_ARGS]
             operands = [reading(node.name, slot) for slot in range(len(pnode.inputs))]
-            new = graph.call_function(_call_region, (graph.get_attr(f"region{index}"), *operands))
+            new = graph.call_function(
+                _call_region, (graph.get_attr(f"region{index}"), graph.get_attr(f"region{index}_args"), *operands)
+            )
         else:
             slots = iter(range(len(pnode.inputs)))
             args, kwargs = pytree.tree_map_only(

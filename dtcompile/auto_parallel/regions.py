@@ -30,10 +30,12 @@ from torch import fx, nn
 
 from hops import RegionSpec, format_placements, local_map_call, local_map_region
 
-__all__ = ["REGION", "Region", "keep_regions", "region_of"]
+__all__ = ["REGION", "REGION_ARGS", "Region", "keep_regions", "region_of"]
 
 REGION = "dtcompile_autoparallel_region"
 """The key, in a traced region node's ``meta``, of its index in :func:`keep_regions`' regions."""
+REGION_ARGS = "dtcompile_autoparallel_region_args"
+"""The key of the pytree spec of the region call's arguments (its operands are their leaves)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ def _shadow(found: Region, index: int) -> Any:
         if mode is not None:
             node = next(n for n in reversed(mode.tracer.graph.nodes) if n.target is local_map_region)
             node.meta[REGION] = index
+            node.meta[REGION_ARGS] = in_spec
         return pytree.tree_unflatten(list(outs), out_spec[0])
 
     return call

@@ -44,7 +44,10 @@ def test_fsdp2_over_tp_mlp_on_2x2_threaded_ranks():
 
 
 @pytest.mark.models
-@pytest.mark.parametrize("case_name, shape", [("tp_sp_block", (4,)), ("fsdp_mlp", (4,)), ("block_2d", (2, 2))])
+@pytest.mark.parametrize(
+    "case_name, shape",
+    [("tp_sp_block", (4,)), ("tp_sp_block_local_map", (4,)), ("fsdp_mlp", (4,)), ("block_2d", (2, 2))],
+)
 def test_planned_once_applied_on_4_threaded_ranks(case_name, shape):
     # Planned on the fake process group (as it would be offline), applied on each rank's mesh.
     with fake_world(4, shape, CASES[case_name].mesh_dim_names) as mesh:
