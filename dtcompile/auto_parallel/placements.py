@@ -114,9 +114,9 @@ def layouts(shape: Sequence[int], mesh_shape: Sequence[int], *, strided: bool = 
 
 
 def strided_variant(layout: Layout, mesh_shape: Sequence[int]) -> Layout | None:
-    """``layout`` with each axis that shards a dim a later axis shards too made a
-    ``_StridedShard`` (``None`` where there is none): ``(S(0), S(0))`` becomes
-    ``(_S(0,4), S(0))`` on a 2 x 4 mesh.
+    """``layout`` with the axis that shards a dim a later axis shards too made a
+    ``_StridedShard`` (``None`` where there is no such axis, or more than one):
+    ``(S(0), S(0))`` becomes ``(_S(0,4), S(0))`` on a 2 x 4 mesh.
 
     DTensor's ``(S(0), S(0))`` gives rank ``(d, t)`` row block ``4d + t``: the later
     axis splits each of the earlier axis's shards.  ``_StridedShard(0, split_factor=4)``
@@ -126,7 +126,7 @@ def strided_variant(layout: Layout, mesh_shape: Sequence[int]) -> Layout | None:
     earlier axis it is the later axis's ``Shard`` -- one all-gather, where ``(S(0), S(0))``
     must be gathered whole and cut again -- and a gradient ``Partial`` over the earlier
     axis reduce-scatters straight into it."""
-    out, changed = list(layout), False
+    strided = []
     for axis, placement in enumerate(layout):
         if not isinstance(placement, Shard):
             continue
@@ -134,8 +134,12 @@ def strided_variant(layout: Layout, mesh_shape: Sequence[int]) -> Layout | None:
             size for later, size in zip(layout[axis + 1:], mesh_shape[axis + 1:]) if later == Shard(placement.dim)
         )
         if split > 1:
-            out[axis], changed = _StridedShard(placement.dim, split_factor=split), True
-    return tuple(out) if changed else None
+            strided.append((axis, _StridedShard(placement.dim, split_factor=split)))
+    # FSDP2's one strided axis only: several (a dim sharded over three axes) are left out.
+    if len(strided) != 1:
+        return None
+    (axis, placement), = strided
+    return (*layout[:axis], placement, *layout[axis + 1:])
 
 
 def unstrided(layout: Layout) -> Layout:

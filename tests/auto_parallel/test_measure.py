@@ -49,6 +49,31 @@ def test_planned_redistributions_issue_the_traced_collectives(fake_world, world,
         assert _keys(planned) == _keys(traced), f"{src} -> {dst}"
 
 
+def test_strided_layouts_are_fsdp2_over_tp_and_gather_in_one_step(fake_world):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dtcompile.auto_parallel.placements import layouts, local_numel, strided_variant
+
+    mesh = fake_world(8, (2, 4), ("dp", "tp"))
+    strided = (_StridedShard(0, split_factor=4), Shard(0))
+    assert strided in layouts((16, 8), (2, 4), strided=True)
+    assert strided not in layouts((16, 8), (2, 4))
+    assert strided_variant((Shard(1), Shard(0)), (2, 4)) is None  # other dims: nothing to stride
+    assert strided_variant((Shard(0), Shard(0), Shard(0)), (2, 2, 2)) is None  # two strided axes: left out
+    assert local_numel((16, 8), strided, (2, 4)) == 16
+    # Gathered over dp it is tp's Shard(0): one all-gather; its Partial gradient reduce-scatters
+    # straight back; (S(0), S(0)) would need the whole tensor gathered and cut again.
+    for src, dst, op in [
+        (strided, (Replicate(), Shard(0)), "all_gather"),
+        ((Partial(), Shard(0)), strided, "reduce_scatter"),
+        ((_StridedShard(1, split_factor=4), Shard(1)), (Replicate(), Shard(1)), "all_gather"),
+    ]:
+        planned = plan_redistribution(SHAPE[:2], torch.float32, src, dst, mesh)
+        assert _keys(planned) == _keys(trace_redistribution(SHAPE[:2], torch.float32, src, dst, mesh, H100))
+        assert [(c.op, c.axis) for c in planned] == [(op, "dp")], f"{src} -> {dst}"
+    assert len(plan_redistribution(SHAPE[:2], torch.float32, (Shard(0), Shard(0)), (Replicate(), Shard(0)), mesh)) > 1
+
+
 def test_a_plan_made_before_the_mesh_was_flattened_does_not_answer_after(fake_world):
     # The mesh compares equal before and after _flatten; DTensor gathers over the flattened
     # mesh once it exists, in one collective instead of one per axis.
