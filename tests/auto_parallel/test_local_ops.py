@@ -130,7 +130,7 @@ def test_an_op_with_a_decomposition_is_planned_as_its_decomposition(tp_mesh):
     assert {solution.problem.nodes[n].target for n in decomposed["aten.glu"]} == {"aten.slice", "aten.sigmoid", "aten.mul"}
     # Unlike the replicated fallback, each node of the decomposition may run sharded.
     for name in decomposed["aten.glu"]:
-        assert {Shard(0), Shard(1)} <= {c.outputs[0][0] for c in solution.problem.nodes[name].candidates}, name
+        assert any(isinstance(c.outputs[0][0], Shard) for c in solution.problem.nodes[name].candidates), name
     assert (
         f"# aten.glu has no DTensor strategy: planned as its decomposition ({', '.join(decomposed['aten.glu'])})"
         in solution.explain()
