@@ -39,6 +39,7 @@ from dtcompile.simulate import node_time_us
 
 __all__ = [
     "OpMeasure",
+    "flattenings",
     "measure_op",
     "plan_redistribution",
     "redistribution_copy_bytes",
@@ -253,13 +254,18 @@ class _TensorSlot:
     index: int
 
 
+def flattenings(mesh: Any) -> tuple[str, ...]:
+    """The names of the flattened meshes made from ``mesh``'s root: a mesh compares equal before
+    and after ``_flatten``, but what DTensor does on it (merging collectives) differs."""
+    return tuple(sorted(getattr(mesh._get_root_mesh(), "_flatten_mapping", {})))
+
+
 def _plan(
     shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str
 ) -> tuple[tuple[PlannedCollective, ...], int, bool]:
     """:func:`_plan_cached` keyed by the mesh's flattenings too: a mesh compares equal
     before and after ``_flatten``, but DTensor merges collectives over a flattened mesh."""
-    flattened = tuple(sorted(getattr(mesh._get_root_mesh(), "_flatten_mapping", {})))
-    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, flattened, direction)
+    return _plan_cached(tuple(shape), dtype, tuple(src), tuple(dst), mesh, flattenings(mesh), direction)
 
 
 @functools.cache

@@ -59,7 +59,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
 from dtcompile.auto_parallel.local_ops import BORROWED, REPLICATED, borrowed_strategies, replicated_strategy, run_local
-from dtcompile.auto_parallel.measure import _TensorSlot, measure_op
+from dtcompile.auto_parallel.measure import _TensorSlot, flattenings, measure_op
 from dtcompile.auto_parallel.placements import (
     Layout,
     PlannedCollective,
@@ -187,9 +187,8 @@ def _measure_tables(mesh: Any, profile: HardwareProfile) -> tuple[dict[Any, Cand
     A measurement depends on the op, its arguments, shapes and layouts (its key in the
     table) and on the mesh's device, shape, axis names, ranks and flattenings (the
     collectives' axes and spans) and the profile: the table's key."""
-    flattened = tuple(sorted(getattr(mesh._get_root_mesh(), "_flatten_mapping", {})))
-    key = (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), flattened,
-           profile)
+    key = (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()),
+           flattenings(mesh), profile)
     if key not in _MEASURE_TABLES:
         _MEASURE_TABLES[key] = ({}, {})
         while len(_MEASURE_TABLES) > 8:

@@ -103,7 +103,7 @@ def op_strategies(
         return DTensorSpec(mesh, tuple(options[slot.index][0]), tensor_meta=metas[slot.index])
 
     single = propagator.op_single_dim_strategy_funcs.get(op)
-    if not has_strategy(op) or (single is None and op not in propagator.op_strategy_funcs):
+    if single is None and op not in propagator.op_strategy_funcs:
         raise UnsupportedOp(f"{op}: DTensor has no registered sharding strategy for it")
 
     def strategies_for(opts: Sequence[Sequence[Layout]]) -> list[Any]:
