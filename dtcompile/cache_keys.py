@@ -22,6 +22,21 @@ and Inductor's config, which carries dtcompile's partitioner
   runs, a ``DeviceMesh`` pickles without that cached hash (``copyreg``; the
   mesh recomputes it on first use, so a mesh pickled meanwhile by anyone else
   loads the same), and the keys are the same in the next process.
+- :func:`rank_position`: where this rank stands in every mesh the graph holds.
+  AOTAutograd keys a Dynamo graph before it traces it, on what every rank
+  shares (a DTensor input keys on its spec: mesh, placements, global shape),
+  but the trace reads this rank's coordinates (DTensor slices this rank's chunk
+  when it takes ``Replicate`` to ``Shard``, sizes an uneven shard, offsets its
+  random numbers) and bakes them into the forward and backward as constants.
+  Ranks share one cache folder (torch's default is per user, so per node): a
+  key without the rank served one rank's backward to the others after a
+  restart, with wrong gradients and no error (stock Inductor does the same,
+  ``benchmarks/cross_rank_cache_repro.py``).  So a graph that holds a mesh keys
+  on this rank's global rank and its coordinate on each of those meshes: a
+  restarted rank, on any machine, gets the entry it wrote itself.  A graph that
+  holds no mesh (plain tensors and functional collectives) reads no coordinate
+  while it traces; what its Dynamo trace read of the rank is a constant in the
+  Dynamo graph, already in the key, and its entry is shared by every rank.
 """
 
 from __future__ import annotations
@@ -29,15 +44,18 @@ from __future__ import annotations
 import copyreg
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch.utils._pytree as pytree
+from torch import fx
 
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.scoped_patch import ScopedPatch
 
-__all__ = ["compile_key", "stable_mesh_keys"]
+__all__ = ["compile_key", "rank_position", "stable_mesh_keys"]
 
 # Fields that do not change a compiled graph: what is printed or logged, and what
 # happens where torch cannot trace (nothing is compiled or cached then).
@@ -67,15 +85,56 @@ def _canonical(value: Any) -> str:
     return repr(value)
 
 
-def compile_key(config: DTCompileConfig, profile: HardwareProfile) -> str:
+def compile_key(config: DTCompileConfig, profile: HardwareProfile, position: str = "") -> str:
     """The text torch's caches key dtcompile's graphs on, besides the graph and Inductor's config;
-    ``profile`` is the one the graph is priced with (``auto`` picks it per graph)."""
+    ``profile`` is the one the graph is priced with (``auto`` picks it per graph), ``position``
+    this rank's place in the graph's meshes (:func:`rank_position`; empty: shared by all ranks)."""
     fields = ", ".join(
         f"{name}={_canonical(getattr(config, name))}"
         for name in DTCompileConfig.field_names()
         if name not in _NOT_IN_KEY
     )
-    return f"dtcompile(source={_source_digest()}, {fields}, profile={_canonical(profile.to_json())})"
+    key = f"dtcompile(source={_source_digest()}, {fields}, profile={_canonical(profile.to_json())}"
+    return key + (f", rank={position})" if position else ")")
+
+
+def _meshes_held(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    """Every ``DeviceMesh`` the Dynamo graph holds, in order of appearance: its inputs', its
+    nodes' values' and its nodes' constant arguments' (a DTensor's mesh, a spec's, a mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    from dtcompile.notation import real_object
+
+    values: list[Any] = list(example_inputs)
+    for node in gm.graph.nodes:
+        values += [node.meta.get("example_value"), node.args, node.kwargs]
+    meshes: dict[int, Any] = {}
+    for value in pytree.tree_leaves(values):
+        value = real_object(value)
+        if isinstance(value, (DTensor, DTensorSpec)):
+            value = real_object(value.device_mesh if isinstance(value, DTensor) else value.mesh)
+        if isinstance(value, DeviceMesh):
+            meshes.setdefault(id(value), value)
+    return list(meshes.values())
+
+
+def rank_position(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """This rank's place in the meshes the Dynamo graph ``gm`` holds, for the cache keys:
+    ``"3 of 4: DeviceMesh((dp=2, tp=2)) at (1, 1)"``; empty where it holds no mesh
+    (its entry is then shared by every rank)."""
+    import torch.distributed as dist
+
+    from dtcompile.notation import describe_mesh
+
+    meshes = _meshes_held(gm, example_inputs)
+    if not meshes:
+        return ""
+    where = ", ".join(f"{describe_mesh(mesh)} at {tuple(mesh.get_coordinate() or ())}" for mesh in meshes)
+    if dist.is_available() and dist.is_initialized():
+        return f"{dist.get_rank()} of {dist.get_world_size()}: {where}"
+    return where
 
 
 def _reduce_mesh(mesh: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:

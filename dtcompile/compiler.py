@@ -50,7 +50,7 @@ from torch import fx
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
 from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallback_artifact, format_compiled_graph
-from dtcompile.cache_keys import compile_key, stable_mesh_keys
+from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
@@ -209,7 +209,9 @@ class DTCompileBackend:
         constants = split_constant_outputs(gm)
         views = split_input_views(gm)
         progress = _Progress()
-        partitioner = Partitioner(bool(info.uneven), compile_key(config, priced.profile), on_start=progress.trace_finished)
+        # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
+        key = compile_key(config, priced.profile, rank_position(gm, example_inputs))
+        partitioner = Partitioner(bool(info.uneven), key, on_start=progress.trace_finished)
         try:
             with (
                 _compile_caches(config),
