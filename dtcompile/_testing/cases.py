@@ -1,4 +1,4 @@
-"""The four shared models as test cases: mesh, per-rank input, one training step.
+"""The shared models as test cases: mesh, per-rank input, one training step.
 
 A :class:`ModelCase` knows how to build its mesh for a world size, which slice
 of the global input a rank feeds, and how to run one step (forward, loss
@@ -105,6 +105,7 @@ CASES: dict[str, ModelCase] = {
         ModelCase("tp_sp_block_local_map", models.build_block_local_map, ("tp",), None),
         ModelCase("fsdp_mlp", models.build_fsdp_mlp, ("dp",), "dp"),
         ModelCase("block_2d", models.build_block_2d, ("dp", "tp"), "dp"),
+        ModelCase("gathered_stack", models.build_gathered_stack, ("dp",), None),
     ]
 }
 

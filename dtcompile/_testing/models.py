@@ -13,6 +13,12 @@ compiled and reference runs can be compared directly:
 - :func:`parallelize_fsdp_mlp`: the MLP with every parameter a ``Shard(0)``
   DTensor that is all-gathered in forward (SimpleFSDP style); input and output
   are the rank's own batch shard, gradients are reduce-scattered.
+- :func:`parallelize_gathered_stack`: :class:`ResidualStack` with every
+  weight ``Shard(0)`` and gathered in forward by
+  ``w.redistribute(placements=[Replicate()]).to_local()``: the gradient's
+  placement is ``to_local``'s default (``Replicate``), so the backward slices
+  this rank's chunk, an offset the compiled backward bakes in (issue #37's
+  stack); input and output replicated.
 - :func:`build_block_local_map`: the same block and plan, its attention core a
   ``local_map`` region on head-sharded q, k and v (:class:`RegionAttention`).
 - :func:`parallelize_block_2d`: the block on a 2-D ``(dp, tp)`` mesh: tensor +
@@ -73,15 +79,18 @@ __all__ = [
     "MoE",
     "RMSNorm",
     "RegionAttention",
+    "ResidualStack",
     "build_block",
     "build_block_2d",
     "build_block_local_map",
     "build_fsdp_mlp",
+    "build_gathered_stack",
     "build_mlp",
     "build_moe",
     "parallelize_block",
     "parallelize_block_2d",
     "parallelize_fsdp_mlp",
+    "parallelize_gathered_stack",
     "parallelize_mlp",
     "parallelize_moe",
 ]
@@ -95,6 +104,22 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.gelu(self.w1(x)))
+
+
+class ResidualStack(nn.Module):
+    """``layers`` residual blocks ``x + w2(relu(w1(x)))``, no biases."""
+
+    def __init__(self, dim: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"w1": nn.Linear(dim, hidden, bias=False), "w2": nn.Linear(hidden, dim, bias=False)})
+            for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer["w2"](F.relu(layer["w1"](x)))
+        return x
 
 
 class RMSNorm(nn.Module):
@@ -251,12 +276,17 @@ class _GatherForCompute(nn.Module):
     ``Partial("avg")`` over the data-parallel axis, so redistributing it back to
     the stored placements reduce-scatters (sharded) or all-reduces (replicated).
     This is SimpleFSDP's ``ReplicateComputation``.
+
+    With ``reduce_gradient=False`` the gradient keeps ``to_local``'s default
+    placements (``Replicate``): each rank's gradient is sliced back to its own
+    shard, unreduced.
     """
 
-    def __init__(self, dp_axis: int, compute_mesh: DeviceMesh | None) -> None:
+    def __init__(self, dp_axis: int, compute_mesh: DeviceMesh | None, reduce_gradient: bool = True) -> None:
         super().__init__()
         self.dp_axis = dp_axis
         self.compute_mesh = compute_mesh
+        self.reduce_gradient = reduce_gradient
 
     def forward(self, stored: DTensor) -> torch.Tensor:
         placements = list(stored.placements)
@@ -264,7 +294,7 @@ class _GatherForCompute(nn.Module):
         grad_placements = list(placements)
         grad_placements[self.dp_axis] = Partial("avg")
         local = stored.redistribute(placements=placements).to_local(
-            grad_placements=grad_placements
+            grad_placements=grad_placements if self.reduce_gradient else None
         )
         if self.compute_mesh is None:
             return local
@@ -273,7 +303,7 @@ class _GatherForCompute(nn.Module):
 
 
 def _data_parallel(
-    model: nn.Module, mesh: DeviceMesh, *, shard: bool, dp_axis: int = 0
+    model: nn.Module, mesh: DeviceMesh, *, shard: bool, dp_axis: int = 0, reduce_gradients: bool = True
 ) -> nn.Module:
     """Stores every parameter as a DTensor on ``mesh``, data parallel over ``dp_axis``.
 
@@ -310,7 +340,7 @@ def _data_parallel(
                 stored = DTensor.from_local(local.detach(), mesh, placements, run_check=False)
             setattr(module, name, nn.Parameter(stored))
             parametrize.register_parametrization(
-                module, name, _GatherForCompute(dp_axis, compute_mesh), unsafe=True
+                module, name, _GatherForCompute(dp_axis, compute_mesh, reduce_gradients), unsafe=True
             )
     return model
 
@@ -318,6 +348,11 @@ def _data_parallel(
 def parallelize_fsdp_mlp(model: MLP, mesh: DeviceMesh) -> MLP:
     """FSDP-style: every parameter ``Shard(0)`` over the mesh, gathered in forward."""
     return _data_parallel(model, mesh, shard=True)
+
+
+def parallelize_gathered_stack(model: ResidualStack, mesh: DeviceMesh) -> ResidualStack:
+    """Every weight ``Shard(0)`` over the mesh, gathered in forward; gradients unreduced."""
+    return _data_parallel(model, mesh, shard=True, reduce_gradients=False)
 
 
 def parallelize_block_2d(model: Block, mesh: DeviceMesh) -> Block:
@@ -409,6 +444,14 @@ def build_fsdp_mlp(
     """
     shape = (mesh.size() * batch, dim)
     return _build(lambda: MLP(dim, hidden), parallelize_fsdp_mlp, mesh, shape, seed)
+
+
+def build_gathered_stack(
+    mesh: DeviceMesh, *, rows: int = 32, dim: int = 64, hidden: int = 128, layers: int = 4, seed: int = 0
+) -> tuple[ResidualStack, ResidualStack, torch.Tensor]:
+    """Returns ``(reference, parallel, input)``; the input is replicated (every rank's
+    unreduced gradient shard is then the reference's)."""
+    return _build(lambda: ResidualStack(dim, hidden, layers), parallelize_gathered_stack, mesh, (rows, dim), seed)
 
 
 def build_block_2d(

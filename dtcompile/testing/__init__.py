@@ -10,7 +10,8 @@ Worlds (context managers; also pytest fixtures of the same names through the
   compiling its own program; :func:`run_threaded`, :func:`run_gloo` -- run a
   function on every rank of a threaded or a real gloo world (on threads, call
   :func:`wait_for_eager_on_every_rank` between a rank's eager step and its
-  compile).
+  compile); :func:`run_cold_and_warm` -- a gloo job and its restart, sharing
+  one compile cache folder (the warm run is served by the cold run's entries).
 
 Checks:
 
@@ -36,6 +37,7 @@ from dtcompile.testing.schedule import (
 from dtcompile.testing.worlds import (
     RankFailure,
     fake_world,
+    run_cold_and_warm,
     run_gloo,
     run_threaded,
     simulated_world,
@@ -52,6 +54,7 @@ __all__ = [
     "assert_no_recompiles",
     "collective_schedule",
     "fake_world",
+    "run_cold_and_warm",
     "run_gloo",
     "run_threaded",
     "simulated_world",

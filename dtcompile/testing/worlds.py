@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -42,6 +42,7 @@ import torch.distributed as dist
 __all__ = [
     "RankFailure",
     "fake_world",
+    "run_cold_and_warm",
     "run_gloo",
     "run_threaded",
     "simulated_world",
@@ -313,7 +314,9 @@ def _gloo_rank_main(
     args: tuple[Any, ...],
     results: Any,
     timeout: float,
+    env: Mapping[str, str],
 ) -> None:
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group(
@@ -357,12 +360,14 @@ def run_gloo(
     fn: Callable[..., R],
     *args: Any,
     timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
 ) -> list[R]:
     """Runs ``fn(rank, *args)`` on ``world_size`` processes with gloo over 127.0.0.1.
 
     ``fn`` and ``args`` must be picklable (a module-level function), and so must
     its result; a lambda or local function is refused with a ``TypeError``
-    before any rank starts.  The first rank to fail, or ``timeout`` seconds
+    before any rank starts.  Each rank is a fresh interpreter (nothing compiled
+    in memory) with this process's environment plus ``env``.  The first rank to fail, or ``timeout`` seconds
     passing, ends the run: the other ranks get a short grace period to report,
     those still running then are killed, and :class:`RankFailure` carries the
     failing ranks' tracebacks.
@@ -374,7 +379,7 @@ def run_gloo(
     procs = [
         ctx.Process(
             target=_gloo_rank_main,
-            args=(rank, world_size, port, fn, args, results, timeout),
+            args=(rank, world_size, port, fn, args, results, timeout, dict(env or {})),
             name=f"gloo-rank{rank}",
         )
         for rank in range(world_size)
@@ -425,3 +430,22 @@ def run_gloo(
             what += f" (rank(s) {stopped} still running, stopped)"
         raise _failure(what, list(failures.items()))
     return [outputs[rank] for rank in range(world_size)]
+
+
+def run_cold_and_warm(
+    world_size: int,
+    fn: Callable[..., R],
+    *args: Any,
+    cache_dir: str | os.PathLike[str],
+    timeout: float = 600.0,
+) -> tuple[list[R], list[R]]:
+    """Runs ``fn(rank, *args)`` on gloo ranks twice, as a job and its restart: the ranks of
+    both runs share the compile cache folder ``cache_dir`` (``TORCHINDUCTOR_CACHE_DIR``, as
+    torch's default folder is shared by every rank of a node), and each run is fresh
+    processes, so the second ("warm") is served by what the first ("cold") wrote.
+    Returns ``(cold, warm)``, each the ranks' results in rank order; a test compares
+    both with eager.  ``fn`` as for :func:`run_gloo`."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.fspath(cache_dir)}
+    cold = run_gloo(world_size, fn, *args, timeout=timeout, env=env)
+    warm = run_gloo(world_size, fn, *args, timeout=timeout, env=env)
+    return cold, warm

@@ -70,7 +70,7 @@ BUILDS = {
 
 def step_against_reference(
     rank: int, model: Any, reference: Any, args: Any, mesh: Any, solution: Any,
-    disable_passes: frozenset[str] = frozenset(),
+    disable_passes: frozenset[str] = frozenset(), inductor: bool = False,
 ) -> tuple[Any, ...]:
     """One compiled step of the applied ``model`` and the same step of ``reference`` (loss: the
     sum of each output's ``pow(2).mean()``): both outputs and gradients (full tensors), the
@@ -90,7 +90,7 @@ def step_against_reference(
         distribute_tensor(x, mesh, layout, src_data_rank=None)
         for x, layout in zip(pytree.tree_leaves(args), solution.input_placements)
     ]
-    backend = dtcompile.backend(inductor=False, disable_passes=set(disable_passes))
+    backend = dtcompile.backend(inductor=inductor, disable_passes=set(disable_passes))
     outs = pytree.tree_leaves(torch.compile(model, backend=backend, fullgraph=True)(*local))
     outs = [o.full_tensor() for o in outs]
     sum(o.pow(2).mean() for o in outs if o.is_floating_point()).backward()

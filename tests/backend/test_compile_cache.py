@@ -25,7 +25,7 @@ import torch
 
 import dtcompile
 from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, cache_counts, reference_step, run_step
-from dtcompile.cache_keys import compile_key, stable_mesh_keys
+from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost_model import get_profile
 from dtcompile.partition import Partitioner
@@ -212,3 +212,45 @@ def test_collective_schedule_compiles_every_graph_even_where_the_cache_could_ser
     schedule = collective_schedule(gather, x, backend=backend, backward=False)
     assert [c.op for c in schedule.forward] == ["all_gather"]
     assert (len(backend.records), len(backend.cached)) == (1, 0)
+
+
+def _positions(build, world_size: int = 2) -> list[str]:
+    """What :func:`rank_position` says of the Dynamo graph of ``build(mesh) -> (fn, args)`` on each rank."""
+    positions = []
+    for rank in range(world_size):
+        with fake_world(world_size, rank=rank) as mesh:
+            fn, args = build(mesh)
+            seen = []
+
+            def capture(gm, example_inputs):
+                seen.append(rank_position(gm, example_inputs))
+                return gm.forward
+
+            torch._dynamo.reset()
+            torch.compile(fn, backend=capture, fullgraph=True)(*args)
+            (position,) = seen
+            positions.append(position)
+    return positions
+
+
+def _gathered_stack(mesh):
+    _, parallel, x = CASES["gathered_stack"].build(mesh)
+    return parallel, (x,)
+
+
+def _plain_all_reduce(mesh):
+    from torch.distributed import _functional_collectives as funcol
+
+    return (lambda x: funcol.all_reduce(x * 2, "sum", mesh.get_group()).sin()), (torch.ones(4),)
+
+
+def test_a_graph_holding_a_mesh_keys_on_the_rank_and_a_plain_one_does_not():
+    # Issue #37: the backward of to_local() slices this rank's chunk, baked into the graph;
+    # the key must tell the ranks apart, or a shared cache folder serves one rank's graph to all.
+    positions = _positions(_gathered_stack)
+    assert positions == ["0 of 2: DeviceMesh((dim0=2)) at (0,)", "1 of 2: DeviceMesh((dim0=2)) at (1,)"], positions
+    keys = {compile_key(DTCompileConfig(), get_profile("h100"), p) for p in positions}
+    assert len(keys) == 2 and all(f"rank={p})" in k for p, k in zip(positions, sorted(keys))), keys
+    # Plain tensors and functional collectives: the trace reads no rank; one entry serves all.
+    assert _positions(_plain_all_reduce) == ["", ""]
+    assert compile_key(DTCompileConfig(), get_profile("h100"), "") == compile_key(DTCompileConfig(), get_profile("h100"))

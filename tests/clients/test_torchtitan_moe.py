@@ -183,11 +183,12 @@ def _expert_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _train_on_rank(
     rank: int,
     world_size: int,
-    compiled: bool,
+    options: dict[str, Any] | None,
     weights: dict[str, torch.Tensor],
     batches: Batches,
 ) -> tuple[Run, dict[str, torch.Tensor]]:
-    """torchtitan's parallelize and training steps on this rank, compiled with dtcompile or not; the final expert biases."""
+    """torchtitan's parallelize and training steps on this rank, compiled with dtcompile(**options) unless
+    None; the final expert biases."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
@@ -206,7 +207,8 @@ def _train_on_rank(
     with torch.device("meta"):
         model = config.build()
 
-    backend = dtcompile.backend(inductor=False) if compiled else None
+    compiled = options is not None
+    backend = dtcompile.backend(**options) if compiled else None
     counter = CompileCounterWithBackend(backend) if compiled else None
     compile_config = CompileConfig(enable=compiled, backend=counter if compiled else "inductor")
     model = parallelize(parallelize_qwen3, model, parallel_dims, parallelism, compile_config)
@@ -285,8 +287,8 @@ def test_torchtitan_qwen3_moe_expert_parallel_compiled_match_eager_and_one_proce
         one_process, one_process_biases, margin = run_threaded(1, _train_single_process, weights, batches, world_size)[
             0
         ]
-        eager = run_threaded(world_size, _train_on_rank, world_size, False, weights, batches)
-        compiled = run_threaded(world_size, _train_on_rank, world_size, True, weights, batches)
+        eager = run_threaded(world_size, _train_on_rank, world_size, None, weights, batches)
+        compiled = run_threaded(world_size, _train_on_rank, world_size, {"inductor": False}, weights, batches)
     assert margin > MIN_ROUTING_MARGIN, f"a token's expert choice is within {margin:.2e} of a tie"
 
     problems = []
