@@ -438,14 +438,15 @@ def run_cold_and_warm(
     *args: Any,
     cache_dir: str | os.PathLike[str],
     timeout: float = 600.0,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[list[R], list[R]]:
     """Runs ``fn(rank, *args)`` on gloo ranks twice, as a job and its restart: the ranks of
     both runs share the compile cache folder ``cache_dir`` (``TORCHINDUCTOR_CACHE_DIR``, as
     torch's default folder is shared by every rank of a node), and each run is fresh
     processes, so the second ("warm") is served by what the first ("cold") wrote.
     Returns ``(cold, warm)``, each the ranks' results in rank order; a test compares
-    both with eager.  ``fn`` as for :func:`run_gloo`."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": os.fspath(cache_dir)}
+    both with eager.  ``fn`` and ``env`` as for :func:`run_gloo`."""
+    env = {**(env or {}), "TORCHINDUCTOR_CACHE_DIR": os.fspath(cache_dir)}
     cold = run_gloo(world_size, fn, *args, timeout=timeout, env=env)
     warm = run_gloo(world_size, fn, *args, timeout=timeout, env=env)
     return cold, warm
