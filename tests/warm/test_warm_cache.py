@@ -269,21 +269,23 @@ def _titan_eager_rank(rank: int, suite: str, variant: Any, weights: Any, batches
 
 
 def _titan_inputs(suite: str, variant: Any) -> tuple[Any, Any]:
-    from _titan import global_batches, initial_weights
+    """The client test's initial weights and batches, made as its own test makes them."""
+    from _titan import global_batches, initial_weights, torchtitan_on_cpu
 
-    if suite == "llama3":
-        import test_torchtitan as module
+    with torchtitan_on_cpu():  # torchtitan imported as on the ranks (its EP kernels stood in for)
+        if suite == "llama3":
+            import test_torchtitan as module
 
-        config = module._llama3_config()
-    elif suite == "spmd_types":
-        import test_torchtitan_spmd_types as module
+            config = module._llama3_config()
+        elif suite == "spmd_types":
+            import test_torchtitan_spmd_types as module
 
-        config = module.MODELS[variant]()
-    else:
-        import test_torchtitan_moe as module
+            config = module.MODELS[variant]()
+        else:
+            import test_torchtitan_moe as module
 
-        config = module._qwen3_moe_config()
-    return initial_weights(config), global_batches(module.NUM_STEPS, module.VOCAB_SIZE, module.SEQ_LEN, module.GLOBAL_BATCH)
+            config = module._qwen3_moe_config()
+        return initial_weights(config), global_batches(module.NUM_STEPS, module.VOCAB_SIZE, module.SEQ_LEN, module.GLOBAL_BATCH)
 
 
 # (suite, variant, tolerance against eager): llama3's variant is the tensor parallel degree
