@@ -37,6 +37,7 @@ __all__ = [
     "group_backends",
     "profile_for_groups",
     "is_collective",
+    "largest_collective",
     "mesh_axes",
 ]
 
@@ -250,3 +251,10 @@ def profile_for_groups(choice: str | HardwareProfile, devices: Set[str], group_n
     graph so, ``auto_parallel`` a mesh, and ``calibrate`` its group."""
     gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None
     return choose_profile(choice, devices, group_backends(group_names), gpu)
+
+
+def largest_collective(gm: fx.GraphModule) -> int:
+    """The buffer of the graph's largest collective (bytes per rank, as
+    :class:`CollectiveInfo` counts them), 0 without one."""
+    infos = (collective_info(node) for node in gm.graph.nodes if is_collective(node))
+    return max((info.bytes for info in infos if info is not None), default=0)

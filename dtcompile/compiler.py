@@ -55,10 +55,12 @@ from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, p
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
 from dtcompile.lowering import inline_regions
+from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
 from dtcompile.regions import format_with_regions, is_region
+from dtcompile.reshard import param_names
 from dtcompile.sharding_cache import fresh_sharding_caches
 from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dynamo_vars.dtensor_state import loss_parallel_backward
@@ -211,7 +213,14 @@ class DTCompileBackend:
         progress = _Progress()
         # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
         key = compile_key(config, priced.profile, rank_position(gm, example_inputs))
-        partitioner = Partitioner(bool(info.uneven), key, on_start=progress.trace_finished)
+        partitioner = Partitioner(
+            bool(info.uneven),
+            key,
+            on_start=progress.trace_finished,
+            params=param_names(gm, example_inputs),
+            reshard=config.reshard_after_forward,
+            keep_gathered=config.keep_gathered,
+        )
         try:
             with (
                 _compile_caches(config),
@@ -228,7 +237,7 @@ class DTCompileBackend:
                     compiled = compile_fx(
                         gm,
                         example_inputs,
-                        inner_compile=functools.partial(self._inductor_inner_compile, info, config, progress),
+                        inner_compile=functools.partial(self._inductor_inner_compile, info, config, progress, partitioner),
                         config_patches=patches,
                     )
                 else:
@@ -265,6 +274,7 @@ class DTCompileBackend:
         info: DynamoGraphInfo,
         config: DTCompileConfig,
         progress: _Progress,
+        partitioner: Partitioner,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         **kwargs: Any,
@@ -290,7 +300,7 @@ class DTCompileBackend:
                     settings[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
                 return settings
 
-            gm = self._run_passes(gm, example_inputs, kind, info, config, progress, lowering)
+            gm = self._run_passes(gm, example_inputs, kind, info, config, progress, lowering, partitioner)
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _aot_without_inductor(
@@ -309,7 +319,8 @@ class DTCompileBackend:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
-                return make_boxed_func(self._run_passes(graph, inputs, kind, info, config, progress, lambda _: {}).forward)
+                passed = self._run_passes(graph, inputs, kind, info, config, progress, lambda _: {}, partitioner)
+                return make_boxed_func(passed.forward)
 
             return compile_graph
 
@@ -331,12 +342,20 @@ class DTCompileBackend:
         config: DTCompileConfig,
         progress: _Progress,
         lowering: Callable[[Sequence[PassRecord]], Mapping[str, Any]],
+        partitioner: Partitioner,
     ) -> fx.GraphModule:
-        """Runs the passes on one AOT graph and records it; ``lowering`` is told what the
+        """Runs the passes on one AOT graph and records it (a forward's record starts with
+        the partitioner's ``reshard_after_forward`` decisions); ``lowering`` is told what the
         passes did and returns the settings the graph will be lowered with."""
         progress.trace_finished()
-        ctx = PassContext(kind=kind, config=config, info=info)
+        memory = MemoryPlan(
+            held_bytes=partitioner.held_during_backward if kind == "backward" else 0,
+            prefetch_bytes=prefetch_window(partitioner.resharding.gathered),
+        )
+        ctx = PassContext(kind=kind, config=config, info=info, memory=memory)
         gm, passes = run_passes(gm, example_inputs, ctx)
+        if kind == "forward" and partitioner.resharding.decisions:
+            passes.insert(0, partitioner.record(gm))
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
         regions = inline_regions(gm, info, kind)
         gm.recompile()
@@ -349,6 +368,9 @@ class DTCompileBackend:
             info=info,
             regions=tuple(regions),
             with_regions=with_regions,
+            memory=estimate_memory(gm, kind, memory.held_bytes),
+            memory_traced=ctx.traced_memory,
+            memory_budget=(ctx.budget_bytes, ctx.budget_why),
             lowering=dict(lowering(passes)),
         )
         self.records.append(record)

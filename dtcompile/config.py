@@ -45,6 +45,31 @@ class DTCompileConfig:
     """Most bytes (per rank, >= 0) of collectives the ``overlap`` pass lets be in
     flight at once when it issues them earlier."""
 
+    memory_budget_bytes: int | None = None
+    """Most bytes per rank a compiled graph may hold at its peak, as
+    :mod:`dtcompile.memory` estimates it (its tensors along the schedule, and for a
+    backward what the caller holds meanwhile): ``bucketing`` and ``overlap`` refuse a
+    rewrite that would pass it, and say so in their records.  ``None``: each graph's
+    peak as traced (no pass applied) plus a prefetch window of twice the gathered
+    weights of its largest module (a block of a ``ModuleList``): one module
+    prefetched ahead, as FSDP2 does, and the bucket it comes through; a graph that
+    gathers no parameters gets twice its largest collective's buffer.  A budget below a graph's peak as traced is an error that names
+    that peak and what is alive there."""
+
+    reshard_after_forward: bool = True
+    """Gather a parameter stored sharded on a data-parallel axis again in the
+    backward instead of keeping its gathered copy from forward to backward, as
+    FSDP2 does by default (:mod:`dtcompile.reshard`): each rank then holds its
+    shards, not the whole model, between forward and backward.  ``False`` keeps
+    every gathered weight (FSDP2's ``reshard_after_forward=False``): one all-gather
+    per weight per step fewer, the memory of plain data parallel."""
+
+    keep_gathered: frozenset[str] = frozenset()
+    """Names of parameters, or of modules (a name prefix: ``"layers.3"``,
+    ``"output"``), whose gathered weights are kept from forward to backward while the
+    others are resharded (FSDP2's ``fully_shard(module, reshard_after_forward=False)``
+    on those modules).  Names as ``model.named_parameters()`` gives them."""
+
     cost_profile: str | HardwareProfile = "auto"
     """The machine the passes price their rewrites for and the annotations and
     reports estimate times on: ``"auto"`` (the profile that follows each graph's
@@ -86,6 +111,10 @@ class DTCompileConfig:
         _check_bool("eager_fallback", self.eager_fallback)
         _check_bool("report", self.report)
         _check_bool("trace_pass_graphs", self.trace_pass_graphs)
+        _check_bool("reshard_after_forward", self.reshard_after_forward)
+        if self.memory_budget_bytes is not None:
+            _check_bytes("memory_budget_bytes", self.memory_budget_bytes, minimum=1)
+        object.__setattr__(self, "keep_gathered", _names("keep_gathered", self.keep_gathered))
         _check_bytes("bucket_cap_bytes", self.bucket_cap_bytes, minimum=1)
         _check_bytes("overlap_memory_budget_bytes", self.overlap_memory_budget_bytes, minimum=0)
         object.__setattr__(self, "disable_passes", _pass_names(self.disable_passes))
@@ -108,6 +137,9 @@ class DTCompileConfig:
                 tuple(sorted((k, repr(v)) for k, v in self.inductor_config.items())),
                 self.bucket_cap_bytes,
                 self.overlap_memory_budget_bytes,
+                self.memory_budget_bytes,
+                self.reshard_after_forward,
+                self.keep_gathered,
                 self.cost_profile,
                 self.report,
                 self.trace_pass_graphs,
@@ -149,15 +181,29 @@ def _check_bytes(name: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"dtcompile: {name} must be >= {minimum} bytes, got {value}")
 
 
-def _pass_names(value: Any) -> frozenset[str]:
+def _string_set(field_name: str, value: Any, what: str, one: str) -> frozenset[str]:
+    """``value`` as a set of strings, or a ``TypeError`` that names the field."""
     if isinstance(value, str) or not isinstance(value, (Set, list, tuple)):
-        fix = f"; write {{{value!r}}} for one pass" if isinstance(value, str) else ""
-        raise TypeError(
-            f"dtcompile: disable_passes must be a set of pass names, got {type(value).__name__} {value!r}{fix}"
-        )
+        fix = f"; write {{{value!r}}} for one {one}" if isinstance(value, str) else ""
+        raise TypeError(f"dtcompile: {field_name} must be a set of {what}, got {type(value).__name__} {value!r}{fix}")
     names = frozenset(value)
     if not all(isinstance(n, str) for n in names):
-        raise TypeError(f"dtcompile: disable_passes must hold pass names (str), got {sorted(map(repr, names))}")
+        raise TypeError(f"dtcompile: {field_name} must hold {what} (str), got {sorted(map(repr, names))}")
+    return names
+
+
+def _names(field_name: str, value: Any) -> frozenset[str]:
+    names = _string_set(field_name, value, "parameter or module names", "name")
+    bad = sorted(repr(n) for n in names if not n or n != n.strip(".") or n != n.strip())
+    if bad:
+        raise ValueError(
+            f"dtcompile: {field_name} must hold parameter or module names like 'layers.0.attention', got {bad}"
+        )
+    return names
+
+
+def _pass_names(value: Any) -> frozenset[str]:
+    names = _string_set("disable_passes", value, "pass names", "pass")
     known = set(PASS_NAMES)
     unknown = sorted(names - known)
     if unknown:

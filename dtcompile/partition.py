@@ -8,6 +8,12 @@ that traced it (:func:`partition_keeping_collectives`): min-cut decides what to
 recompute from each rank's own graph, and a rank that recomputes a collective
 the others saved waits for them forever (found by the fuzzer).
 
+Before either partitions, :func:`dtcompile.reshard.tag_reshard_after_forward`
+marks the gathers of sharded parameters to be done again in the backward
+(``reshard_after_forward``); :attr:`Partitioner.resharding` says what it did, and
+:attr:`Partitioner.held_during_backward` what the caller holds while the backward
+runs (:mod:`dtcompile.memory`).
+
 A :class:`Partitioner` is a module-level object whose pickled state is its
 settings, so Inductor's FX graph cache and AOTAutograd's cache can key on it
 (:meth:`Partitioner.uuid` carries :func:`dtcompile.cache_keys.compile_key`).
@@ -30,6 +36,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dtcompile.collectives import is_collective
 from dtcompile.passes import padded_collective
+from dtcompile.memory import held_during_backward
+from dtcompile.records import PassRecord
+from dtcompile.reshard import ParamNames, Resharding, tag_reshard_after_forward
 from dtcompile.scoped_patch import ScopedPatch
 
 __all__ = ["Partitioner", "partition_keeping_collectives"]
@@ -40,39 +49,88 @@ class Partitioner(CustomPartitionerFn):
 
     ``uneven``: the Dynamo graph holds unevenly sharded DTensors, so ranks' graphs
     can differ and collectives are kept.  ``key``: what else decides the graphs of
-    this compile (:func:`dtcompile.cache_keys.compile_key`); with ``uneven`` it is
-    :meth:`uuid`, which torch's compile caches key on, and all that pickles.
+    this compile (:func:`dtcompile.cache_keys.compile_key`, which carries the
+    ``reshard_after_forward`` and ``keep_gathered`` options); with ``uneven`` and
+    ``params`` (the Dynamo graph's parameter inputs, :func:`dtcompile.reshard.param_names`)
+    it is :meth:`uuid`, which torch's compile caches key on, and all that pickles.
     ``on_start`` (neither keyed nor pickled) is called when partitioning starts:
-    AOTAutograd's trace has finished by then.
+    AOTAutograd's trace has finished by then.  :attr:`resharding` and
+    :attr:`held_during_backward` describe the last partition.
     """
 
-    def __init__(self, uneven: bool, key: str = "", on_start: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        uneven: bool,
+        key: str = "",
+        on_start: Callable[[], None] | None = None,
+        *,
+        params: ParamNames | None = None,
+        reshard: bool = True,
+        keep_gathered: frozenset[str] = frozenset(),
+    ) -> None:
         self.uneven = uneven
         self.key = key
+        self.params = dict(params or {})
+        self.reshard = reshard
+        self.keep_gathered = keep_gathered
         self.on_start = on_start
+        self.resharding = Resharding((), {})
+        self.held_during_backward = 0
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         if self.on_start is not None:
             self.on_start()
-        if self.uneven or padded_collective(gm) is not None:
+        padded = padded_collective(gm)
+        keeping = self.uneven or padded is not None
+        refused = (
+            "sharded unevenly: the partition keeps every collective in the phase that traced it"
+            if keeping
+            else ""
+        )
+        self.resharding = tag_reshard_after_forward(
+            gm, self.params, enabled=self.reshard, keep=self.keep_gathered, refused=refused
+        )
+        if keeping:
             kwargs.pop("compiler", None)
-            return partition_keeping_collectives(gm, joint_inputs, **kwargs)
-        kwargs.setdefault("compiler", "inductor")
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            forward, backward = partition_keeping_collectives(gm, joint_inputs, **kwargs)
+        else:
+            kwargs.setdefault("compiler", "inductor")
+            forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self.held_during_backward = held_during_backward(forward, backward)
+        return forward, backward
+
+    def record(self, forward: fx.GraphModule) -> PassRecord:
+        """The ``reshard_after_forward`` decisions as the first record of the ``forward`` graph."""
+        nodes = len(forward.graph.nodes)
+        collectives = sum(1 for n in forward.graph.nodes if is_collective(n))
+        decisions = self.resharding.decisions
+        return PassRecord("reshard_after_forward", True, nodes, nodes, collectives, collectives, decisions)
 
     def uuid(self) -> str:
-        return f"dtcompile.partition(uneven={self.uneven}, {self.key})"
+        params = ", ".join(f"{i}:{name}" for i, name in sorted(self.params.items()))
+        return f"dtcompile.partition(uneven={self.uneven}, params=[{params}], {self.key})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # What a cache key sees: the settings, never this compile's callback.
-        return {"uneven": self.uneven, "key": self.key}
+        # What a cache key sees: the settings, never this compile's callback or findings.
+        return {
+            "uneven": self.uneven,
+            "key": self.key,
+            "params": self.params,
+            "reshard": self.reshard,
+            "keep_gathered": sorted(self.keep_gathered),
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.uneven = state["uneven"]
         self.key = state["key"]
+        self.params = state["params"]
+        self.reshard = state["reshard"]
+        self.keep_gathered = frozenset(state["keep_gathered"])
         self.on_start = None
+        self.resharding = Resharding((), {})
+        self.held_during_backward = 0
 
 
 _keeping = threading.local()

@@ -17,6 +17,7 @@ from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
 from dtcompile.collectives import CollectiveInfo
+from dtcompile.memory import MemoryEstimate, format_bytes
 from dtcompile.regions import RegionInfo
 
 __all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price"]
@@ -31,6 +32,8 @@ class Action(enum.Enum):
     """Several collectives became one (``bucketing``)."""
     MOVED = "moved"
     """Nodes were reordered (``overlap``)."""
+    RESHARDED = "resharded"
+    """A gathered parameter is gathered again in the backward instead of kept (``reshard_after_forward``)."""
     SKIPPED = "skipped"
     """The pass left a candidate as it was; the outcome says why."""
 
@@ -48,6 +51,9 @@ class Price:
     """What the cost is made of, as the record says it (``of copies``)."""
     profile: str = ""
     """The cost profile's name."""
+    adds_bytes: int | None = None
+    """Bytes the rewrite adds to the graph's estimated peak (:mod:`dtcompile.memory`),
+    where the pass priced memory too."""
 
     @property
     def pays(self) -> bool:
@@ -55,8 +61,9 @@ class Price:
 
     def __str__(self) -> str:
         costs = f"costs {_us(self.costs_us)}" + (f" {self.costs_what}" if self.costs_what else "")
+        peak = f", adds {format_bytes(self.adds_bytes)} to the peak" if self.adds_bytes is not None else ""
         on = f" ({self.profile})" if self.profile else ""
-        return f"saves {_us(self.saves_us)}, {costs}{on}"
+        return f"saves {_us(self.saves_us)}, {costs}{peak}{on}"
 
 
 def _us(value: float) -> str:
@@ -125,6 +132,12 @@ class CompiledGraph:
     with_regions: str = ""
     """The graph as the passes left it, regions as one op (:func:`~dtcompile.regions.format_with_regions`);
     empty when it has none."""
+    memory: MemoryEstimate | None = None
+    """Its live bytes along the schedule and its peak, as lowered (:mod:`dtcompile.memory`)."""
+    memory_traced: MemoryEstimate | None = None
+    """The same before any pass: what the passes added is the difference."""
+    memory_budget: tuple[int, str] = (0, "")
+    """The budget the passes kept to, and where it comes from (``memory_budget_bytes``)."""
     lowering: Mapping[str, Any] = field(default_factory=dict)
     """How it was lowered: ``{}`` without Inductor, else the Inductor settings this
     backend asked for (from ``inductor_config``, ``options=`` and ``mode=``) as

@@ -212,6 +212,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._ops", "OpOverload", None),
     ("torch._ops", "OpOverloadPacket", None),
     ("torch", "ops._c10d_functional.wait_tensor.default", None),
+    ("torch", "ops._c10d_functional.all_gather_into_tensor.default", None),
     ("torch.distributed.distributed_c10d", "_get_default_group", ()),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor", None),
     ("torch.distributed._functional_collectives", "broadcast", ("self", "src", "group")),

@@ -10,6 +10,7 @@ logs its ``explain()`` as the ``dtcompile_auto_parallel_solution`` artifact.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from torch import nn
 from dtcompile.auto_parallel.placements import Layout
 from dtcompile.collectives import profile_for_groups
 from dtcompile.cost_model import HardwareProfile
+from dtcompile.reshard import resharded
 
 __all__ = ["auto_parallel", "plan"]
 
@@ -44,8 +46,8 @@ def _layout(what: str, value: Any, mesh: Any) -> Layout:
     return tuple(value)
 
 
-def _compile_config(config: Any, profile: Any) -> tuple[Any, int | None]:
-    """``(cost profile, bucket_cap_bytes or None)`` from the config the model will be compiled with."""
+def _compile_config(config: Any, profile: Any) -> tuple[Any, int | None, Any]:
+    """``(cost profile, bucket_cap_bytes or None, the config)`` from the config the model will be compiled with."""
     from dtcompile.config import DTCompileConfig
 
     config = getattr(config, "config", config)  # a dtcompile.backend(...) carries its config
@@ -62,7 +64,7 @@ def _compile_config(config: Any, profile: Any) -> tuple[Any, int | None]:
             "give one of them"
         )
     bucket_cap = None if "bucketing" in config.disable_passes else config.bucket_cap_bytes
-    return (profile if profile is not None else config.cost_profile), bucket_cap
+    return (profile if profile is not None else config.cost_profile), bucket_cap, config
 
 
 def _check(model: Any, mesh: Any, example_inputs: Any, budget: Any, profile: Any) -> tuple[tuple[Any, ...], HardwareProfile]:
@@ -113,7 +115,7 @@ def plan(
     from dtcompile.auto_parallel.trace import trace_forward
     from dtcompile.auto_parallel.tying import tie_repeated_layers
 
-    cost_profile, bucket_cap_bytes = _compile_config(config, cost_profile)
+    cost_profile, bucket_cap_bytes, config = _compile_config(config, cost_profile)
     example_inputs, profile = _check(model, mesh, example_inputs, param_memory_budget_bytes, cost_profile)
     num_inputs = len(pytree.tree_leaves(example_inputs))
     pinned: dict[str, Layout] = {}
@@ -142,7 +144,10 @@ def plan(
     start = time.perf_counter()
     traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
     traced_s = time.perf_counter() - start
-    problem = build_problem(traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes)
+    problem = build_problem(
+        traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes,
+        resharded=functools.partial(resharded, config=config),
+    )
     problem.seconds["trace"] = traced_s
     tie_repeated_layers(problem)
     result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes)

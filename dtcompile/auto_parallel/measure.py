@@ -64,6 +64,25 @@ class OpMeasure:
     """Per tensor input: the layout of its gradient, ``None`` when it gets none."""
     out_requires_grad: tuple[bool, ...] = ()
     """Per output: whether autograd differentiates it (``native_layer_norm``'s mean and rstd: no)."""
+    saved: tuple[bool, ...] = ()
+    """Per tensor input: whether the backward reads it (or what the forward made of it
+    alone, ``t(w)``): saved for the backward, so a gathered parameter is gathered
+    again there where dtcompile reshards after forward (:mod:`dtcompile.reshard`)."""
+
+
+def _read_by_backward(graph: fx.Graph, boundary: int, num_inputs: int) -> tuple[bool, ...]:
+    """Per input placeholder of a recorded op, whether a node past ``boundary`` reads it or
+    a forward node computed from it alone."""
+    nodes = list(graph.nodes)
+    read = []
+    for i in range(num_inputs):
+        derived = {nodes[i]}
+        for node in nodes[num_inputs:boundary]:
+            inputs = node.all_input_nodes
+            if inputs and all(n in derived for n in inputs):
+                derived.add(node)
+        read.append(any(n in derived for node in nodes[boundary:] for n in node.all_input_nodes))
+    return tuple(read)
 
 
 def _axis_names(mesh: Any) -> dict[str, str]:
@@ -170,7 +189,8 @@ def measure_op(
                 for _, _, rg in tensors
             )
     forward, backward, found = _read_graph(recorder.graph, boundary, mesh, profile)
-    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg)
+    saved = _read_by_backward(recorder.graph, boundary, num_in)
+    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved)
 
 
 _NOT_WORK = {"empty", "empty_strided", "detach", "alias", "device", "lift_fresh", "lift_fresh_copy"}

@@ -49,7 +49,7 @@ import logging
 import math
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,9 @@ class Candidate:
     local: str = ""
     """Empty where DTensor runs the op; else how it runs on each rank's local shards
     (:mod:`dtcompile.auto_parallel.local_ops`: ``borrowed`` or ``replicated``)."""
+    saved: tuple[bool, ...] = ()
+    """Per tensor argument, whether its backward reads it (empty: not measured, as for a
+    region, whose body is not: taken as read)."""
 
     @property
     def cost_us(self) -> float:
@@ -141,6 +144,9 @@ class Edge:
     buckets: list[list[tuple[BucketKey, ...]]] | None = None
     """For an edge out of a parameter: per pair, the buckets its collectives join
     (their launch latency is paid once per bucket, not in ``cost``)."""
+    regather: bool = False
+    """A parameter resharded after forward (or a view of one, ``t(w)``) that the backward
+    reads: where the edge gathers it, the backward gathers it again (:func:`dtcompile.auto_parallel.transfer.transfer`)."""
 
 
 @dataclass
@@ -168,6 +174,9 @@ class Problem:
     bucket takes; ``None`` where that config disables the ``bucketing`` pass."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where building took its time: ``trace``, ``strategies``, ``measure``, ``edges``."""
+    regathered: frozenset[str] = frozenset()
+    """Parameter nodes the compile config reshards after forward (:func:`dtcompile.reshard.resharded`):
+    gathered again in the backward where the backward reads them (``Edge.regather``)."""
 
     def groups(self) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
@@ -225,9 +234,10 @@ def _resolve(node: fx.Node) -> tuple[fx.Node, int]:
 
 class _Builder:
     def __init__(self, traced: TracedModel, mesh: Any, profile: HardwareProfile, fixed: Mapping[str, Layout],
-                 bucket_cap_bytes: int | None) -> None:
+                 bucket_cap_bytes: int | None, regathered: frozenset[str] = frozenset()) -> None:
         self.traced, self.mesh, self.profile, self.fixed = traced, mesh, profile, fixed
         self.bucket_cap_bytes = bucket_cap_bytes
+        self.regathered = regathered
         self.param_derived: dict[str, bool] = {}
         self.node_cache: dict[Any, list[Candidate]] = {}
         self.nodes: dict[str, PNode] = {}
@@ -390,7 +400,7 @@ class _Builder:
                     grads_back = tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))
                     self.measures[key] = None if not same else Candidate(
                         ins, outs, m.grad_layouts, grads_back, m.forward_us, m.backward_us, m.collectives,
-                        sum(c.time_us(self.profile) for c in m.collectives), local,
+                        sum(c.time_us(self.profile) for c in m.collectives), local, m.saved,
                     )
                 if self.measures[key] is not None:
                     candidates.append(self.measures[key])
@@ -481,10 +491,47 @@ def _consumers(nodes: Mapping[str, PNode]) -> dict[tuple[str, int], list[tuple[s
     return found
 
 
+# Ops that only reshape or cast a value: a parameter read through them is read by the
+# backward where their result is (as :mod:`dtcompile.reshard` follows its gather chains).
+_VIEWS = frozenset({"t", "view", "_unsafe_view", "reshape", "permute", "transpose", "squeeze", "unsqueeze",
+                    "_to_copy", "clone", "contiguous", "alias", "expand"})
+
+
+def _read_in_backward(nodes: Mapping[str, PNode], consumers: Mapping[tuple[str, int], list[tuple[str, int]]]) -> Callable[[str, int], bool]:
+    """Whether the backward reads what node ``name`` reads as argument ``slot`` (any of its
+    candidates saves it, or the node is a view whose result the backward reads)."""
+    memo: dict[tuple[str, int], bool] = {}
+
+    def read(name: str, slot: int) -> bool:
+        if (name, slot) not in memo:
+            node = nodes[name]
+            if node.kind == "output":
+                found = False
+            elif any(not c.saved or c.saved[slot] for c in node.candidates):
+                found = True
+            else:
+                view = node.kind == "op" and node.target.rpartition(".")[2] in _VIEWS
+                found = view and any(read(c, s) for c, s in consumers.get((name, 0), ()))
+            memo[(name, slot)] = found
+        return memo[(name, slot)]
+
+    return read
+
+
+def _param_of(nodes: Mapping[str, PNode], name: str) -> str | None:
+    """The parameter node ``name`` is, or is a view of (``t(w)``), else ``None``."""
+    node = nodes[name]
+    while node.kind == "op" and node.target.rpartition(".")[2] in _VIEWS and len(node.inputs) == 1:
+        node = nodes[node.inputs[0][0]]
+    return node.name if node.kind == "param" else None
+
+
 def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
     """Edges for single consumers; a fan-out node, its edge and its links for shared values."""
     edges, links = [], []
-    for (p, k), users in _consumers(b.nodes).items():
+    consumers = _consumers(b.nodes)
+    read = _read_in_backward(b.nodes, consumers)
+    for (p, k), users in consumers.items():
         producer = b.nodes[p]
         shape, dtype = producer.outputs[k]
         rg = producer.requires_grad[k]
@@ -494,6 +541,7 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
         # on a value computed in the graph, even from parameters alone: its input is ready
         # late, or its result is read at once).
         bucketed = producer.kind == "param" and b.bucket_cap_bytes is not None
+        regather = _param_of(b.nodes, p) in b.regathered and any(read(c, slot) for c, slot in users)
 
         def edge(consumer: PNode, slot: int) -> Edge:
             rows, buckets = [], []
@@ -502,7 +550,8 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
                 for cc in consumer.candidates:
                     grad = cc.grads[slot] if rg and cc.grads else None
                     want = pc.grad_out[k] if pc.grad_out else None
-                    t = transfer(shape, dtype, pc.outputs[k], want, cc.inputs[slot], grad, b.mesh, b.profile, b.transfers)
+                    t = transfer(shape, dtype, pc.outputs[k], want, cc.inputs[slot], grad, b.mesh, b.profile,
+                                 b.transfers, regather)
                     if t is None:
                         row.append(INF)
                         row_buckets.append(())
@@ -514,7 +563,8 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
                         row.append(t.time_us)
                 rows.append(row)
                 buckets.append(row_buckets)
-            return _checked(Edge(p, k, consumer.name, slot, rows, buckets if bucketed else None), producer, consumer)
+            edge = Edge(p, k, consumer.name, slot, rows, buckets if bucketed else None, regather)
+            return _checked(edge, producer, consumer)
 
         if len(users) == 1:
             c, slot = users[0]
@@ -602,11 +652,14 @@ def build_problem(
     fixed: Mapping[str, Layout] | None = None,
     output_layouts: Mapping[int, Layout] | None = None,
     bucket_cap_bytes: int | None = 256 * 1024 * 1024,
+    resharded: Callable[[str], bool] = lambda name: True,
 ) -> Problem:
     """The problem for ``traced`` on ``mesh``; ``fixed`` pins parameters (by name) or
     inputs (``input0``...) to one layout, ``output_layouts`` pins outputs by position;
-    ``bucket_cap_bytes``: the compile config's (``None``: its ``bucketing`` pass is off)."""
-    b = _Builder(traced, mesh, profile, dict(fixed or {}), bucket_cap_bytes)
+    ``bucket_cap_bytes``: the compile config's (``None``: its ``bucketing`` pass is off);
+    ``resharded``: whether the compile config gathers a parameter (by name) again in the backward."""
+    regathered = frozenset(node.name for name, node in traced.params if resharded(name))
+    b = _Builder(traced, mesh, profile, dict(fixed or {}), bucket_cap_bytes, regathered)
     b.placeholders()
     for node in traced.gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
@@ -623,4 +676,4 @@ def build_problem(
         pnode = b.nodes[node.name]
         shape, dtype = pnode.outputs[0]
         param_bytes[node.name] = [local_numel(shape, c.outputs[0], mesh.shape) * dtype.itemsize for c in pnode.candidates]
-    return Problem(mesh, profile, b.nodes, edges, links, traced, param_bytes, bucket_cap_bytes, b.seconds)
+    return Problem(mesh, profile, b.nodes, edges, links, traced, param_bytes, bucket_cap_bytes, b.seconds, regathered)

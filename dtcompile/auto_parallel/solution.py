@@ -123,7 +123,8 @@ class Solution:
         grad = cc.grads[edge.slot] if p.requires_grad[edge.index] and cc.grads else None
         want = pc.grad_out[edge.index] if pc.grad_out else None
         return transfer(shape, dtype, pc.outputs[edge.index], want, cc.inputs[edge.slot], grad,
-                        self.problem.mesh, self.problem.profile, self._cache)
+                        self.problem.mesh, self.problem.profile, self._cache,
+                        edge.regather)
 
     def _edge_us(self, edge: Any, producer_choice: int, consumer_choice: int) -> float | None:
         """An edge's time as the solver costed it (a parameter edge's collectives bucketed)."""

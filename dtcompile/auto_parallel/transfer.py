@@ -13,6 +13,8 @@ and the solver counts each bucket's launch latency once.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,16 +51,20 @@ def transfer(
     mesh: Any,
     profile: HardwareProfile,
     cache: dict[Any, Transfer | None],
+    regather: bool = False,
 ) -> Transfer | None:
     """A value of layout ``out`` (whose gradient must come back as ``want``) read in layout
     ``read`` by a node that hands its gradient back as ``grad``; ``None`` where impossible.
+    ``regather``: a parameter whose reader's backward reads it, compiled to reshard after
+    forward (:mod:`dtcompile.reshard`): where the forward only gathers it, the backward
+    gathers it again.
 
     Read as it is (``read == out``) when the gradient comes back as wanted; else through
     ``redistribute``: forward ``out -> read``, backward ``grad -> grad_layout(grad, out)``,
     which must be ``want`` (so a ``Partial`` value's gradient cannot stay ``Partial``), and
     ``read`` must not make a ``Partial`` that ``out`` is not.
     """
-    key = (shape, dtype, out, want, read, grad)
+    key = (shape, dtype, out, want, read, grad, regather)
     if key in cache:
         return cache[key]
     result: Transfer | None
@@ -76,6 +82,10 @@ def transfer(
         # Forward, only the first collective reads the parameter itself; a later one reads
         # what the one before made, ready only as the graph reaches it.
         bucketable = tuple(i == 0 for i in range(len(found)))
+        if regather and found and all(c.op == "all_gather" for c in found):
+            again = tuple(dataclasses.replace(c, direction="backward") for c in found)
+            copied *= 2
+            found, bucketable = found + again, bucketable + bucketable
         if grad is not None:
             backward = plan_redistribution(shape, dtype, grad, want, mesh, "backward")
             found += backward

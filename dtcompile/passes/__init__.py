@@ -197,6 +197,7 @@ def run_passes(
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
     """Runs ``passes`` (default :data:`PASSES`) in order, skipping those in ``ctx.config.disable_passes``."""
     records = []
+    ctx.set_budget(gm)
     # Judged on the graph as traced: a pass's own rewrites (bucketing's slices of
     # its flat buffers) must not read as DTensor's padding to the passes after it.
     rank_dependent = _rank_dependent(ctx, gm)

@@ -11,6 +11,12 @@ dtype, reduce op) when
 - the bucket stays under ``config.bucket_cap_bytes``, counted as
   :class:`~dtcompile.CollectiveInfo` counts bytes (an all-gather's output, the
   input of the others): the bucket's buffer is the memory bucketing adds;
+- the graph's estimated peak (:mod:`dtcompile.memory`) stays within its
+  memory budget (``config.memory_budget_bytes``, by default the peak as traced
+  plus one module's gathered weights): a bucket is issued once its last input
+  exists, so a gathered member's result is alive from there rather than from
+  its own collective, a reduced member's input until there, and the bucket's
+  buffers (its inputs concatenated, its result) at once;
 - it pays under the graph's cost profile (:class:`~dtcompile.records.Price`):
   one collective instead of two saves a launch (``t(bucket) + t(member) -
   t(bucket + member)``, :func:`~dtcompile.cost_model.collective_time_us`), and
@@ -27,11 +33,12 @@ flattened and concatenated (for a reduce-scatter, rank by rank, so that each
 rank's chunk holds its piece of every input), one collective and one wait run,
 and each member's result is a slice of the output, reshaped (and, gathered, made
 contiguous, as the collective's own output was).  Every decision,
-taken or not, is recorded with its reason.
+taken or not, is recorded with its reason, and what it adds to the peak.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -43,6 +50,7 @@ from torch import fx
 
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost_model import collective_time_us
+from dtcompile.memory import PeakTracker, format_bytes
 from dtcompile.passes._graph import (
     first_use_index,
     refresh_metadata,
@@ -160,13 +168,49 @@ class _Pricer:
         return self.ctx.price(saves, copies + delay, _COPIES_AND_DELAY if delay else _COPIES)
 
 
+Span = tuple[int, int, int]
+
+
+def _memory_spans(members: Sequence[_Member], index: dict[fx.Node, int], tracker: PeakTracker) -> list[Span]:
+    """What bucketing ``members`` adds to the graph's live bytes, as ``(first, last, bytes)``
+    spans of the schedule before the rewrite (see the module docstring); none for one member."""
+    if len(members) < 2:
+        return []
+    ready = max(m.ready for m in members)
+    spans, buffers = [], 0
+    for member in members:
+        _, input_end, input_bytes = tracker.span(member.node.args[0])
+        _, _, result_bytes = tracker.span(member.node)
+        buffers += member.value.numel() * member.value.element_size() + result_bytes
+        if ready > input_end:
+            spans.append((input_end + 1, ready, input_bytes))
+        if ready < index[member.node]:
+            spans.append((ready, index[member.node] - 1, result_bytes))
+    spans.append((ready, ready, buffers))
+    return spans
+
+
 def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
     graph = gm.graph
     index = {node: i for i, node in enumerate(graph.nodes)}
     pricer = _Pricer(graph, ctx)
+    tracker = ctx.peak_tracker(gm)
     open_buckets: dict[tuple[Any, ...], _Bucket] = {}
     closed: list[_Bucket] = []
+    added: dict[int, int] = {}  # id(bucket) -> bytes it adds to the peak
+
+    def peak_if(key: tuple[Any, ...], members: Sequence[_Member]) -> int:
+        """The estimated peak with the open buckets as they are, but ``key``'s made of ``members``."""
+        others = [span for k, b in open_buckets.items() if k != key for span in _memory_spans(b.members, index, tracker)]
+        return tracker.peak_with(others + _memory_spans(members, index, tracker))
+
+    def close(bucket: _Bucket) -> None:
+        before = tracker.peak
+        tracker.commit(_memory_spans(bucket.members, index, tracker))
+        added[id(bucket)] = tracker.peak - before
+        closed.append(bucket)
+
     for node in list(graph.nodes):
         if node.target not in _BUCKETABLE:
             continue
@@ -186,20 +230,32 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
             fits = member.num_bytes + bucket.num_bytes <= ctx.config.bucket_cap_bytes
             independent = max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use)
             price = pricer.join(bucket, member) if fits and independent else None
-            if price is not None and price.pays:
-                bucket.members.append(member)
-                bucket.prices.append(price)
-                continue
             if price is not None:
+                now, then = peak_if(key, bucket.members), peak_if(key, [*bucket.members, member])
+                price = dataclasses.replace(price, adds_bytes=then - now)
+                if price.pays and then <= tracker.budget:
+                    bucket.members.append(member)
+                    bucket.prices.append(price)
+                    continue
+            if price is not None and price.pays:
+                ctx.skipped(
+                    node.name,
+                    f"starts a new bucket: joining {bucket.members[-1].node.name}'s would take the estimated peak "
+                    f"to {format_bytes(then)}, over the memory budget {format_bytes(tracker.budget)} ({ctx.budget_why})",
+                    price,
+                )
+            elif price is not None:
                 ctx.skipped(node.name, f"starts a new bucket: joining {bucket.members[-1].node.name}'s does not pay", price)
             else:
                 why = "the bucket would pass bucket_cap_bytes" if not fits else (
                     "its input is computed after a bucketed result is used (they depend on each other)"
                 )
                 ctx.skipped(node.name, f"starts a new bucket: {why}")
-            closed.append(bucket)
+            del open_buckets[key]
+            close(bucket)
         open_buckets[key] = _Bucket(key, [member])
-    closed += open_buckets.values()
+    for bucket in list(open_buckets.values()):
+        close(bucket)
     for bucket in closed:
         if len(bucket.members) < 2:
             continue
@@ -212,7 +268,8 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         kind = bucket.key[0]
         saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
         what = _COPIES_AND_DELAY if any(p.costs_what == _COPIES_AND_DELAY for p in bucket.prices) else _COPIES
-        ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", ctx.price(saves, costs, what))
+        price = ctx.price(saves, costs, what, added[id(bucket)])
+        ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", price)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from torch import fx
+
+from dtcompile.collectives import largest_collective
+from dtcompile.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
 from dtcompile.records import Action, Outcome, Price
 
 if TYPE_CHECKING:
@@ -29,6 +34,15 @@ class PassContext:
     config: DTCompileConfig
     info: DynamoGraphInfo
     """The Dynamo graph this AOT graph came from: placements, mesh axes, cost profile."""
+    memory: MemoryPlan = field(default_factory=MemoryPlan)
+    """What the graph's passes may spend in bytes: its budget, and what the caller holds meanwhile."""
+    budget_bytes: int | None = None
+    """The graph's memory budget (:meth:`MemoryPlan.budget_for`), set by :meth:`set_budget`
+    on the graph as traced (``run_passes`` calls it before the first pass)."""
+    budget_why: str = ""
+    """Where :attr:`budget_bytes` comes from, as the records say it."""
+    traced_memory: MemoryEstimate | None = None
+    """The graph's memory before any pass, set by ``run_passes``."""
     outcomes: list[Outcome] = field(default_factory=list)
     """The current pass's decisions (``run_passes`` takes them after each pass)."""
 
@@ -42,13 +56,31 @@ class PassContext:
         """The cost profile this graph is priced with (``config.cost_profile``, or what ``auto`` chose)."""
         return self.info.profile
 
+    def set_budget(self, gm: fx.GraphModule) -> int:
+        """Sets :attr:`traced_memory` and :attr:`budget_bytes` from ``gm``, the graph before
+        any pass; a graph that gathers no parameters gets twice its largest collective's
+        buffer as its window."""
+        self.traced_memory = estimate_memory(gm, self.kind, self.memory.held_bytes)
+        plan, budget = self.memory, self.config.memory_budget_bytes
+        if budget is None and not plan.prefetch_bytes:
+            plan = dataclasses.replace(plan, prefetch_bytes=2 * largest_collective(gm))
+        graph = f"the {self.kind} graph of compile {self.info.compile_id}"
+        self.budget_bytes, self.budget_why = plan.budget_for(self.traced_memory, graph, budget)
+        return self.budget_bytes
+
+    def peak_tracker(self, gm: fx.GraphModule) -> PeakTracker:
+        """The graph's memory as it is now, to price rewrites against :attr:`budget_bytes`
+        (set from ``gm`` if no budget was set yet)."""
+        budget = self.budget_bytes if self.budget_bytes is not None else self.set_budget(gm)
+        return PeakTracker(estimate_memory(gm, self.kind, self.memory.held_bytes), budget)
+
     def record(self, outcome: Outcome) -> Outcome:
         self.outcomes.append(outcome)
         return outcome
 
-    def price(self, saves_us: float, costs_us: float, costs_what: str = "") -> Price:
+    def price(self, saves_us: float, costs_us: float, costs_what: str = "", adds_bytes: int | None = None) -> Price:
         """A :class:`~dtcompile.records.Price` under this graph's profile."""
-        return Price(saves_us, costs_us, costs_what, self.profile.name)
+        return Price(saves_us, costs_us, costs_what, self.profile.name, adds_bytes)
 
     def fused(self, text: str, price: Price | None = None) -> Outcome:
         return self.record(Outcome(Action.FUSED, text, price=price))

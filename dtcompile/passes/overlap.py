@@ -7,14 +7,17 @@ After AOTAutograd every functional collective is followed at once by its
    result (a wait that nobody uses stays where it is);
 2. moves every collective up to just after the last of its inputs, unless the
    bytes of the collectives then in flight at once (issued, not yet waited on)
-   would pass ``config.overlap_memory_budget_bytes``: an early collective holds
-   its output buffer for longer;
+   would pass ``config.overlap_memory_budget_bytes``, or the graph's estimated
+   peak (:mod:`dtcompile.memory`) its memory budget
+   (``config.memory_budget_bytes``): an early collective holds its output buffer
+   for longer;
 3. where the compute between a collective and its wait is estimated shorter
    than the collective (``config.cost_profile``), moves compute that the
    collective does not depend on from before it to just after it (latest first,
    back to the previous collective's wait) until the window covers it: in a
    backward pass, the weight-gradient matmuls behind a reduce-scatter of the
-   input gradient.
+   input gradient; where those moves together would take the estimated peak over
+   the memory budget, none of them is made.
 
 The graph computes the same values (only the order of independent nodes
 changes).  Fused collective-matmuls (``async_tp``) are left where they are:
@@ -41,6 +44,7 @@ from torch import fx
 
 from dtcompile.collectives import collective_info
 from dtcompile.cost_model import collective_time_us
+from dtcompile.memory import estimate_memory, format_bytes
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
 from dtcompile.regions import issues_collectives
@@ -74,6 +78,7 @@ def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
 
 def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: int, ctx: PassContext) -> int:
     moved = 0
+    tracker = ctx.peak_tracker(gm)
     for node in list(gm.graph.nodes):
         info = infos.get(node)
         if info is None or info.fused:
@@ -91,6 +96,17 @@ def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: in
         if in_flight > budget:
             ctx.skipped(node.name, f"not issued earlier: {in_flight} B in flight would pass overlap_memory_budget_bytes")
             continue
+        buffer = tracker.span(node)[2]
+        peak = tracker.hoist(order[node], order[anchor], buffer)
+        if peak > tracker.budget:
+            ctx.skipped(
+                node.name,
+                f"not issued earlier: its {format_bytes(buffer)} buffer alive from {anchor.name} on would take the "
+                f"estimated peak to {format_bytes(peak)}, over the memory budget {format_bytes(tracker.budget)} "
+                f"({ctx.budget_why})",
+            )
+            continue
+        tracker.commit_hoist(order[node], order[anchor], buffer)
         anchor.append(node)
         moved += 1
         ctx.moved(node.name, f"issued {distance} node(s) earlier, after {anchor.name}")
@@ -183,6 +199,12 @@ def _peak_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any]) -> int:
     return peak
 
 
+def _put_back(order: Sequence[fx.Node]) -> None:
+    """Puts the graph's nodes back in ``order`` (the same nodes, as listed before some moves)."""
+    for previous, node in itertools.pairwise(order):
+        previous.append(node)
+
+
 def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
     # Described once: moving nodes changes no collective (nor what a region issues).
@@ -194,17 +216,30 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     before = simulate(gm.graph, ctx.profile).total_us
     held = _peak_in_flight(gm.graph, infos)
     outcomes = len(ctx.outcomes)
+    peak_before = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
     moved = _sink_waits(gm, ctx) + _hoist_collectives(gm, infos, ctx.config.overlap_memory_budget_bytes, ctx)
-    moved += _fill_windows(gm, infos, talking_regions, ctx)
+    hoisted, recorded = list(gm.graph.nodes), len(ctx.outcomes)
+    filled = _fill_windows(gm, infos, talking_regions, ctx)
+    if filled:
+        peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
+        if peak > ctx.budget_bytes:
+            _put_back(hoisted)
+            del ctx.outcomes[recorded:]
+            ctx.skipped(
+                "graph",
+                f"no compute moved under collectives: {filled} move(s) would take the estimated peak to "
+                f"{format_bytes(peak)}, over the memory budget {format_bytes(ctx.budget_bytes)} ({ctx.budget_why})",
+            )
+            filled = 0
+    moved += filled
     if not moved:
         return gm
     # Rounded: moving nodes whose estimates sum alike leaves float noise, not a gain.
-    price = ctx.price(round(before - simulate(gm.graph, ctx.profile).total_us, 6), 0.0)
+    adds = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes - peak_before
+    price = ctx.price(round(before - simulate(gm.graph, ctx.profile).total_us, 6), 0.0, adds_bytes=adds)
     more = _peak_in_flight(gm.graph, infos) - held
     if not price.pays:
-        # Put every node back where it was: the order this pass found.
-        for previous, node in itertools.pairwise(original):
-            previous.append(node)
+        _put_back(original)
         del ctx.outcomes[outcomes:]
         ctx.skipped(
             "graph",

@@ -7,9 +7,9 @@ a module may import modules of its own layer or below, never above:
 1. ``hops`` -- the ``local_map`` region op
 2. ``dynamo_vars`` -- Dynamo support
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
-   ``annotations``, ``ops``
+   ``annotations``, ``ops``, ``memory``
 4. ``dtcompile.records``, ``dtcompile.pass_names``
-5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``
+5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``, ``reshard``
 6. the backend -- ``dtcompile.compiler``
 7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver), ``dtcompile.calibration``
 8. the package face -- ``dtcompile`` (``__init__``)
@@ -40,9 +40,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.simulate",
         "dtcompile.annotations",
         "dtcompile.ops",
+        "dtcompile.memory",
     ),
     ("dtcompile.records", "dtcompile.pass_names"),
-    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.cache_keys", "dtcompile.dynamo_output"),
+    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.reshard", "dtcompile.cache_keys", "dtcompile.dynamo_output"),
     ("dtcompile.compiler",),
     ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.calibration"),
     ("dtcompile",),

@@ -26,11 +26,17 @@ from dtcompile.simulate import simulate
 # by one with the predicted ones (bucketing merges several into one).
 KEEP_COLLECTIVES = frozenset({"bucketing"})
 
+# The solver's bucket model is bucket_cap_bytes alone (see dtcompile.auto_parallel's
+# limits): its plans are compiled with a memory budget that does not split buckets.
+UNBOUNDED_MEMORY = 1 << 40
 
-def compiled_records(model: Any, *args: Any, disable_passes: frozenset[str] = frozenset()) -> list[Any]:
-    """Compile ``model`` with dtcompile, run one forward and backward, return the graphs' records."""
+
+def compiled_records(model: Any, *args: Any, disable_passes: frozenset[str] = frozenset(), **options: Any) -> list[Any]:
+    """Compile ``model`` with dtcompile (``options`` for the backend), run one forward and
+    backward, return the graphs' records."""
     torch._dynamo.reset()
-    backend = dtcompile.backend(inductor=False, disable_passes=set(disable_passes))
+    options.setdefault("memory_budget_bytes", UNBOUNDED_MEMORY)
+    backend = dtcompile.backend(inductor=False, disable_passes=set(disable_passes), **options)
     out = torch.compile(model, backend=backend, fullgraph=True)(*args)
     backward_from_sum(out)
     return list(backend.records)
@@ -90,7 +96,7 @@ def step_against_reference(
         distribute_tensor(x, mesh, layout, src_data_rank=None)
         for x, layout in zip(pytree.tree_leaves(args), solution.input_placements)
     ]
-    backend = dtcompile.backend(inductor=inductor, disable_passes=set(disable_passes))
+    backend = dtcompile.backend(inductor=inductor, disable_passes=set(disable_passes), memory_budget_bytes=UNBOUNDED_MEMORY)
     outs = pytree.tree_leaves(torch.compile(model, backend=backend, fullgraph=True)(*local))
     outs = [o.full_tensor() for o in outs]
     sum(o.pow(2).mean() for o in outs if o.is_floating_point()).backward()

@@ -40,35 +40,34 @@ def test_explain_under_the_hand_plans_memory(mlp):
     assert_expected_inline(solution.explain(), """\
 w1.weight = param(float32[32, 16])  # placement=() -> S(0), cost=[0.00]
 w1.bias = param(float32[32])  # placement=() -> S(0), cost=[0.00]
-w2.weight = param(float32[16, 32])  # placement=() -> S(0), cost=[0.00]
+w2.weight = param(float32[16, 32])  # placement=() -> S(1), cost=[0.00]
 w2.bias = param(float32[16])  # placement=() -> R, cost=[0.00]
 input0 = input(float32[4, 16])  # placement=() -> R, cost=[0.00]
-t = aten.t(w1.weight)  # placement=(R) -> R, cost=[0.00, 0.00]
-addmm = aten.addmm(w1.bias, input0, t)  # placement=(R, R, R) -> R, cost=[0.00, 0.00, 0.00, 0.00]
-gelu = aten.gelu(addmm)  # placement=(R) -> R, cost=[0.00, 0.00]
-t_1 = aten.t(w2.weight)  # placement=(R) -> R, cost=[0.00, 0.00]
-addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, R, R) -> R, cost=[0.00, 0.00, 0.00, 0.00]
-output0 = output(addmm_1)  # placement=(R) -> R, cost=[0.00, 0.00]
-# bucket: forward all_gather[tp] x4 of parameter collectives, launch 8.40 us
-# estimated step: 8.41 us (h100); parameters 1120 B per rank""")
+t = aten.t(w1.weight)  # placement=(S(0)) -> S(1), cost=[0.00, 0.00]
+addmm = aten.addmm(w1.bias, input0, t)  # placement=(S(0), R, S(1)) -> S(1), cost=[0.00, 0.00, 0.00, 0.00]
+gelu = aten.gelu(addmm)  # placement=(S(1)) -> S(1), cost=[0.00, 0.00]
+t_1 = aten.t(w2.weight)  # placement=(S(1)) -> S(0), cost=[0.00, 0.00]
+addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, S(1), S(0)) -> P(sum), cost=[0.00, 0.00, 0.00, 0.00]
+output0 = output(addmm_1)  # placement=(R) -> R, cost=[0.00, 10.20]
+# estimated step: 10.20 us (h100); parameters 1120 B per rank""")
 
 
 def test_explain_one_node_lists_the_alternatives_and_why_they_lost(mlp):
     _, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
     assert_expected_inline(solution.explain("addmm_1"), """\
-addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, R, R) -> R, cost=[0.00, 0.00, 0.00, 0.00]
+addmm_1 = aten.addmm(w2.bias, gelu, t_1)  # placement=(R, S(1), S(0)) -> P(sum), cost=[0.00, 0.00, 0.00, 0.00]
 # 4 candidates; cost around it with the neighbours' choices kept:
-  (R, R, R) -> R                           0.000 us  chosen
-  (R, S(1), S(0)) -> P(sum)                27.007 us  lost by 27.007 us
-  (R, S(0), R) -> S(0)                     27.011 us  lost by 27.010 us
-  (S(0), R, S(1)) -> S(1)                  27.009 us  lost by 27.009 us""")
+  (R, R, R) -> R                           25.210 us  lost by 15.009 us
+  (R, S(1), S(0)) -> P(sum)                10.201 us  chosen
+  (R, S(0), R) -> S(0)                     50.416 us  lost by 40.215 us
+  (S(0), R, S(1)) -> S(1)                  50.418 us  lost by 40.217 us""")
     # Gathering a weight sharded on dim 1 needs a cat afterwards: a few bytes more to move.
     assert_expected_inline(solution.explain("w2.weight"), """\
-w2.weight = param(float32[16, 32])  # placement=() -> S(0), cost=[0.00]
+w2.weight = param(float32[16, 32])  # placement=() -> S(1), cost=[0.00]
 # 3 candidates; cost around it with the neighbours' choices kept:
   () -> R                                  impossible: parameters would take 2656 B per rank, over the budget of 1120 B
-  () -> S(0)                               0.005 us  chosen
-  () -> S(1)                               0.006 us  lost by 0.001 us""")
+  () -> S(0)                               8.415 us  lost by 8.415 us
+  () -> S(1)                               0.000 us  chosen""")
 
 
 def test_a_budget_below_the_replicated_size_shards_the_parameters_within_it(mlp):
@@ -93,7 +92,21 @@ def test_predicted_collectives_equal_the_compiled_ones(mlp):
     model, solution = _plan(mlp, param_memory_budget_bytes=mlp[4])
     compiled = compiled_collectives(compiled_records(model, mlp[3], disable_passes=KEEP_COLLECTIVES))
     assert predicted_collectives(solution) == compiled
-    # w1's weight and bias and w2's weight gathered (w2's bias stays replicated).
+    # Megatron's one all-reduce: gathering the weights (~8.4 us) would gather them again in
+    # the backward (reshard after forward), ~16.8 us in all.
+    assert compiled == {("forward", "all_reduce", "tp", 256): 1}
+
+
+def test_kept_gathered_weights_are_gathered_once(mlp):
+    mesh, reference, _, x, budget = mlp
+    config = dtcompile.DTCompileConfig(inductor=False, reshard_after_forward=False)
+    model, solution = dtcompile.auto_parallel(
+        reference, mesh, (x,), input_placements=[R], output_placements=[R], param_memory_budget_bytes=budget,
+        config=config,
+    )
+    # Without the backward's gathers one bucketed all-gather (~8.4 us) beats the all-reduce (~10.2 us).
+    compiled = compiled_collectives(compiled_records(model, x, disable_passes=KEEP_COLLECTIVES, reshard_after_forward=False))
+    assert predicted_collectives(solution) == compiled
     assert compiled == {("forward", "all_gather", "tp", 2048): 2, ("forward", "all_gather", "tp", 128): 1}
 
 

@@ -43,7 +43,8 @@ def test_unknown_option_names_valid_ones():
     assert str(err.value) == (
         "dtcompile.backend: unknown option(s) ['inductr']; valid options are "
         "['aot_cache', 'bucket_cap_bytes', 'cost_profile', 'disable_passes', 'eager_fallback', 'inductor', 'inductor_config', "
-        "'overlap_memory_budget_bytes', 'report', 'trace_pass_graphs']"
+        "'keep_gathered', 'memory_budget_bytes', 'overlap_memory_budget_bytes', 'report', 'reshard_after_forward', "
+        "'trace_pass_graphs']"
     )
 
 

@@ -77,13 +77,15 @@ def test_fsdp_mlp_schedule(world4):
     _compile_steps("fsdp_mlp", mesh, dtcompile.backend())
     assert_expected_inline(_schedule("fsdp_mlp", mesh), """\
 forward 0/0:
-  all_gather            dp     x4    float32[1072]  4288 B
+  all_gather            dp     x4    float32[544]  2176 B
+  all_gather            dp     x4    float32[528]  2112 B
 backward 0/0:
+  all_gather            dp     x4    float32[16, 32]  2048 B
   reduce_scatter+matmul dp     x4    float32[16, 32]  2048 B
   reduce_scatter        dp     x4    float32[48]  192 B
   reduce_scatter+matmul dp     x4    float32[32, 16]  2048 B
-forward total: 1 collectives, 4288 B per rank
-backward total: 3 collectives, 4288 B per rank""")
+forward total: 2 collectives, 4288 B per rank
+backward total: 4 collectives, 6336 B per rank""")
 
 
 @pytest.mark.models

@@ -132,14 +132,14 @@ def test_annotated_placements_fsdp_mlp(fake_world):
         report.graphs[0].info.format(),
         """\
 on DeviceMesh((dp=4), 'cpu', stride=(1,))
-redistribute = .redistribute(Spec(f32[32, 16](S(0))), placements=[Replicate()]) -> Spec(f32[32, 16](R))  # forward all_gather[dp] x4 4288 B ~8.4 us
+redistribute = .redistribute(Spec(f32[32, 16](S(0))), placements=[Replicate()]) -> Spec(f32[32, 16](R))  # forward all_gather[dp] x4 2176 B ~8.4 us
 local = .to_local(Spec(f32[32, 16](R)), grad_placements=[Partial(avg)])
 redistribute_1 = .redistribute(Spec(f32[32](S(0))), placements=[Replicate()]) -> Spec(f32[32](R))
-local_1 = .to_local(Spec(f32[32](R)), grad_placements=[Partial(avg)])
-redistribute_2 = .redistribute(Spec(f32[16, 32](S(0))), placements=[Replicate()]) -> Spec(f32[16, 32](R))
+local_1 = .to_local(Spec(f32[32](R)), grad_placements=[Partial(avg)])  # backward reduce_scatter[dp] x4 2176 B ~8.4 us
+redistribute_2 = .redistribute(Spec(f32[16, 32](S(0))), placements=[Replicate()]) -> Spec(f32[16, 32](R))  # forward all_gather[dp] x4 2112 B ~8.4 us; backward all_gather[dp] x4 2048 B ~8.4 us
 local_2 = .to_local(Spec(f32[16, 32](R)), grad_placements=[Partial(avg)])
 redistribute_3 = .redistribute(Spec(f32[16](S(0))), placements=[Replicate()]) -> Spec(f32[16](R))
-local_3 = .to_local(Spec(f32[16](R)), grad_placements=[Partial(avg)])  # backward reduce_scatter[dp] x4 4288 B ~8.4 us""",
+local_3 = .to_local(Spec(f32[16](R)), grad_placements=[Partial(avg)])  # backward reduce_scatter[dp] x4 2112 B ~8.4 us""",
     )
 
 
@@ -202,24 +202,28 @@ permute_8 = aten.permute.default(permute_7, [1, 0])  # grad of linear: Spec(f32[
 def test_annotated_aot_graphs_fsdp_mlp(fake_world):
     assert_expected_inline(_aot_text("fsdp_mlp", fake_world(4, (4,), ("dp",))), """\
 -- forward --
-reshape_default = aten.reshape.default(primals_1, [-1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_1 = aten.reshape.default(primals_3, [-1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_2 = aten.reshape.default(primals_6, [-1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_3 = aten.reshape.default(primals_8, [-1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-cat_default = aten.cat.default([reshape_default, reshape_default_1, reshape_default_2, reshape_default_3])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-all_gather_into_tensor_default = _c10d_functional.all_gather_into_tensor.default(cat_default, 4, '0')  # all_gather[dp] x4 4288 B ~8.4 us (h100); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-wait_tensor_default = _c10d_functional.wait_tensor.default(all_gather_into_tensor_default)  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_4 = aten.reshape.default(wait_tensor_default, [4, -1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-slice_tensor = aten.slice.Tensor(reshape_default_4, 1, 0, 128)  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_5 = aten.reshape.default(slice_tensor, [32, 16])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-slice_tensor_1 = aten.slice.Tensor(reshape_default_4, 1, 128, 136)  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_6 = aten.reshape.default(slice_tensor_1, [32])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-slice_tensor_2 = aten.slice.Tensor(reshape_default_4, 1, 136, 264)  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_7 = aten.reshape.default(slice_tensor_2, [16, 32])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-slice_tensor_3 = aten.slice.Tensor(reshape_default_4, 1, 264, 268)  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-reshape_default_8 = aten.reshape.default(slice_tensor_3, [16])  # from redistribute: Spec(f32[32, 16](R)); bucket of 4: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3
-view = aten.view.default(reshape_default_5, [32, 16])  # from local
-view_1 = aten.view.default(reshape_default_6, [32])  # from local_1
+reshape_default = aten.reshape.default(primals_1, [-1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+reshape_default_1 = aten.reshape.default(primals_3, [-1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+cat_default = aten.cat.default([reshape_default, reshape_default_1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+all_gather_into_tensor_default = _c10d_functional.all_gather_into_tensor.default(cat_default, 4, '0')  # all_gather[dp] x4 2176 B ~8.4 us (h100); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+wait_tensor_default = _c10d_functional.wait_tensor.default(all_gather_into_tensor_default)  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+reshape_default_2 = aten.reshape.default(wait_tensor_default, [4, -1])  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+slice_tensor = aten.slice.Tensor(reshape_default_2, 1, 0, 128)  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+reshape_default_3 = aten.reshape.default(slice_tensor, [32, 16])  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+slice_tensor_1 = aten.slice.Tensor(reshape_default_2, 1, 128, 136)  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+reshape_default_4 = aten.reshape.default(slice_tensor_1, [32])  # from redistribute: Spec(f32[32, 16](R)); bucket of 2: all_gather_into_tensor, all_gather_into_tensor_1
+reshape_default_5 = aten.reshape.default(primals_6, [-1])  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+reshape_default_6 = aten.reshape.default(primals_8, [-1])  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+cat_default_1 = aten.cat.default([reshape_default_5, reshape_default_6])  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+all_gather_into_tensor_default_1 = _c10d_functional.all_gather_into_tensor.default(cat_default_1, 4, '0')  # all_gather[dp] x4 2112 B ~8.4 us (h100); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+wait_tensor_default_1 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1)  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+reshape_default_7 = aten.reshape.default(wait_tensor_default_1, [4, -1])  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+slice_tensor_2 = aten.slice.Tensor(reshape_default_7, 1, 0, 128)  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+reshape_default_8 = aten.reshape.default(slice_tensor_2, [16, 32])  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+slice_tensor_3 = aten.slice.Tensor(reshape_default_7, 1, 128, 132)  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+reshape_default_9 = aten.reshape.default(slice_tensor_3, [16])  # from redistribute_2: Spec(f32[16, 32](R)); bucket of 2: all_gather_into_tensor_2, all_gather_into_tensor_3
+view = aten.view.default(reshape_default_3, [32, 16])  # from local
+view_1 = aten.view.default(reshape_default_4, [32])  # from local_1
 permute = aten.permute.default(view, [1, 0])  # from linear
 addmm = aten.addmm.default(view_1, primals_5, permute)  # from linear
 mul = aten.mul.Tensor(addmm, 0.5)  # from gelu
@@ -227,13 +231,13 @@ mul_1 = aten.mul.Tensor(addmm, 0.7071067811865476)  # from gelu
 erf = aten.erf.default(mul_1)  # from gelu
 add = aten.add.Tensor(erf, 1)  # from gelu
 mul_2 = aten.mul.Tensor(mul, add)  # from gelu
-view_2 = aten.view.default(reshape_default_7, [16, 32])  # from local_2
-view_3 = aten.view.default(reshape_default_8, [16])  # from local_3
+view_2 = aten.view.default(reshape_default_8, [16, 32])  # from local_2
+view_3 = aten.view.default(reshape_default_9, [16])  # from local_3
 permute_1 = aten.permute.default(view_2, [1, 0])  # from linear_1
 addmm_1 = aten.addmm.default(view_3, mul_2, permute_1)  # from linear_1
-permute_2 = aten.permute.default(permute_1, [1, 0])  # from linear_1
 -- backward --
-mm = aten.mm.default(tangents_1, permute_2)  # grad of linear_1
+all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor.default(primals_6, 4, '0')  # all_gather[dp] x4 2048 B ~8.4 us (h100)
+wait_tensor_2 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_2)  # from redistribute_2: Spec(f32[16, 32](R))
 permute_3 = aten.permute.default(tangents_1, [1, 0])  # grad of linear_1
 mm_1 = aten.mm.default(permute_3, mul_2)  # grad of linear_1
 permute_4 = aten.permute.default(mm_1, [1, 0])  # grad of linear_1
@@ -242,6 +246,16 @@ view_4 = aten.view.default(sum_1, [16])  # grad of linear_1
 permute_5 = aten.permute.default(permute_4, [1, 0])  # grad of linear_1
 view_5 = aten.view.default(view_4, [16])  # grad of local_3
 view_6 = aten.view.default(permute_5, [16, 32])  # grad of local_2
+reshape_default = aten.reshape.default(view_5, [4, -1])  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+reshape_default_1 = aten.reshape.default(view_6, [4, -1])  # grad of local_2; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+cat_default = aten.cat.default([reshape_default, reshape_default_1], 1)  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+reshape_default_2 = aten.reshape.default(cat_default, [-1])  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+reduce_scatter_tensor_default = _c10d_functional.reduce_scatter_tensor.default(reshape_default_2, 'avg', 4, '0')  # reduce_scatter[dp] x4 2112 B ~8.4 us (h100); bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+view_2 = aten.view.default(wait_tensor_2, [16, 32])  # from local_2
+permute_1 = aten.permute.default(view_2, [1, 0])  # from linear_1
+permute_2 = aten.permute.default(permute_1, [1, 0])  # grad of linear_1
+mm = aten.mm.default(tangents_1, permute_2)  # grad of linear_1
+wait_tensor_default = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_default)  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
 mul_1 = aten.mul.Tensor(addmm, 0.7071067811865476)  # from gelu
 erf = aten.erf.default(mul_1)  # from gelu
 add = aten.add.Tensor(erf, 1)  # from gelu
@@ -261,22 +275,20 @@ view_7 = aten.view.default(sum_2, [32])  # grad of linear
 permute_8 = aten.permute.default(permute_7, [1, 0])  # grad of linear
 view_8 = aten.view.default(view_7, [32])  # grad of local_1
 view_9 = aten.view.default(permute_8, [32, 16])  # grad of local
-reshape_default = aten.reshape.default(view_5, [4, -1])  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_1 = aten.reshape.default(view_6, [4, -1])  # grad of local_2; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_2 = aten.reshape.default(view_8, [4, -1])  # grad of local_1; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_3 = aten.reshape.default(view_9, [4, -1])  # grad of local; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-cat_default = aten.cat.default([reshape_default, reshape_default_1, reshape_default_2, reshape_default_3], 1)  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_4 = aten.reshape.default(cat_default, [-1])  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reduce_scatter_tensor_default = _c10d_functional.reduce_scatter_tensor.default(reshape_default_4, 'avg', 4, '0')  # reduce_scatter[dp] x4 4288 B ~8.4 us (h100); bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-wait_tensor_default = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_default)  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-slice_tensor = aten.slice.Tensor(wait_tensor_default, 0, 0, 4)  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_5 = aten.reshape.default(slice_tensor, [4])  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-slice_tensor_1 = aten.slice.Tensor(wait_tensor_default, 0, 4, 132)  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_6 = aten.reshape.default(slice_tensor_1, [4, 32])  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-slice_tensor_2 = aten.slice.Tensor(wait_tensor_default, 0, 132, 140)  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_7 = aten.reshape.default(slice_tensor_2, [8])  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-slice_tensor_3 = aten.slice.Tensor(wait_tensor_default, 0, 140, 268)  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3
-reshape_default_8 = aten.reshape.default(slice_tensor_3, [8, 16])  # grad of local_3; bucket of 4: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3""")
+reshape_default_5 = aten.reshape.default(view_8, [4, -1])  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+reshape_default_6 = aten.reshape.default(view_9, [4, -1])  # grad of local; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+cat_default_1 = aten.cat.default([reshape_default_5, reshape_default_6], 1)  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+reshape_default_7 = aten.reshape.default(cat_default_1, [-1])  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+reduce_scatter_tensor_default_1 = _c10d_functional.reduce_scatter_tensor.default(reshape_default_7, 'avg', 4, '0')  # reduce_scatter[dp] x4 2176 B ~8.4 us (h100); bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+slice_tensor = aten.slice.Tensor(wait_tensor_default, 0, 0, 4)  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+reshape_default_3 = aten.reshape.default(slice_tensor, [4])  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+slice_tensor_1 = aten.slice.Tensor(wait_tensor_default, 0, 4, 132)  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+reshape_default_4 = aten.reshape.default(slice_tensor_1, [4, 32])  # grad of local_3; bucket of 2: reduce_scatter_tensor, reduce_scatter_tensor_1
+wait_tensor_default_1 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1)  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+slice_tensor_2 = aten.slice.Tensor(wait_tensor_default_1, 0, 0, 8)  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+reshape_default_8 = aten.reshape.default(slice_tensor_2, [8])  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+slice_tensor_3 = aten.slice.Tensor(wait_tensor_default_1, 0, 8, 136)  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3
+reshape_default_9 = aten.reshape.default(slice_tensor_3, [8, 16])  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3""")
 
 
 def test_annotated_placements_tp_sp_block(fake_world):
@@ -332,10 +344,14 @@ def test_annotated_placements_block_2d_collectives(fake_world):
     assert_expected_inline("\n".join(commented), """\
 x = torch.distributed.tensor._api.DTensor.from_local(local, DeviceMesh((tp=4)), [Replicate()], run_check=False) -> Spec(f32[64](R))  # backward all_reduce[tp] x4 256 B ~10.2 us
 dt_inp = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather+matmul[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
+local_1 = .to_local(Spec(f32[64, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 4352 B ~7.8 us
+local_3 = .to_local(Spec(f32[64, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 8192 B ~7.8 us
 outputs_3 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter+matmul[tp] x4 4096 B ~8.4 us; backward all_gather+matmul[tp] x4 4096 B ~8.4 us
 x_5 = torch.distributed.tensor._api.DTensor.from_local(local_5, DeviceMesh((tp=4)), [Replicate()], run_check=False) -> Spec(f32[64](R))  # backward all_reduce[tp] x4 256 B ~10.2 us
 dt_inp_1 = .redistribute(Spec(f32[2, 8, 64](S(1))), placements=(Replicate())) -> Spec(f32[2, 8, 64](R))  # forward all_gather+matmul[tp] x4 4096 B ~8.4 us; backward reduce_scatter[tp] x4 4096 B ~8.4 us
-local_8 = .to_local(Spec(f32[64, 128](RS(1))), grad_placements=[Partial(avg), Shard(dim=1)])  # backward all_reduce[dp] x2 41472 B ~7.9 us
+local_6 = .to_local(Spec(f32[128, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 12544 B ~7.8 us
+local_7 = .to_local(Spec(f32[128, 64](RS(0))), grad_placements=[Partial(avg), Shard(dim=0)])  # backward all_reduce[dp] x2 8192 B ~7.8 us
+local_8 = .to_local(Spec(f32[64, 128](RS(1))), grad_placements=[Partial(avg), Shard(dim=1)])  # backward all_reduce[dp] x2 8192 B ~7.8 us
 outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1)), async_op=True) -> Spec(f32[2, 8, 64](S(1)))  # forward reduce_scatter+matmul[tp] x4 4096 B ~8.4 us; backward all_gather+matmul[tp] x4 4096 B ~8.4 us""")
 
 

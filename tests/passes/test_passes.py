@@ -35,16 +35,34 @@ def test_bucketing_fsdp_all_gathers_and_reduce_scatters(fake_world):
         schedule,
         """\
 forward 0/0:
-  all_gather            dp     x4    float32[1072]  4288 B
+  all_gather            dp     x4    float32[544]  2176 B
+  all_gather            dp     x4    float32[528]  2112 B
 backward 0/0:
-  reduce_scatter        dp     x4    float32[1072]  4288 B
-forward total: 1 collectives, 4288 B per rank
-backward total: 1 collectives, 4288 B per rank""",
+  all_gather            dp     x4    float32[16, 32]  2048 B
+  reduce_scatter        dp     x4    float32[528]  2112 B
+  reduce_scatter        dp     x4    float32[544]  2176 B
+forward total: 2 collectives, 4288 B per rank
+backward total: 3 collectives, 6336 B per rank""",
     )
+    # Under the default memory budget (the peak as traced plus two modules' gathered
+    # weights) the buckets are per module, as FSDP2's are; w1's weight is not needed
+    # in the backward (x needs no gradient), w2's is gathered again (reshard after forward).
     assert decisions == [
-        "forward: all_gather[4 -> 1]: all_gather_into_tensor, all_gather_into_tensor_1, all_gather_into_tensor_2, all_gather_into_tensor_3 (4288 B)",
-        "backward: reduce_scatter[4 -> 1]: reduce_scatter_tensor, reduce_scatter_tensor_1, reduce_scatter_tensor_2, reduce_scatter_tensor_3 (4288 B)",
+        "forward: all_gather_into_tensor_2: starts a new bucket: joining all_gather_into_tensor_1's would take the "
+        "estimated peak to 11.3 KiB, over the memory budget 9.61 KiB (peak as traced 5.36 KiB + prefetch window 4.25 KiB)",
+        "forward: all_gather[2 -> 1]: all_gather_into_tensor, all_gather_into_tensor_1 (2176 B)",
+        "forward: all_gather[2 -> 1]: all_gather_into_tensor_2, all_gather_into_tensor_3 (2112 B)",
+        "backward: reduce_scatter_tensor_2: starts a new bucket: joining reduce_scatter_tensor_1's would take the "
+        "estimated peak to 11 KiB, over the memory budget 10.9 KiB (peak as traced 6.69 KiB + prefetch window 4.25 KiB)",
+        "backward: reduce_scatter[2 -> 1]: reduce_scatter_tensor, reduce_scatter_tensor_1 (2112 B)",
+        "backward: reduce_scatter[2 -> 1]: reduce_scatter_tensor_2, reduce_scatter_tensor_3 (2176 B)",
     ]
+
+
+def test_bucketing_without_a_memory_bound_makes_one_bucket_per_phase(fake_world):
+    schedule, _ = _fsdp_schedule(fake_world, memory_budget_bytes=1 << 30)
+    assert "forward total: 1 collectives, 4288 B per rank" in schedule
+    assert "backward total: 2 collectives, 6336 B per rank" in schedule
 
 
 def test_bucketing_respects_the_cap_and_says_so(fake_world):
@@ -57,7 +75,8 @@ def test_bucketing_respects_the_cap_and_says_so(fake_world):
 def test_bucketing_switched_off_keeps_every_collective(fake_world):
     schedule, decisions = _fsdp_schedule(fake_world, disable_passes={"bucketing"})
     assert "forward total: 4 collectives, 4288 B per rank" in schedule
-    assert "backward total: 4 collectives, 4288 B per rank" in schedule
+    # w2's weight gathered again (reshard after forward) and four reduce-scatters
+    assert "backward total: 5 collectives, 6336 B per rank" in schedule
     assert decisions == []
 
 
@@ -155,7 +174,7 @@ def test_overlap_on_a_hand_built_graph(fake_world):
     order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
     assert order == ["mul", "all_reduce", "mul", "mul", "mul", "wait_tensor", "add"]
     assert_expected_inline("\n".join(map(str, ctx.outcomes)), """\
-graph: 2 move(s), 0 B more in flight at the peak: saves 5.7e-05 us, costs 0 us (h100)
+graph: 2 move(s), 0 B more in flight at the peak: saves 5.7e-05 us, costs 0 us, adds 0 B to the peak (h100)
 wait_tensor_default: waits 1 node(s) later, before add_tensor
 all_reduce_default: issued 2 node(s) earlier, after mul_tensor""")
     # Under a 16 B budget the collective stays; the independent compute before it

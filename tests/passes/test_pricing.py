@@ -17,6 +17,7 @@ from torch import fx
 import dtcompile
 from dtcompile._testing import models
 from dtcompile._testing.cases import CASES, pass_context
+from dtcompile.memory import format_bytes
 from dtcompile.cost_model import AUTO, choose_profile, collective_time_us, get_profile, load_profile, save_profile
 from dtcompile.pass_names import COMMUNICATION_PASSES
 from dtcompile.passes.bucketing import bucket_collectives
@@ -101,7 +102,8 @@ def test_bucketing_applies_only_what_pays_and_records_both_numbers(fake_world, n
     mesh = fake_world(2, (2,), ("dp",))
     group = mesh.get_group().group_name
     profile = get_profile("cpu_gloo")
-    ctx = pass_context(dtcompile.DTCompileConfig(inductor=False), "backward", profile="cpu_gloo")
+    # Memory out of the way (its pricing is tests/passes/test_memory.py's).
+    ctx = pass_context(dtcompile.DTCompileConfig(inductor=False, memory_budget_bytes=1 << 40), "backward", profile="cpu_gloo")
     gm = bucket_collectives(_two_all_reduces(numel, group), [], ctx)
     # One launch saved against both inputs copied into the bucket (read and written).
     link = profile.link(2)
@@ -118,7 +120,8 @@ def test_bucketing_applies_only_what_pays_and_records_both_numbers(fake_world, n
         assert outcome.action is Action.SKIPPED and len(reduces) == 2
         assert str(outcome) == (
             f"all_reduce_default_1: starts a new bucket: joining all_reduce_default's does not pay: "
-            f"saves {saves:.0f} us, costs {costs:.0f} us of copies (cpu_gloo)"
+            f"saves {saves:.0f} us, costs {costs:.0f} us of copies, adds {format_bytes(outcome.price.adds_bytes)} "
+            "to the peak (cpu_gloo)"
         )
 
 

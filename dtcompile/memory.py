@@ -1,0 +1,345 @@
+"""The peak-memory model of a compiled graph: live bytes along its schedule.
+
+Every tensor a graph holds lives in a storage; views (``view``, ``slice``,
+``permute``, ``wait_tensor`` of a collective's buffer) share their base's.  A
+storage is allocated by the first node that makes it and freed after the last
+node that reads it or any view of it, in graph order (the order the graph
+runs, as dtcompile's passes leave it); the graph's inputs live throughout (the
+caller holds them: parameters, the batch, what the forward saved for the
+backward) and so do its outputs (the forward's saved activations, the
+backward's gradients).  :func:`estimate_memory` plays that over one graph and
+gives its curve, its peak and what is alive there, by kind:
+
+- ``input``: the graph's inputs (a forward's parameters and batch, a
+  backward's saved activations and incoming gradients);
+- ``gathered``: buffers of collectives (gathered weights, reduced gradients);
+- ``output``: what the graph returns (saved for the backward, gradients);
+- ``temporary``: the rest.
+
+``held_bytes`` are bytes alive throughout that are not the graph's inputs: for
+a backward, the parameters and batch its forward took and did not save
+(:func:`held_during_backward`).  The estimate counts bytes as the tensors'
+sizes say (no allocator rounding or fragmentation) on the graph handed to
+lowering: Inductor's fusions free intermediates sooner, so a graph compiled with
+Inductor peaks at most this.
+
+:class:`PeakTracker` prices a pass's candidate rewrites against a budget: each
+rewrite adds bytes over a span of the schedule, and the tracker answers the
+peak that results before the graph is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from dtcompile.collectives import is_collective
+from dtcompile.sizes import hint
+
+__all__ = [
+    "LiveTensor",
+    "MemoryBudgetError",
+    "MemoryEstimate",
+    "MemoryPlan",
+    "PeakTracker",
+    "estimate_memory",
+    "format_bytes",
+    "held_during_backward",
+    "prefetch_window",
+]
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def format_bytes(num: float) -> str:
+    """Bytes as a reader wants them: ``512 B``, ``3.2 KiB``, ``8.42 MiB``, ``1.5 GiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(num) >= scale:
+            return f"{num / scale:.3g} {unit}"
+    return f"{num:.0f} B"
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """One storage alive at a point of the schedule."""
+
+    name: str
+    """The node that allocated it."""
+    bytes: int
+    kind: str
+    """``input``, ``gathered``, ``output`` or ``temporary`` (see the module docstring)."""
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind}, {format_bytes(self.bytes)})"
+
+
+@dataclass(frozen=True)
+class _Storage:
+    name: str
+    bytes: int
+    kind: str
+    start: int
+    end: int
+    """The last position it is alive at (inclusive)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Live bytes of one graph along its schedule, and its peak."""
+
+    kind: str
+    """``forward``, ``backward`` or ``inference``."""
+    nodes: tuple[str, ...]
+    """The graph's nodes, in schedule order."""
+    curve: tuple[int, ...]
+    """Live bytes while each node runs (its inputs and its outputs), ``held_bytes`` included."""
+    held_bytes: int
+    peak_bytes: int
+    peak_node: str
+    at_peak: tuple[LiveTensor, ...]
+    """What is alive at the peak, largest first."""
+    by_kind: tuple[tuple[str, int], ...]
+    """Bytes alive at the peak by kind, ``held`` first."""
+    spans: dict[str, tuple[int, int, int]]
+    """For each node, the storage its value lives in: ``(first, last position alive, bytes)``
+    (a view's is its base's; a node of several tensors, the first's)."""
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{format_bytes(b)} {k}" for k, b in self.by_kind if b)
+        return f"peak {format_bytes(self.peak_bytes)} at {self.peak_node} ({kinds})"
+
+    def largest(self, count: int = 5) -> str:
+        """The ``count`` largest tensors alive at the peak, as a line."""
+        shown = ", ".join(str(t) for t in self.at_peak[:count])
+        more = len(self.at_peak) - count
+        return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def _storage_key(tensor: torch.Tensor) -> object:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return id(tensor)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    try:
+        return hint(tensor.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):
+        return hint(tensor.numel()) * tensor.element_size()
+
+
+def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.Node, list[object]], dict[object, dict]]:
+    """Every storage the graph holds, with the span of the schedule it is alive for."""
+    nodes = list(graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    end = len(nodes) - 1
+    owner: dict[object, dict] = {}  # storage key -> {name, bytes, kind, start, end}
+    same: dict[object, object] = {}  # a wait's own fake storage -> its collective's buffer
+    node_keys: dict[fx.Node, list[object]] = {}
+    outputs = set()
+    for node in nodes:
+        if node.op == "output":
+            outputs = {a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)}
+    for node in nodes:
+        if node.op == "output":
+            continue
+        if node.target is _WAIT and isinstance(node.args[0], fx.Node):
+            # wait_tensor returns its collective's buffer (its fake value does not say so).
+            node_keys[node] = node_keys.get(node.args[0], [])
+            for tensor, key in zip(_tensors(node.meta.get("val")), node_keys[node]):
+                same[_storage_key(tensor)] = key
+            continue
+        keys = []
+        for tensor in _tensors(node.meta.get("val")):
+            key = _storage_key(tensor)
+            key = same.get(key, key)
+            keys.append(key)
+            if key not in owner:
+                kind = "input" if node.op == "placeholder" else ("gathered" if is_collective(node) else "temporary")
+                start = 0 if node.op == "placeholder" else position[node]  # the caller holds inputs before
+                owner[key] = {"name": node.name, "bytes": _nbytes(tensor), "kind": kind, "start": start, "end": position[node]}
+        node_keys[node] = keys
+    for node in nodes:
+        for used in node.all_input_nodes:
+            for key in node_keys.get(used, ()):
+                owner[key]["end"] = max(owner[key]["end"], position[node])
+        for key in node_keys.get(node, ()):
+            if node.op == "placeholder":
+                owner[key]["end"] = end
+            if node in outputs:
+                owner[key]["end"] = end
+                if owner[key]["kind"] == "temporary":
+                    owner[key]["kind"] = "output"
+    return nodes, [_Storage(**fields) for fields in owner.values()], node_keys, owner
+
+
+def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: str = "forward", held_bytes: int = 0) -> MemoryEstimate:
+    """The live bytes of ``gm`` along its schedule (see the module docstring)."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    nodes, storages, node_keys, owner = _storages(graph)
+    delta = [0] * (len(nodes) + 1)
+    for s in storages:
+        delta[s.start] += s.bytes
+        delta[s.end + 1] -= s.bytes
+    curve, live = [], held_bytes
+    for step in delta[:-1]:
+        live += step
+        curve.append(live)
+    peak_at = max(range(len(curve)), key=curve.__getitem__) if curve else 0
+    alive = sorted(
+        (LiveTensor(s.name, s.bytes, s.kind) for s in storages if s.start <= peak_at <= s.end and s.bytes),
+        key=lambda t: -t.bytes,
+    )
+    totals = {"held": held_bytes}
+    for tensor in alive:
+        totals[tensor.kind] = totals.get(tensor.kind, 0) + tensor.bytes
+    return MemoryEstimate(
+        kind=kind,
+        nodes=tuple(n.name for n in nodes),
+        curve=tuple(curve),
+        held_bytes=held_bytes,
+        peak_bytes=curve[peak_at] if curve else held_bytes,
+        peak_node=nodes[peak_at].name if nodes else "",
+        at_peak=tuple(alive),
+        by_kind=tuple(totals.items()),
+        spans={
+            node.name: (owner[keys[0]]["start"], owner[keys[0]]["end"], owner[keys[0]]["bytes"])
+            for node, keys in node_keys.items()
+            if keys
+        },
+    )
+
+
+def held_during_backward(forward: fx.GraphModule, backward: fx.GraphModule) -> int:
+    """Bytes the caller holds while the backward runs that are not its inputs: the
+    forward's inputs (parameters, the batch) and its results that the backward does not take."""
+    taken = {n.name for n in backward.graph.find_nodes(op="placeholder")}
+    held = {}
+    values: list[fx.Node] = list(forward.graph.find_nodes(op="placeholder"))
+    output = next(iter(forward.graph.find_nodes(op="output")), None)
+    if output is not None:
+        values += [a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)]
+    for node in values:
+        if node.name in taken:
+            continue
+        for tensor in _tensors(node.meta.get("val")):
+            held[_storage_key(tensor)] = _nbytes(tensor)
+    return sum(held.values())
+
+
+class PeakTracker:
+    """The peak of a graph's schedule as a pass plans rewrites, before it makes them.
+
+    Positions are those of the graph's nodes when the tracker was made; a rewrite
+    is a set of ``(start, end, bytes)`` spans (bytes alive from ``start`` to ``end``
+    inclusive, beyond what the graph holds now; negative frees them).  ``peak_with``
+    answers the peak if the planned rewrites and these spans were made;
+    ``commit`` plans them.
+    """
+
+    def __init__(self, estimate: MemoryEstimate, budget: int) -> None:
+        self.estimate = estimate
+        self.budget = budget
+        self.base_peak = estimate.peak_bytes
+        self._curve = list(estimate.curve)
+
+    def span(self, node: fx.Node) -> tuple[int, int, int]:
+        """``(first, last position alive, bytes)`` of the storage of ``node``'s value."""
+        return self.estimate.spans.get(node.name, (0, -1, 0))
+
+    @property
+    def peak(self) -> int:
+        return max(self._curve, default=0)
+
+    def peak_with(self, spans: Iterable[tuple[int, int, int]]) -> int:
+        extra = [0] * (len(self._curve) + 1)
+        touched = False
+        for start, end, num in spans:
+            if num and start <= end:
+                extra[max(start, 0)] += num
+                extra[min(end, len(self._curve) - 1) + 1] -= num
+                touched = True
+        if not touched:
+            return self.peak
+        peak, running = 0, 0
+        for live, step in zip(self._curve, extra):
+            running += step
+            peak = max(peak, live + running)
+        return peak
+
+    def hoist(self, position: int, anchor: int, num: int) -> int:
+        """The peak if the node at ``position`` ran right after the one at ``anchor``
+        (earlier), allocating ``num`` bytes there instead; nothing changes."""
+        window = self._curve[anchor : position]
+        return max(self.peak, max(window, default=0) + num)
+
+    def commit_hoist(self, position: int, anchor: int, num: int) -> None:
+        """Moves the node at ``position`` to right after ``anchor``: the nodes between
+        shift one later and run with its ``num`` bytes alive."""
+        moved = [self._curve[anchor] + num] + [live + num for live in self._curve[anchor + 1 : position]]
+        self._curve[anchor + 1 : position + 1] = moved
+
+    def commit(self, spans: Sequence[tuple[int, int, int]]) -> None:
+        for start, end, num in spans:
+            for i in range(max(start, 0), min(end, len(self._curve) - 1) + 1):
+                self._curve[i] += num
+
+
+class MemoryBudgetError(ValueError):
+    """A memory budget below the least peak a graph can have."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the passes of one graph may spend in bytes (``PassContext.memory``)."""
+
+    held_bytes: int = 0
+    """Bytes alive throughout that are not the graph's inputs (:func:`held_during_backward`)."""
+    prefetch_bytes: int = 0
+    """The default budget's window above the peak as traced (:func:`prefetch_window`)."""
+
+    def budget_for(self, traced: MemoryEstimate, graph: str, budget_bytes: int | None) -> tuple[int, str]:
+        """The budget for ``graph`` whose peak as traced is ``traced``, and where it comes
+        from: ``budget_bytes`` (``DTCompileConfig.memory_budget_bytes``), or with ``None``
+        that peak plus :attr:`prefetch_bytes`; a budget below that peak is a
+        :class:`MemoryBudgetError`."""
+        if budget_bytes is None:
+            window = max(self.prefetch_bytes, 0)
+            return traced.peak_bytes + window, (
+                f"peak as traced {format_bytes(traced.peak_bytes)} + prefetch window {format_bytes(window)}"
+            )
+        if budget_bytes < traced.peak_bytes:
+            raise MemoryBudgetError(
+                f"dtcompile: memory_budget_bytes={budget_bytes} ({format_bytes(budget_bytes)}) is below "
+                f"the least peak of {graph}: {traced.peak_bytes} B ({format_bytes(traced.peak_bytes)}), its peak "
+                f"with no pass applied, {traced}; alive there: {traced.largest()}. Raise memory_budget_bytes to at "
+                f"least {traced.peak_bytes}, or shard more (more ranks on the data-parallel axis, "
+                "reshard_after_forward=True), or make the batch smaller"
+            )
+        return budget_bytes, "memory_budget_bytes"
+
+
+def prefetch_window(gathered: dict[str, int]) -> int:
+    """Twice the bytes of the largest module's gathered parameters (``gathered``:
+    parameter name -> gathered bytes), grouped by module as FSDP wraps them (a block of
+    a ``ModuleList``, ``layers.3``; else the top-level module, ``output``): one module
+    prefetched ahead, as FSDP2 does, and the bucket buffer it is gathered or its
+    gradients reduced through."""
+    groups: dict[str, int] = {}
+    for name, num in gathered.items():
+        parts = name.split(".")
+        numbered = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        group = ".".join(parts[: numbered + 1]) if numbered is not None else parts[0]
+        groups[group] = groups.get(group, 0) + num
+    return 2 * max(groups.values(), default=0)

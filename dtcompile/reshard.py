@@ -1,0 +1,224 @@
+"""Reshard after forward: FSDP's gathered weights are gathered again in the backward.
+
+A parameter stored sharded on a data-parallel axis and gathered inside the
+compiled graph (SimpleFSDP's and torchtitan graph_trainer's ``data_parallel``,
+dtcompile's own FSDP layouts, a functional ``all_gather`` of a plain parameter)
+is, in the joint forward/backward graph, a chain from the parameter's
+placeholder: ``all_gather_into_tensor -> wait_tensor`` with views, slices,
+concatenations or casts around it, and nothing else feeding it.  The backward
+reads the gathered weight (a linear's input gradient is ``grad @ W``), so the
+partitioner saves it for the backward unless told otherwise: every gathered
+weight of the model alive from forward to backward, the memory of plain data
+parallel.
+
+:func:`tag_reshard_after_forward` marks each such chain ``MUST_RECOMPUTE``
+(torch's activation-checkpointing tag, which the partitioner honours for
+collectives too): the forward frees the gathered weight after its last forward
+use and the backward gathers the shard again, as FSDP2's
+``reshard_after_forward=True`` does.  The gradients still leave as the
+reduce-scatters DTensor traced.  ``DTCompileConfig.reshard_after_forward=False``
+keeps every gathered weight, ``keep_gathered`` the named ones (FSDP2's
+``fully_shard(module, reshard_after_forward=False)``).
+
+Every rank tags the same chains: the decision reads only the graph's structure
+and the parameters' names, which every rank's graph shares where shards are even.
+Where they are not (:class:`dtcompile.partition.Partitioner` keeps collectives in
+the phase that traced them there) nothing is tagged, and the record says so.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from dtcompile.records import Action, Outcome
+from dtcompile.sizes import nbytes_hint
+
+__all__ = ["ParamNames", "Resharding", "kept_by_name", "param_names", "resharded", "tag_reshard_after_forward"]
+
+_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+# What may stand between a parameter's shard and the gathered weight its users read.
+_UNSHARD_OPS = frozenset(
+    {
+        "view", "_unsafe_view", "reshape", "slice", "narrow", "split", "split_with_sizes", "chunk", "cat",
+        "permute", "t", "transpose", "contiguous", "clone", "alias", "squeeze", "unsqueeze",
+        "convert_element_type", "_to_copy", "_to_dtype", "all_gather_into_tensor", "wait_tensor",
+    }
+)
+
+
+ParamNames = Mapping[int, str]
+"""The Dynamo graph's inputs that are parameters: input index -> parameter name."""
+
+
+_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.(\w+)|\[(\d+)\]|\['([^']*)'\]")
+
+
+def _fqn(source: str) -> str:
+    """``L['self']._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``."""
+    root = re.match(r"^[A-Z]\['[^']*'\]", source)
+    rest = source[root.end():] if root else source
+    parts = [next(g for g in m.groups() if g is not None) for m in _SOURCE_PART.finditer(rest)]
+    return ".".join(parts) if parts else source
+
+
+def param_names(gm: fx.GraphModule, example_inputs: Sequence[object]) -> dict[int, str]:
+    """Which inputs of a Dynamo graph are parameters, and their names (from Dynamo's sources)."""
+    names = {}
+    for index, (node, value) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
+        if not isinstance(value, torch.nn.Parameter):
+            continue
+        arg = node.meta.get("grapharg")
+        source = getattr(arg, "source", None)
+        names[index] = _fqn(source.name) if source is not None else node.name
+    return names
+
+
+def kept_by_name(name: str, keep: Set[str]) -> str | None:
+    """The entry of ``keep`` (``DTCompileConfig.keep_gathered``) that names parameter ``name``
+    or a module holding it, or ``None``."""
+    return next((k for k in sorted(keep) if name == k or name.startswith(k + ".")), None)
+
+
+def resharded(name: str, config: object) -> bool:
+    """Whether parameter ``name``, gathered in a graph compiled with ``config``
+    (a :class:`~dtcompile.config.DTCompileConfig`), is gathered again in the backward."""
+    return bool(getattr(config, "reshard_after_forward", True)) and kept_by_name(
+        name, getattr(config, "keep_gathered", frozenset())
+    ) is None
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.target is operator.getitem:
+        return "getitem"
+    return getattr(node.target, "__name__", "").split(".")[0]
+
+
+def _dynamo_input(placeholder: fx.Node) -> int | None:
+    """The Dynamo graph input an AOT joint graph's primal came from (its AOT descriptor)."""
+    desc = placeholder.meta.get("desc")
+    while desc is not None and not hasattr(desc, "idx"):
+        desc = getattr(desc, "base", None)
+    return getattr(desc, "idx", None)
+
+
+@dataclass(frozen=True)
+class _Unshard:
+    """One parameter's gather chain in the joint graph."""
+
+    param: str
+    nodes: tuple[fx.Node, ...]
+    gathered_bytes: int
+
+
+def _unshard_chain(primal: fx.Node) -> tuple[fx.Node, ...]:
+    """The forward nodes computed from ``primal`` alone through ops of :data:`_UNSHARD_OPS`
+    that lead to or come from an all-gather; empty without one."""
+    chain: dict[fx.Node, None] = {primal: None}
+    frontier = [primal]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in chain or user.op != "call_function":
+                continue
+            if user.meta.get("partitioner_tag") == "is_backward":
+                continue
+            if _op_name(user) not in _UNSHARD_OPS and user.target is not operator.getitem:
+                continue
+            if not all(arg in chain for arg in user.all_input_nodes):
+                continue
+            chain[user] = None
+            frontier.append(user)
+    gathers = [n for n in chain if n.target is _GATHER]
+    if not gathers:
+        return ()
+    related: set[fx.Node] = set()
+    for gather in gathers:
+        related |= _within(gather, chain, up=True) | _within(gather, chain, up=False)
+    return tuple(n for n in chain if n in related and n is not primal)
+
+
+def _within(start: fx.Node, chain: Mapping[fx.Node, None], *, up: bool) -> set[fx.Node]:
+    seen = {start}
+    frontier = [start]
+    while frontier:
+        node = frontier.pop()
+        for other in node.all_input_nodes if up else node.users:
+            if other in chain and other not in seen:
+                seen.add(other)
+                frontier.append(other)
+    return seen
+
+
+def _saved_by_backward(chain: Sequence[fx.Node]) -> bool:
+    """Whether a backward node reads a value of the chain: what the partitioner would save."""
+    return any(user.meta.get("partitioner_tag") == "is_backward" for n in chain for user in n.users)
+
+
+@dataclass(frozen=True)
+class Resharding:
+    """What :func:`tag_reshard_after_forward` found and did."""
+
+    decisions: tuple[Outcome, ...]
+    """One per gathered parameter the backward reads: resharded, or kept and why."""
+    gathered: dict[str, int]
+    """Every parameter gathered in the forward -> its gathered bytes."""
+
+
+def tag_reshard_after_forward(
+    joint: fx.GraphModule,
+    params: ParamNames,
+    *,
+    enabled: bool,
+    keep: Set[str] = frozenset(),
+    refused: str = "",
+) -> Resharding:
+    """Tags every parameter's gather chain that the backward reads ``MUST_RECOMPUTE``.
+
+    ``params`` are the Dynamo graph's parameter inputs (:func:`param_names`);
+    ``keep`` names (or name prefixes, ``layers.3``) of parameters kept gathered;
+    ``enabled`` False keeps every one; ``refused`` (why the graph cannot be
+    resharded) keeps every one and says why.
+    """
+    outcomes = []
+    gathered_bytes: dict[str, int] = {}
+    group = 0
+    for primal in joint.graph.find_nodes(op="placeholder"):
+        index = _dynamo_input(primal)
+        if index not in params or not isinstance(primal.meta.get("val"), torch.Tensor):
+            continue
+        chain = _unshard_chain(primal)
+        if not chain:
+            continue
+        name = params[index]
+        gathered = sum(nbytes_hint(n.meta["val"]) for n in chain if n.target is _WAIT and "val" in n.meta)
+        gathered_bytes[name] = gathered
+        if not _saved_by_backward(chain):
+            continue
+        held = f"{gathered} B gathered"
+        if refused:
+            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): {refused}"))
+            continue
+        if not enabled:
+            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): reshard_after_forward=False"))
+            continue
+        kept_by = kept_by_name(name, keep)
+        if kept_by is not None:
+            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): keep_gathered names {kept_by!r}"))
+            continue
+        for node in chain:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = group
+        group += 1
+        outcomes.append(
+            Outcome(Action.RESHARDED, f"resharded after forward: gathered again in the backward, not held ({held})", name)
+        )
+    return Resharding(tuple(outcomes), gathered_bytes)
