@@ -52,21 +52,11 @@ def _rank(rank: int, spmd_backend: str, compiler: str, weights: dict, steps: int
 
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.config import CompileConfig
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
     from torchtitan.models.llama3 import parallelize_llama
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    parallelism = ParallelismConfig(
-        tensor_parallel_degree=WORLD_SIZE, enable_sequence_parallel=True, spmd_backend=spmd_backend
-    )
-    parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
-    parallel_dims.build_mesh()
-    config = _config()
-    set_llama3_sharding_config(config, enable_sp=True)
-    with torch.device("meta"):
-        model = config.build()
+    model, parallel_dims, parallelism = _titan.llama3_on_meta(_config(), WORLD_SIZE, WORLD_SIZE, spmd_backend)
     counter = CompileCounterWithBackend(dtcompile.backend() if compiler == "dtcompile" else "inductor")
     compile_config = CompileConfig(enable=True, backend=counter)
     model = _titan.parallelize(parallelize_llama, model, parallel_dims, parallelism, compile_config)

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from dtcompile.memory import format_bytes
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
-__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "format_compiled_graph", "pass_lines", "region_lines"]
+__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "format_compiled_graph", "memory_json", "memory_lines", "pass_lines", "region_lines"]
 
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
@@ -74,6 +75,7 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
             }
             for r in record.regions
         ],
+        "memory": memory_json(record),
         "collectives": items,
         "totals": {
             "count": len(items),
@@ -82,6 +84,57 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
             "estimated_us": round(sum(c["estimated_us"] for c in items), 3),
         },
     }
+
+
+# Points of a memory curve kept in the JSON (a long graph's curve is thinned, its peak kept).
+_CURVE_POINTS = 400
+
+
+def memory_json(record: CompiledGraph) -> dict[str, Any] | None:
+    """One graph's estimated memory (:mod:`dtcompile.memory`) as JSON data: its peak, what is
+    alive there, the peak before the passes, the budget they kept to, and the curve of
+    live bytes over the schedule's estimated compute time (``[us, bytes]`` points)."""
+    from dtcompile.simulate import node_time_us
+
+    estimate = record.memory
+    if estimate is None:
+        return None
+    times, clock = [], 0.0
+    for node in record.graph.graph.nodes:
+        times.append(round(clock, 3))
+        clock += node_time_us(node, record.info.profile)
+    points = list(zip(times, estimate.curve))
+    peak_index = estimate.nodes.index(estimate.peak_node) if estimate.peak_node in estimate.nodes else 0
+    step = max(1, len(points) // _CURVE_POINTS)
+    kept = sorted(set(range(0, len(points), step)) | {peak_index, len(points) - 1} if points else set())
+    traced = record.memory_traced
+    budget, why = record.memory_budget
+    return {
+        "peak_bytes": estimate.peak_bytes,
+        "peak_node": estimate.peak_node,
+        "peak_us": times[peak_index] if times else 0.0,
+        "held_bytes": estimate.held_bytes,
+        "by_kind": dict(estimate.by_kind),
+        "at_peak": [{"name": t.name, "bytes": t.bytes, "kind": t.kind} for t in estimate.at_peak[:10]],
+        "traced_peak_bytes": traced.peak_bytes if traced is not None else None,
+        "budget_bytes": budget,
+        "budget_why": why,
+        "curve": [list(points[i]) for i in kept],
+    }
+
+
+def memory_lines(record: CompiledGraph) -> list[str]:
+    """The text report's memory lines of one graph: its peak, before the passes, the budget."""
+    estimate, traced = record.memory, record.memory_traced
+    if estimate is None:
+        return []
+    budget, why = record.memory_budget
+    before = f"; {format_bytes(traced.peak_bytes)} before the passes" if traced is not None else ""
+    kept = f"; budget {format_bytes(budget)} ({why})" if budget else ""
+    return [
+        f"{record.compile_id} {record.kind}: {estimate}{before}{kept}",
+        f"  alive at the peak: {estimate.largest()}",
+    ]
 
 
 def _artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
@@ -147,6 +200,8 @@ def format_compiled_graph(record: CompiledGraph) -> str:
             *region_lines(record, "-- local_map regions (one op each until lowering) --"),
             "-- passes --",
             *pass_lines(record),
+            "-- memory (estimated, per rank) --",
+            *memory_lines(record),
             "-- collectives --",
             *collective_table([record]),
         ]

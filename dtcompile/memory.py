@@ -222,19 +222,22 @@ def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: str = "forward", held_b
 
 
 def held_during_backward(forward: fx.GraphModule, backward: fx.GraphModule) -> int:
-    """Bytes the caller holds while the backward runs that are not its inputs: the
-    forward's inputs (parameters, the batch) and its results that the backward does not take."""
-    taken = {n.name for n in backward.graph.find_nodes(op="placeholder")}
-    held = {}
+    """Bytes the caller holds while the backward runs that are not its inputs: the storages
+    of the forward's inputs (parameters, the batch) and of its results, less those the
+    backward takes (a saved view of an input is that input's storage)."""
+    taken = {
+        _storage_key(t) for n in backward.graph.find_nodes(op="placeholder") for t in _tensors(n.meta.get("val"))
+    }
     values: list[fx.Node] = list(forward.graph.find_nodes(op="placeholder"))
     output = next(iter(forward.graph.find_nodes(op="output")), None)
     if output is not None:
         values += [a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)]
+    held = {}
     for node in values:
-        if node.name in taken:
-            continue
         for tensor in _tensors(node.meta.get("val")):
-            held[_storage_key(tensor)] = _nbytes(tensor)
+            key = _storage_key(tensor)
+            if key not in taken:
+                held[key] = _nbytes(tensor)
     return sum(held.values())
 
 

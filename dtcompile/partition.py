@@ -35,8 +35,8 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dtcompile.collectives import is_collective
-from dtcompile.passes import padded_collective
 from dtcompile.memory import held_during_backward
+from dtcompile.passes import padded_collective
 from dtcompile.records import PassRecord
 from dtcompile.reshard import ParamNames, Resharding, tag_reshard_after_forward
 from dtcompile.scoped_patch import ScopedPatch

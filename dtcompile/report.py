@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from dtcompile.artifacts import collective_table, pass_lines, region_lines
+from dtcompile.artifacts import collective_table, memory_lines, pass_lines, region_lines
 from dtcompile.compiler import backend as make_backend
 from dtcompile.records import CompiledGraph
 
@@ -75,6 +75,7 @@ class Report:
                     lines += [f"-- {record.kind} graph --", record.annotated()]
                 lines += region_lines(record, f"-- local_map regions of the {record.kind} graph (one op each until lowering) --")
                 lines += [f"-- passes on the {record.kind} graph --", *pass_lines(record)]
+        lines += ["== memory (estimated, per rank) ==", *[line for r in self.graphs for line in memory_lines(r)]]
         lines += ["== collectives ==", *collective_table(list(self.graphs))]
         lines.append("== graph breaks ==")
         lines += [f"- {reason}" for reason in self.graph_breaks] or ["none"]

@@ -63,11 +63,14 @@ _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.(\w
 
 
 def _fqn(source: str) -> str:
-    """``L['self']._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``."""
+    """``L['self']._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``
+    (a parametrized parameter by the name its module reads it by)."""
     root = re.match(r"^[A-Z]\['[^']*'\]", source)
     rest = source[root.end():] if root else source
     parts = [next(g for g in m.groups() if g is not None) for m in _SOURCE_PART.finditer(rest)]
-    return ".".join(parts) if parts else source
+    name = ".".join(parts) if parts else source
+    # torch.nn.utils.parametrize keeps ``w`` as ``parametrizations.w.original``: the user's name is ``w``.
+    return re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", name)
 
 
 def param_names(gm: fx.GraphModule, example_inputs: Sequence[object]) -> dict[int, str]:

@@ -8,7 +8,9 @@ torch could not trace them (``eager_fallback``); the graphs AOTAutograd's
 cache served (compiled by an earlier run, so not shown); the ``dtcompile.auto_parallel``
 solutions planned (each node's placements and cost); per compile id the DTensor
 placements, the annotated forward and backward graphs and the collective
-schedule; communication bytes and estimated time per step; a check that every
+schedule; each graph's estimated memory over its schedule (the curve with its
+peak marked, the budget the passes kept to, what is alive at the peak);
+communication bytes and estimated time per step; a check that every
 rank issues the same collectives in the same order (a rank that differs would
 hang a real job); graph breaks and recompile reasons.  No scripts, no network:
 the file opens anywhere.
@@ -243,6 +245,51 @@ def _table(header: list[str], rows: list[list[Any]], left: int = 1) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _mib(num: float) -> str:
+    return f"{num / (1 << 20):.3g} MiB" if num >= 1 << 20 else f"{num / 1024:.3g} KiB" if num >= 1024 else f"{num:.0f} B"
+
+
+def _memory_svg(kind: str, memory: dict[str, Any], width: int = 640, height: int = 160) -> str:
+    """One graph's estimated live bytes over its estimated compute time, as an inline SVG:
+    the curve, its peak marked and named, the peak before the passes (dotted) and the
+    budget the passes kept to (dashed)."""
+    curve = memory.get("curve") or []
+    if not curve:
+        return ""
+    top = max([b for _, b in curve] + [memory.get("budget_bytes") or 0, memory.get("traced_peak_bytes") or 0]) or 1
+    end = curve[-1][0] or 1
+    pad = 4
+
+    def x(us: float) -> float:
+        return pad + (width - 2 * pad) * us / end
+
+    def y(num: float) -> float:
+        return height - pad - (height - 2 * pad) * num / top
+
+    points = " ".join(f"{x(us):.1f},{y(b):.1f}" for us, b in curve)
+    lines = [f'<polyline fill="none" stroke="#0969da" stroke-width="1.5" points="{points}"/>']
+    for value, style, label in (
+        (memory.get("budget_bytes"), "6,3", "budget"),
+        (memory.get("traced_peak_bytes"), "2,2", "before the passes"),
+    ):
+        if value:
+            lines.append(
+                f'<line x1="{pad}" x2="{width - pad}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#888" '
+                f'stroke-dasharray="{style}"><title>{label}: {_mib(value)}</title></line>'
+            )
+    px, py = x(memory["peak_us"]), y(memory["peak_bytes"])
+    peak = f"peak {_mib(memory['peak_bytes'])} at {memory['peak_node']}"
+    lines.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="#cf222e"><title>{html.escape(peak)}</title></circle>')
+    anchor = "end" if px > width / 2 else "start"
+    lines.append(f'<text x="{px:.1f}" y="{max(py - 6, 12):.1f}" font-size="11" text-anchor="{anchor}">{html.escape(peak)}</text>')
+    return (
+        f'<figure><svg class="memory" width="{width}" height="{height}" role="img" '
+        f'aria-label="{html.escape(kind)} memory">{"".join(lines)}</svg>'
+        f"<figcaption>{html.escape(kind)}: live bytes (estimated) over estimated compute time, "
+        f"0 to {end:.0f} us; dashed: budget, dotted: peak before the passes</figcaption></figure>"
+    )
+
+
 def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list[str] | None = None) -> str:
     """The report as one HTML document (rank 0's graphs; every rank in the checks and totals)."""
     ranks = sorted(trace.ranks)
@@ -267,6 +314,18 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
             num_bytes = f"{num_bytes} and {data_dependent} data-dependent"
         rows.append([f"rank {rank}", count, num_bytes, f"{us:.1f}"])
     parts.append(_table(["rank", "collectives", "bytes per rank", "estimated us"], rows))
+    parts.append("</section>")
+
+    parts.append('<section id="memory-summary"><h2>Memory per step (estimated peak per graph)</h2>')
+    rows = [
+        [f"rank {rank}", f"{cid} {kind}", _mib(data["memory"]["peak_bytes"]), data["memory"]["peak_node"],
+         _mib(data["memory"]["traced_peak_bytes"] or 0), _mib(data["memory"]["budget_bytes"] or 0)]
+        for rank in ranks
+        for cid, record in sorted(trace.ranks[rank].compiles.items())
+        for kind, data in record.collectives.items()
+        if data.get("memory")
+    ]
+    parts.append(_table(["rank", "graph", "peak", "at", "before the passes", "budget"], rows, left=2) if rows else "<p>none</p>")
     parts.append("</section>")
 
     problems = divergence(trace)
@@ -328,6 +387,13 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         ]
         if passes:
             parts.append("<h3>Passes</h3>" + _table(["graph", "pass", "ran", "nodes", "collectives", "decisions"], passes, left=2))
+        memories = [(kind, data["memory"]) for kind, data in record.collectives.items() if data.get("memory")]
+        if memories:
+            parts.append("<h3>Memory</h3>")
+            for kind, memory in memories:
+                parts.append(_memory_svg(kind, memory))
+                alive = [[a["name"], a["kind"], _mib(a["bytes"])] for a in memory.get("at_peak", [])]
+                parts.append(f"<p>{html.escape(kind)}: alive at the peak (largest first)</p>" + _table(["tensor", "kind", "bytes"], alive, left=2))
         parts.append("</section>")
 
     for section, title_text, items in (

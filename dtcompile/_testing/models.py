@@ -77,6 +77,8 @@ __all__ = [
     "Block",
     "BlockArgs",
     "MoE",
+    "NormMLPBlock",
+    "NormMLPStack",
     "RMSNorm",
     "RegionAttention",
     "ResidualStack",
@@ -87,12 +89,14 @@ __all__ = [
     "build_gathered_stack",
     "build_mlp",
     "build_moe",
+    "build_norm_mlp_stack",
     "parallelize_block",
     "parallelize_block_2d",
     "parallelize_fsdp_mlp",
     "parallelize_gathered_stack",
     "parallelize_mlp",
     "parallelize_moe",
+    "parallelize_simple_fsdp",
 ]
 
 
@@ -119,6 +123,32 @@ class ResidualStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = x + layer["w2"](F.relu(layer["w1"](x)))
+        return x
+
+
+class NormMLPBlock(nn.Module):
+    """``x + down(gelu(up(norm(x))))`` (``LayerNorm``, biases)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class NormMLPStack(nn.Module):
+    """``layers`` :class:`NormMLPBlock` s: the stack FSDP's memory is measured on (issue #31)."""
+
+    def __init__(self, dim: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(NormMLPBlock(dim, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
         return x
 
 
@@ -350,6 +380,12 @@ def parallelize_fsdp_mlp(model: MLP, mesh: DeviceMesh) -> MLP:
     return _data_parallel(model, mesh, shard=True)
 
 
+def parallelize_simple_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """SimpleFSDP: every parameter ``Shard(0)`` over the mesh, gathered in forward,
+    gradients reduce-scattered (the same as :func:`parallelize_fsdp_mlp`, any model)."""
+    return _data_parallel(model, mesh, shard=True)
+
+
 def parallelize_gathered_stack(model: ResidualStack, mesh: DeviceMesh) -> ResidualStack:
     """Every weight ``Shard(0)`` over the mesh, gathered in forward; gradients unreduced."""
     return _data_parallel(model, mesh, shard=True, reduce_gradients=False)
@@ -452,6 +488,15 @@ def build_gathered_stack(
     """Returns ``(reference, parallel, input)``; the input is replicated (every rank's
     unreduced gradient shard is then the reference's)."""
     return _build(lambda: ResidualStack(dim, hidden, layers), parallelize_gathered_stack, mesh, (rows, dim), seed)
+
+
+def build_norm_mlp_stack(
+    mesh: DeviceMesh, *, rows: int = 64, dim: int = 256, hidden: int = 1024, layers: int = 4, seed: int = 0
+) -> tuple[NormMLPStack, NormMLPStack, torch.Tensor]:
+    """Returns ``(reference, parallel, global_input)`` for :class:`NormMLPStack` under
+    SimpleFSDP (:func:`parallelize_simple_fsdp`); ``rows`` rows per rank."""
+    shape = (mesh.size() * rows, dim)
+    return _build(lambda: NormMLPStack(dim, hidden, layers), parallelize_simple_fsdp, mesh, shape, seed)
 
 
 def build_block_2d(

@@ -14,7 +14,6 @@ and the solver counts each bucket's launch latency once.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 from typing import Any
 

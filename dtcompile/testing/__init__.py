@@ -20,6 +20,10 @@ Checks:
 - :func:`assert_matches_eager` -- outputs and gradients, rank by rank;
 - :func:`assert_no_graph_breaks`, :func:`assert_no_recompiles` -- context
   managers whose failures carry Dynamo's reasons.
+
+Memory (:mod:`dtcompile.testing.memory`): :func:`measure_memory` -- a step's peak as
+torch's allocator saw it, the counterpart of the estimates in ``record.memory``;
+:func:`saved_bytes` -- what a forward leaves for its backward.
 """
 
 from dtcompile.testing.asserts import (
@@ -29,6 +33,7 @@ from dtcompile.testing.asserts import (
     assert_no_recompiles,
     threaded_world,
 )
+from dtcompile.testing.memory import MeasuredMemory, measure_memory, saved_bytes, storage_bytes
 from dtcompile.testing.schedule import (
     CollectiveSchedule,
     ScheduledCollective,
@@ -46,6 +51,7 @@ from dtcompile.testing.worlds import (
 
 __all__ = [
     "CollectiveSchedule",
+    "MeasuredMemory",
     "RankFailure",
     "ScheduledCollective",
     "ThreadedWorld",
@@ -54,10 +60,13 @@ __all__ = [
     "assert_no_recompiles",
     "collective_schedule",
     "fake_world",
+    "measure_memory",
     "run_cold_and_warm",
     "run_gloo",
     "run_threaded",
+    "saved_bytes",
     "simulated_world",
+    "storage_bytes",
     "threaded_world",
     "wait_for_eager_on_every_rank",
 ]

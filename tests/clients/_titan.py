@@ -238,6 +238,49 @@ def parallelize(
     )
 
 
+def llama3_on_meta(config: Any, world_size: int, tensor_parallel_degree: int, spmd_backend: str = "partial_dtensor") -> tuple[Any, Any, Any]:
+    """``(model on meta, parallel_dims, parallelism)``: torchtitan's Llama3 of ``config`` (its
+    sharding config set, sequence parallel on) and its meshes for ``world_size`` ranks,
+    tensor parallel over ``tensor_parallel_degree`` and FSDP over the rest."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    parallelism = ParallelismConfig(
+        tensor_parallel_degree=tensor_parallel_degree, enable_sequence_parallel=True, spmd_backend=spmd_backend
+    )
+    parallel_dims = ParallelDims.from_config(parallelism, world_size)
+    parallel_dims.build_mesh()
+    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    with torch.device("meta"):
+        model = config.build()
+    return model, parallel_dims, parallelism
+
+
+def simple_fsdp(model: torch.nn.Module, parallel_dims: Any) -> torch.nn.Module:
+    """graph_trainer's SimpleFSDP on a torchtitan model: torchtitan's tensor parallelism
+    (``model.parallelize``) where the plan has it, then ``simple_fsdp.data_parallel``
+    (``fully_shard`` on the ``fsdp`` mesh, float32), as graph_trainer's
+    ``parallelize_llama`` does before compiling the whole model (that module imports
+    graph_trainer's trainer stack, which needs ``torchdata``: the client requirements
+    leave it out)."""
+    from torchtitan.experiments.graph_trainer.simple_fsdp import MixedPrecisionPolicy, data_parallel
+
+    if parallel_dims.tp_enabled:
+        model.parallelize(parallel_dims)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return data_parallel(model, parallel_dims.get_mesh(["fsdp"]), "fully_shard", mp_policy=policy)
+
+
+def load_simple_fsdp_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """:func:`load_weights` for a :func:`simple_fsdp` model: its parameters read as stored
+    (not gathered) meanwhile, as graph_trainer initializes them."""
+    from torchtitan.experiments.graph_trainer.simple_fsdp import disable_active_parametrization
+
+    with disable_active_parametrization():
+        load_weights(model, weights)
+
+
 def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """AdamW with torchtitan's default hyperparameters (``default_adamw``), at ``lr``."""
     from torchtitan.components.optimizer import default_adamw
@@ -351,6 +394,26 @@ def train(
         if counter is not None:
             run.num_frames.append(counter.frame_count)
     return run
+
+
+def train_reference(config: Any, weights: dict[str, torch.Tensor], batches: Batches, num_slices: int, lr: float, max_norm: float) -> list[Run]:
+    """The unsharded model of ``config`` from ``weights`` on the whole global batch (losses split as
+    ``num_slices`` data parallel ranks see them), with torchtitan's loss, clipping and AdamW."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    model = config.build()
+    model.init_states()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    return train_single_process(
+        model,
+        CrossEntropyLoss(CrossEntropyLoss.Config()),
+        optimizer(model, lr),
+        batches,
+        num_slices=num_slices,
+        clip_grad_norm=lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm),
+    )
 
 
 def train_single_process(

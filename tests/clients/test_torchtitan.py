@@ -40,13 +40,14 @@ from _titan import (
     global_batches,
     initial_weights,
     llama3_config,
+    llama3_on_meta,
     load_weights,
     mismatches,
     optimizer,
     parallelize,
     raise_mismatches,
     train,
-    train_single_process,
+    train_reference,
 )
 
 import dtcompile
@@ -117,23 +118,11 @@ def _train_on_rank(
     """torchtitan's parallelize and training steps on this rank; compiled with dtcompile(**options) unless None."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.config import CompileConfig
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import parallelize_llama
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    parallelism = ParallelismConfig(
-        tensor_parallel_degree=tensor_parallel_degree,
-        enable_sequence_parallel=True,
-        spmd_backend="partial_dtensor",
-    )
-    parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
-    parallel_dims.build_mesh()
-    config = _llama3_config()
-    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
-    with torch.device("meta"):
-        model = config.build()
+    model, parallel_dims, parallelism = llama3_on_meta(_llama3_config(), WORLD_SIZE, tensor_parallel_degree)
 
     compiled = options is not None
     backend = dtcompile.backend(**options) if compiled else None
@@ -161,25 +150,6 @@ def _train_on_rank(
     return run
 
 
-def _train_single_process(weights: dict[str, torch.Tensor], batches: Batches, num_slices: int) -> list[Run]:
-    """The unsharded model on the whole global batch; losses split as the data parallel ranks see them."""
-    from torchtitan.components.loss import CrossEntropyLoss
-
-    model = _llama3_config().build()
-    model.init_states()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(weights[name])
-    return train_single_process(
-        model,
-        CrossEntropyLoss(CrossEntropyLoss.Config()),
-        optimizer(model, LR),
-        batches,
-        num_slices=num_slices,
-        clip_grad_norm=lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
-    )
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("plan", PLANS)
 def test_torchtitan_llama3_blocks_compiled_match_eager_and_one_process(plan, mode, torchtitan_on_cpu):
@@ -192,7 +162,7 @@ def test_torchtitan_llama3_blocks_compiled_match_eager_and_one_process(plan, mod
     # apply_compile sets capture_scalar_outputs and skip_fwd_side_effects_in_bwd_under_checkpoint
     # in Dynamo's config; config set in a thread is that thread's: each rank's, gone with it.
     compiled = run_threaded(WORLD_SIZE, _train_on_rank, tensor_parallel_degree, MODES[mode], weights, batches)
-    one_process = _train_single_process(weights, batches, num_slices)
+    one_process = train_reference(_llama3_config(), weights, batches, num_slices, LR, MAX_NORM)
 
     problems = []
     for rank in range(WORLD_SIZE):

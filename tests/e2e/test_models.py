@@ -106,14 +106,18 @@ forward 2/0:
 backward 2/0: (no collectives)
 backward 1/0:
   all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  all_reduce            dp     x2    float32[4096]  16384 B
   reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
   all_reduce            tp     x4    float32[64]  256 B
+  all_reduce            dp     x2    float32[2112]  8448 B
   all_gather+matmul     tp     x4    float32[2, 8, 64]  4096 B
+  all_reduce            dp     x2    float32[2048]  8192 B
+  all_reduce            dp     x2    float32[16, 64]  4096 B
   reduce_scatter        tp     x4    float32[8, 2, 64]  4096 B
   all_reduce            tp     x4    float32[64]  256 B
-  all_reduce            dp     x2    float32[10368]  41472 B
+  all_reduce            dp     x2    float32[1088]  4352 B
 forward total: 5 collectives, 20480 B per rank
-backward total: 7 collectives, 58368 B per rank""")
+backward total: 11 collectives, 58368 B per rank""")
 
 
 def test_collective_bytes_follow_from_shapes(world4):

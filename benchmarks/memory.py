@@ -1,0 +1,297 @@
+"""Memory and step time of FSDP on torchtitan's Llama3, four ways, on gloo ranks.
+
+torchtitan 0.3.0's Llama3 from its own builders (dim 256, 8 heads, 4 layers,
+hidden 768, vocab 2048; 2 x 128 tokens per data-parallel rank), float32, on
+gloo over 127.0.0.1 (one process per rank), FSDP over 2 ranks (``fsdp``) and
+FSDP x TP over 2 x 2 (``fsdp_tp``), trained by torchtitan's loss and AdamW:
+
+- ``fsdp2 eager``: torchtitan's ``parallelize_llama`` (FSDP2 ``fully_shard``
+  per block and the root), no compile;
+- ``torchtitan default``: the same with every block compiled by ``torch.compile``
+  (Inductor) through torchtitan's ``apply_compile``;
+- ``simplefsdp + dtcompile``: graph_trainer's SimpleFSDP (``simple_fsdp.data_parallel``
+  after torchtitan's TP), the whole model compiled with ``dtcompile.backend()``;
+- ``simplefsdp + inductor``: the same with stock Inductor.
+
+And the stack of issue #31 (:class:`dtcompile._testing.models.NormMLPStack`: 4 x
+LayerNorm, Linear 256->1024, GELU, Linear 1024->256; 64 rows per rank) on 2 gloo
+ranks: FSDP2 eager, and SimpleFSDP (:func:`~dtcompile._testing.models.parallelize_simple_fsdp`)
+compiled whole with dtcompile and with stock Inductor (forward, ``out.pow(2).mean()``
+backward, SGD).
+
+Per way, rank 0's numbers after two warm steps: the measured peak of one step
+(forward, loss, backward, optimizer step; :func:`dtcompile.testing.measure_memory`,
+the allocator's events, counting the parameters, gradients and optimizer state
+alive before it), the estimate beside it (dtcompile's graphs: the peak of its
+compiled graphs, :mod:`dtcompile.memory`, plus what the step holds outside them:
+the optimizer state and the gradients of the step before; stock Inductor's: the
+same model over the graphs it partitions, passes off and weights kept gathered;
+the eager and per-block rows: none, they are not dtcompile graphs), the bytes the
+forward saves for the backward (:func:`dtcompile.testing.saved_bytes`), the
+median step time over ``--steps`` steps, and the collectives per step.  Every
+way's losses are checked equal to FSDP2 eager's (the same weights and batches).
+
+And, estimates only, torchtitan's Llama3 8B (its ``"8B"`` config, SDPA
+attention; 1 x 8192 tokens per data-parallel rank) under SimpleFSDP x TP on a
+fake world of 64 (``fsdp`` 8 x ``tp`` 8), traced on meta tensors and compiled
+with ``dtcompile.backend(inductor=False)``: each graph's estimated peak per rank,
+resharded and with every gathered weight kept (``--llama8b``; ``--layers``
+traces fewer layers).
+
+    python benchmarks/memory.py [--steps 5] [--llama8b [--layers 32]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "clients"))  # torchtitan's harness: CPU device, SDPA, FSDP's SUM
+
+import _titan  # noqa: E402
+
+import dtcompile  # noqa: E402
+from dtcompile.compiler import DTCompileBackend  # noqa: E402
+from dtcompile.memory import format_bytes  # noqa: E402
+from dtcompile.testing import measure_memory, run_gloo, saved_bytes, storage_bytes  # noqa: E402
+
+DIM, NUM_HEADS, NUM_LAYERS, HIDDEN_DIM = 256, 8, 4, 768
+VOCAB_SIZE, SEQ_LEN, BATCH = 2048, 128, 2
+LAYOUTS = {"fsdp": (2, 1), "fsdp_tp": (4, 2)}
+WAYS = ("fsdp2 eager", "torchtitan default", "simplefsdp + dtcompile", "simplefsdp + inductor")
+_PASSES_OFF = {"async_tp", "bucketing", "overlap"}
+
+
+def _config() -> Any:
+    return _titan.llama3_config(
+        dim=DIM, n_heads=NUM_HEADS, n_layers=NUM_LAYERS, hidden_dim=HIDDEN_DIM, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN
+    )
+
+
+def _build(way: str, world: int, tp: int, weights: dict[str, torch.Tensor], backend: Any) -> tuple[Any, Any]:
+    """``(model to call, model holding the parameters)`` for one way on this rank."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.models.llama3 import parallelize_llama
+
+    model, parallel_dims, parallelism = _titan.llama3_on_meta(_config(), world, tp)
+    if way in ("fsdp2 eager", "torchtitan default"):
+        compile_config = CompileConfig(enable=way == "torchtitan default", backend="inductor")
+        model = _titan.parallelize(parallelize_llama, model, parallel_dims, parallelism, compile_config)
+        _titan.force_sum_reduction(model)
+        _titan.load_weights(model, weights)
+        return model, model
+    model = _titan.simple_fsdp(model, parallel_dims)
+    _titan.load_simple_fsdp_weights(model, weights)
+    return torch.compile(model, backend=backend), model
+
+
+def _rank(rank: int, world: int, tp: int, way: str, weights: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    with _titan.torchtitan_on_cpu():
+        backend = None
+        if way == "simplefsdp + dtcompile":
+            backend = dtcompile.backend()
+        elif way == "simplefsdp + inductor":
+            backend = "inductor"
+        forward, model = _build(way, world, tp, weights, backend)
+        loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+        optim = _titan.optimizer(model, 1e-3)
+        generator = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, VOCAB_SIZE, (BATCH * world // tp, SEQ_LEN + 1), generator=generator)
+        dp_rank = rank // tp
+        inputs, labels = tokens[:, :-1].chunk(world // tp)[dp_rank].contiguous(), tokens[:, 1:].chunk(world // tp)[dp_rank].contiguous()
+        count = torch.tensor(BATCH * SEQ_LEN * world // tp)
+        losses = []
+
+        def step() -> None:
+            loss, _ = loss_fn(forward(inputs), labels, count)
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+
+        for _ in range(2):  # compile; the optimizer's state
+            step()
+        held = [*model.parameters(), *(t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor))]
+        measured = measure_memory(step, held)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        saved, out = saved_bytes(lambda: forward(inputs), model.parameters())
+        del out
+        estimate = None
+        collectives = None
+        if isinstance(backend, DTCompileBackend):
+            estimate = max(r.memory.peak_bytes for r in backend.records) + storage_bytes(held) - storage_bytes(model.parameters())
+            collectives = sum(len(r.collectives) for r in backend.records)
+        elif backend == "inductor":
+            # The graphs stock Inductor partitions, estimated by dtcompile's model: no pass, weights kept.
+            torch._dynamo.reset()
+            mirror = dtcompile.backend(inductor=False, reshard_after_forward=False, disable_passes=_PASSES_OFF)
+            shadow, shadow_model = _build(way, world, tp, weights, mirror)
+            loss_fn(shadow(inputs), labels, count)[0].backward()
+            estimate = max(r.memory.peak_bytes for r in mirror.records) + storage_bytes(held) - storage_bytes(model.parameters())
+            collectives = sum(len(r.collectives) for r in mirror.records)
+        return {
+            "peak": measured.peak_bytes,
+            "estimate": estimate,
+            "saved": saved,
+            "step_s": statistics.median(times),
+            "collectives": collectives,
+            "losses": [float(x) for x in losses[:3]],
+        }
+
+
+STACK_WAYS = ("fsdp2 eager", "simplefsdp + dtcompile", "simplefsdp + inductor")
+
+
+def _stack_rank(rank: int, way: str, steps: int) -> dict[str, Any]:
+    """The issue's stack on this rank, one way: the same numbers as :func:`_rank`."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dtcompile._testing import models
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    reference, parallel, x = models.build_norm_mlp_stack(mesh)
+    x = x.chunk(2)[rank]
+    backend = None
+    if way == "fsdp2 eager":
+        model = copy.deepcopy(reference)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        forward = model = fully_shard(model, mesh=mesh)
+    else:
+        backend = dtcompile.backend() if way == "simplefsdp + dtcompile" else "inductor"
+        model, forward = parallel, torch.compile(parallel, backend=backend)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+
+    def step() -> None:
+        loss = forward(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+
+    for _ in range(2):
+        step()
+    measured = measure_memory(step, [*model.parameters(), x])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    saved, out = saved_bytes(lambda: forward(x), model.parameters())
+    del out
+    estimate = collectives = None
+    if isinstance(backend, DTCompileBackend):
+        estimate = max(r.memory.peak_bytes for r in backend.records)
+        collectives = sum(len(r.collectives) for r in backend.records)
+    return {"peak": measured.peak_bytes, "estimate": estimate, "saved": saved, "step_s": statistics.median(times),
+            "collectives": collectives, "losses": losses[:3]}
+
+
+def _stack_table(steps: int) -> None:
+    print()
+    print("Issue #31's stack (4 x LayerNorm, Linear 256->1024, GELU, Linear 1024->256; 64 rows per rank), 2 gloo ranks, rank 0")
+    print("| way | measured peak | estimated peak | vs fsdp2 eager | saved for backward | vs fsdp2 eager | step ms | vs inductor | collectives |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = {way: run_gloo(2, _stack_rank, way, steps, timeout=1200)[0] for way in STACK_WAYS}
+    base, inductor = rows["fsdp2 eager"], rows["simplefsdp + inductor"]
+    for way, row in rows.items():
+        _check_losses("stack", way, row, base)
+        estimate = format_bytes(row["estimate"]) if row["estimate"] is not None else "-"
+        comm = row["collectives"] if row["collectives"] is not None else "-"
+        print(
+            f"| {way} | {format_bytes(row['peak'])} | {estimate} | {row['peak'] / base['peak']:.2f}x | "
+            f"{format_bytes(row['saved'])} | {row['saved'] / base['saved']:.2f}x | {row['step_s'] * 1e3:.1f} | "
+            f"{row['step_s'] / inductor['step_s']:.2f}x | {comm} |"
+        )
+
+
+def _llama8b_estimates(layers: int, tokens: int = 8192) -> None:
+    """Per-rank estimated peaks of the 8B on a fake world of 64 (see the module docstring)."""
+    import torchtitan.models.llama3 as llama3
+
+    from dtcompile.testing import fake_world
+
+    print()
+    print(f"Llama3 8B ({layers} of its 32 layers traced), SimpleFSDP 8 x TP 8 on a fake world of 64, "
+          f"1 x {tokens} tokens per data-parallel rank; dtcompile's estimates per rank (meta tensors)")
+    print("| gathered weights | graph | estimated peak | before the passes | budget | alive at the peak (largest) |")
+    print("|---|---|---:|---:|---:|---|")
+    for label, options in (("resharded", {}), ("kept", {"reshard_after_forward": False})):
+        with _titan.torchtitan_on_cpu(), fake_world(64):
+            config = _titan.use_sdpa(llama3.llama3_configs["8B"](attn_backend="flex"))
+            config.layers = config.layers[:layers]
+            model, parallel_dims, _ = _titan.llama3_on_meta(config, 64, 8)
+            model = _titan.simple_fsdp(model, parallel_dims)
+            backend = dtcompile.backend(inductor=False, **options)
+            torch._dynamo.reset()
+            inputs = torch.empty(1, tokens, dtype=torch.long, device="meta")
+            torch.compile(model, backend=backend)(inputs).float().sum().backward()
+            for record in backend.records:
+                memory, traced = record.memory, record.memory_traced
+                print(
+                    f"| {label} | {record.kind} | {format_bytes(memory.peak_bytes)} | {format_bytes(traced.peak_bytes)} | "
+                    f"{format_bytes(record.memory_budget[0])} | {memory.largest(3)} |"
+                )
+
+
+def _check_losses(layout: str, way: str, row: dict[str, Any], base: dict[str, Any]) -> None:
+    """Every way computes what FSDP2 eager computes (the same weights and batches)."""
+    close = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(row["losses"], base["losses"]))
+    assert close and len(row["losses"]) == len(base["losses"]), f"{layout} {way}: losses {row['losses']} vs fsdp2 eager {base['losses']}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    parser.add_argument("--no-stack", action="store_true", help="leave out the issue's stack")
+    parser.add_argument("--llama8b", action="store_true", help="only the 8B's estimates on a fake world of 64")
+    parser.add_argument("--layers", type=int, default=32, help="layers of the 8B traced (--llama8b)")
+    args = parser.parse_args()
+    if args.llama8b:
+        _llama8b_estimates(args.layers)
+        return
+    print(f"torch {torch.__version__}; Llama3 dim {DIM}, {NUM_LAYERS} layers, hidden {HIDDEN_DIM}, vocab {VOCAB_SIZE}, "
+          f"{BATCH} x {SEQ_LEN} tokens per data-parallel rank; gloo, rank 0")
+    print("| layout | way | measured peak | estimated peak | vs fsdp2 eager | saved for backward | step ms | vs torchtitan default | collectives |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    with _titan.torchtitan_on_cpu():
+        weights = _titan.initial_weights(_config())
+    for layout in args.layouts:
+        world, tp = LAYOUTS[layout]
+        rows = {}
+        for way in WAYS:
+            rows[way] = run_gloo(world, _rank, world, tp, way, weights, args.steps, timeout=1800)[0]
+        base, default = rows["fsdp2 eager"], rows["torchtitan default"]
+        for way, row in rows.items():
+            _check_losses(layout, way, row, base)
+            estimate = format_bytes(row["estimate"]) if row["estimate"] is not None else "-"
+            comm = row["collectives"] if row["collectives"] is not None else "-"
+            print(
+                f"| {layout} | {way} | {format_bytes(row['peak'])} | {estimate} | {row['peak'] / base['peak']:.2f}x | "
+                f"{format_bytes(row['saved'])} | {row['step_s'] * 1e3:.0f} | {row['step_s'] / default['step_s']:.2f}x | {comm} |"
+            )
+    if not args.no_stack:
+        _stack_table(args.steps)
+
+
+if __name__ == "__main__":
+    main()
