@@ -25,6 +25,14 @@ the forward and backward graphs stock Inductor receives, run alone on the GPU
 the roofline of ``dtcompile.simulate.node_time_us`` under the ``h100``
 profile; the matmul TFLOP/s and memory GB/s the measurements imply.
 
+Part 4 (``--parts memory``; the fake process group at world 8, cuda mesh; issue
+#31): the stack of ``NormMLPStack`` blocks (``--mem-dim``, 4x hidden, ``--mem-layers``,
+``--mem-rows`` rows per rank, fp32) under FSDP2 eagerly, and under SimpleFSDP
+compiled whole with dtcompile (gathered weights resharded, and kept), and with
+stock Inductor: the CUDA allocator's peak of one warm step (forward,
+``out.pow(2).mean()``, backward; ``torch.cuda.max_memory_allocated``) beside
+dtcompile's estimate of its graphs (:mod:`dtcompile.memory`).
+
     python benchmarks/cuda_check.py                   # all parts
     python benchmarks/cuda_check.py --parts block --batch 1 --seq 2048
     python benchmarks/cuda_check.py --pytest          # the cuda test tier, on torch < 2.13 too
@@ -76,6 +84,18 @@ def _compat_older_torch() -> list[str]:
 
         hop_utils.register_fake = register_fake
         patched.append("register_fake(skip_cache=) ignored")
+    from torch.fx.experimental import symbolic_shapes
+
+    if not hasattr(symbolic_shapes, "optimization_hint"):  # 2.13's; 2.11 has size_hint on the shape env
+
+        def optimization_hint(size, fallback=None):
+            if not isinstance(size, torch.SymInt):
+                return int(size)
+            hint = size.node.hint
+            return int(hint) if hint is not None else int(fallback if fallback is not None else 8192)
+
+        symbolic_shapes.optimization_hint = optimization_hint
+        patched.append("symbolic_shapes.optimization_hint added")
     # dynamo_vars needs torch 2.13's Dynamo: outside the tested range its install()
     # leaves Dynamo stock by itself (one warning), so stock Dynamo traces there.
     return patched
@@ -722,6 +742,56 @@ def _calibrate(
     )
 
 
+def _memory(args: argparse.Namespace) -> None:
+    """Part 4: measured CUDA peaks against dtcompile's estimates (see the module docstring)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dtcompile._testing.models import build_norm_mlp_stack
+
+    mesh = init_device_mesh("cuda", (WORLD,), mesh_dim_names=("dp",))
+    dim = args.mem_dim
+    print(f"\n== memory: NormMLPStack dim {dim}, hidden {4 * dim}, {args.mem_layers} layers, {args.mem_rows} rows per rank, "
+          f"fp32, fake world {WORLD} (cuda) ==")
+    print("| way | measured peak MiB | estimated peak MiB | estimate / measured | vs fsdp2 eager |")
+    print("|---|---:|---:|---:|---:|")
+    rows = {}
+    for way in ("fsdp2 eager", "dtcompile", "dtcompile, weights kept", "inductor"):
+        torch._dynamo.reset()
+        reference, parallel, x = build_norm_mlp_stack(mesh, rows=args.mem_rows, dim=dim, hidden=4 * dim, layers=args.mem_layers)
+        x = x.chunk(WORLD)[0].cuda()
+        backend = None
+        if way == "fsdp2 eager":
+            model = copy.deepcopy(reference).cuda()
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+            fn = model = fully_shard(model, mesh=mesh)
+        else:
+            model = parallel.cuda()
+            if way.startswith("dtcompile"):
+                backend = dtcompile.backend(reshard_after_forward=way == "dtcompile")
+            fn = torch.compile(model, backend=backend or "inductor")
+        params = list(model.parameters())
+        for _ in range(2):
+            _step(fn, params, x)
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _step(fn, params, x)
+        peak = torch.cuda.max_memory_allocated()
+        estimate = max(r.memory.peak_bytes for r in backend.records) if backend is not None else None
+        rows[way] = (peak, estimate)
+        del fn, model, parallel, reference
+    base = rows["fsdp2 eager"][0]
+    for way, (peak, estimate) in rows.items():
+        est = f"{estimate / 2**20:.1f}" if estimate is not None else "-"
+        ratio = f"{estimate / peak:.2f}" if estimate is not None else "-"
+        print(f"| {way} | {peak / 2**20:.1f} | {est} | {ratio} | {peak / base:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -731,9 +801,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--parts",
-        default="fused,block,calibrate",
-        help="comma-separated: fused, block, calibrate",
+        default="fused,block,calibrate,memory",
+        help="comma-separated: fused, block, calibrate, memory",
     )
+    parser.add_argument("--mem-dim", type=int, default=1024, help="part memory: the stack's dim")
+    parser.add_argument("--mem-layers", type=int, default=8, help="part memory: the stack's layers")
+    parser.add_argument("--mem-rows", type=int, default=2048, help="part memory: rows per rank")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument(
@@ -781,7 +854,7 @@ def main() -> None:
         tests = Path(__file__).resolve().parent.parent / "tests" / "cuda"
         sys.exit(pytest.main([str(tests), "-q", "-rsP", "-p", "no:cacheprovider"]))
     parts = set(args.parts.split(","))
-    if unknown := parts - {"fused", "block", "calibrate"}:
+    if unknown := parts - {"fused", "block", "calibrate", "memory"}:
         parser.error(f"unknown parts {sorted(unknown)}")
     if not torch.cuda.is_available():
         sys.exit("cuda_check.py needs a CUDA GPU")
@@ -795,9 +868,17 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - reported; the other parts go on
             failed.append("fused")
             traceback.print_exc()
-    if parts & {"block", "calibrate"}:
+    if parts & {"block", "calibrate", "memory"}:
         mesh = _fake_cuda_world()
         try:
+            if "memory" in parts:
+                try:
+                    _memory(args)
+                except Exception:  # noqa: BLE001 - reported; the other parts go on
+                    failed.append("memory")
+                    traceback.print_exc()
+            if not parts & {"block", "calibrate"}:
+                return
             parallel, x = _build(mesh, args)
             step = None
             if "block" in parts:

@@ -70,9 +70,33 @@ class OpMeasure:
     again there where dtcompile reshards after forward (:mod:`dtcompile.reshard`)."""
 
 
+# Fused norm backwards take the weight (and bias) whatever they compute; decomposed, as
+# the compiled graphs are, the weight is read only for the input's gradient:
+# op -> (its output_mask's argument, the weight's and bias's arguments).
+_NORM_BACKWARDS = {
+    "native_layer_norm_backward": (7, (5, 6)),
+    "native_group_norm_backward": (9, (4,)),
+    "_fused_rms_norm_backward": (5, (4,)),
+    "native_batch_norm_backward": (9, (2,)),
+}
+
+
+def _args_read(node: fx.Node) -> list[fx.Node]:
+    """The nodes a recorded backward node reads, as its decomposition would."""
+    name = getattr(node.target, "__name__", "").split(".")[0]
+    if name not in _NORM_BACKWARDS:
+        return node.all_input_nodes
+    mask_at, weights = _NORM_BACKWARDS[name]
+    mask = node.args[mask_at] if len(node.args) > mask_at else None
+    if mask is None or mask[0]:
+        return [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and i not in weights[1:]]
+    return [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and i not in weights]
+
+
 def _read_by_backward(graph: fx.Graph, boundary: int, num_inputs: int) -> tuple[bool, ...]:
     """Per input placeholder of a recorded op, whether a node past ``boundary`` reads it or
-    a forward node computed from it alone."""
+    a forward node computed from it alone (a fused norm backward's weight only where it
+    computes the input's gradient: :data:`_NORM_BACKWARDS`)."""
     nodes = list(graph.nodes)
     read = []
     for i in range(num_inputs):
@@ -81,7 +105,7 @@ def _read_by_backward(graph: fx.Graph, boundary: int, num_inputs: int) -> tuple[
             inputs = node.all_input_nodes
             if inputs and all(n in derived for n in inputs):
                 derived.add(node)
-        read.append(any(n in derived for node in nodes[boundary:] for n in node.all_input_nodes))
+        read.append(any(n in derived for node in nodes[boundary:] for n in _args_read(node)))
     return tuple(read)
 
 
