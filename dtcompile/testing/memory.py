@@ -24,18 +24,25 @@ import torch
 __all__ = ["MeasuredMemory", "measure_memory", "saved_bytes", "storage_bytes"]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s data: a wrapper subclass's inner tensors
+    (a DTensor's local shard, an ``AsyncCollectiveTensor``'s result), recursively."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = (getattr(tensor, name) for name in names)  # a DTensor flattens its mesh too
+    return [plain for value in inner if isinstance(value, torch.Tensor) for plain in _plain(value)]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages ``tensors`` (a DTensor: its local shard) live in."""
     seen: dict[int, int] = {}
     for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for plain in _plain(tensor):
+            storage = plain.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -74,13 +81,14 @@ def measure_memory(step: Callable[[], Any], alive: Iterable[torch.Tensor] = ()) 
 
 def saved_bytes(forward: Callable[[], Any], params: Iterable[torch.Tensor] = ()) -> tuple[int, Any]:
     """Bytes ``forward()`` saves for its backward (``params``' storages not counted), and its result."""
-    own = {_local(p).untyped_storage().data_ptr() for p in params}
+    own = {plain.untyped_storage().data_ptr() for p in params for plain in _plain(p)}
     saved: dict[int, torch.UntypedStorage] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = _local(tensor).untyped_storage()
-        if storage.data_ptr() not in own:
-            saved[id(storage)] = storage
+        for plain in _plain(tensor):
+            storage = plain.untyped_storage()
+            if storage.data_ptr() not in own:
+                saved[id(storage)] = storage
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
