@@ -18,7 +18,13 @@ import time
 
 import pytest
 import torch
-from ap_cases import KEEP_COLLECTIVES, assert_matches_reference, predicted_collectives, step_against_reference
+from ap_cases import (
+    KEEP_COLLECTIVES,
+    KEPT_GATHERED,
+    assert_matches_reference,
+    predicted_collectives,
+    step_against_reference,
+)
 from plan_models import MESHES, Case, build, draw_case
 
 import dtcompile
@@ -39,7 +45,9 @@ def _plan(case):
     shape, names = MESHES[case.mesh]
     with fake_world(shape[0] * (shape[1] if len(shape) > 1 else 1), shape, names) as mesh:
         try:
-            solution = dtcompile.auto_parallel.plan(model, mesh, args, fixed=fixed, param_memory_budget_bytes=budget)
+            solution = dtcompile.auto_parallel.plan(
+                model, mesh, args, fixed=fixed, param_memory_budget_bytes=budget, config=KEPT_GATHERED
+            )
         except Infeasible as e:
             # Honest only when the budget is below the least bytes the pins allow.
             if e.conflict != ["param_memory_budget_bytes"] or not e.min_param_bytes > budget:
@@ -61,7 +69,7 @@ def _rank_batch(rank, mesh_name, planned):
         reference = copy.deepcopy(model)
         parallel = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
         try:
-            results.append(step_against_reference(rank, parallel, reference, args, mesh, solution, KEEP_COLLECTIVES))
+            results.append(step_against_reference(rank, parallel, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False))
         except Exception as e:
             raise RuntimeError(f"{case.describe()}: {type(e).__name__}: {e}") from e
         dist.barrier()

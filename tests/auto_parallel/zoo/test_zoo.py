@@ -10,7 +10,13 @@ import copy
 
 import pytest
 import torch
-from ap_cases import KEEP_COLLECTIVES, assert_matches_reference, predicted_collectives, step_against_reference
+from ap_cases import (
+    KEEP_COLLECTIVES,
+    KEPT_GATHERED,
+    assert_matches_reference,
+    predicted_collectives,
+    step_against_reference,
+)
 from torch.distributed.tensor import Replicate
 from zoo_models import ZOO, build
 
@@ -28,7 +34,7 @@ def _budget(model):
 def _plan(model, args, mesh_name, world_size=4):
     shape, names = MESHES[mesh_name] if world_size == 4 else ((world_size,), ("tp",))
     with fake_world(world_size, shape, names) as mesh:
-        return dtcompile.auto_parallel.plan(model, mesh, args, param_memory_budget_bytes=_budget(model))
+        return dtcompile.auto_parallel.plan(model, mesh, args, param_memory_budget_bytes=_budget(model), config=KEPT_GATHERED)
 
 
 def _rank_step(rank, reference, args, mesh_name, solution):
@@ -38,7 +44,7 @@ def _rank_step(rank, reference, args, mesh_name, solution):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     reference = copy.deepcopy(reference)  # each rank's own: gradients accumulate on it
     model = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
-    return step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES)
+    return step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False)
 
 
 def _check(solution, results):
@@ -77,9 +83,11 @@ def _gloo_rank_step(rank, name):
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     reference, args = build(name)
-    solution = dtcompile.auto_parallel.plan(reference, mesh, args, param_memory_budget_bytes=_budget(reference))
+    solution = dtcompile.auto_parallel.plan(
+        reference, mesh, args, param_memory_budget_bytes=_budget(reference), config=KEPT_GATHERED
+    )
     model = dtcompile.auto_parallel.parallelize(copy.deepcopy(reference), solution, mesh)
-    result = step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES)
+    result = step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False)
     return (*result, predicted_collectives(solution))
 
 
