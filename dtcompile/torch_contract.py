@@ -213,6 +213,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._ops", "OpOverloadPacket", None),
     ("torch", "ops._c10d_functional.wait_tensor.default", None),
     ("torch", "ops._c10d_functional.all_gather_into_tensor.default", None),
+    # dtcompile.testing.memory: a subclass's inner tensors hold its bytes
+    ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass", ("t",)),
     ("torch.distributed.distributed_c10d", "_get_default_group", ()),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor", None),
     ("torch.distributed._functional_collectives", "broadcast", ("self", "src", "group")),
