@@ -93,6 +93,23 @@ def _build(way: str, world: int, tp: int, weights: dict[str, torch.Tensor], back
     return torch.compile(model, backend=backend), model
 
 
+def _measure_step(step: Any, forward: Any, model: Any, held: Any, steps: int) -> dict[str, Any]:
+    """After two warm steps (compiling; the optimizer's state): one step's measured peak
+    (``model``'s parameters and ``held()`` alive before it), the median time of ``steps``
+    steps, and the bytes ``forward()`` saves for the backward."""
+    for _ in range(2):
+        step()
+    measured = measure_memory(step, [*model.parameters(), *held()])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    saved, out = saved_bytes(forward, model.parameters())
+    del out
+    return {"peak": measured.peak_bytes, "saved": saved, "step_s": statistics.median(times)}
+
+
 def _rank(rank: int, world: int, tp: int, way: str, weights: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
     from torchtitan.components.loss import CrossEntropyLoss
 
@@ -119,17 +136,11 @@ def _rank(rank: int, world: int, tp: int, way: str, weights: dict[str, torch.Ten
             optim.zero_grad(set_to_none=True)
             losses.append(loss.detach().clone())
 
-        for _ in range(2):  # compile; the optimizer's state
-            step()
-        held = [*model.parameters(), *(t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor))]
-        measured = measure_memory(step, held)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        saved, out = saved_bytes(lambda: forward(inputs), model.parameters())
-        del out
+        def state() -> list[torch.Tensor]:
+            return [t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+        numbers = _measure_step(step, lambda: forward(inputs), model, state, steps)
+        held = [*model.parameters(), *state()]
         estimate = None
         collectives = None
         if isinstance(backend, DTCompileBackend):
@@ -143,14 +154,7 @@ def _rank(rank: int, world: int, tp: int, way: str, weights: dict[str, torch.Ten
             loss_fn(shadow(inputs), labels, count)[0].backward()
             estimate = max(r.memory.peak_bytes for r in mirror.records) + storage_bytes(held) - storage_bytes(model.parameters())
             collectives = sum(len(r.collectives) for r in mirror.records)
-        return {
-            "peak": measured.peak_bytes,
-            "estimate": estimate,
-            "saved": saved,
-            "step_s": statistics.median(times),
-            "collectives": collectives,
-            "losses": [float(x) for x in losses[:3]],
-        }
+        return {**numbers, "estimate": estimate, "collectives": collectives, "losses": [float(x) for x in losses[:3]]}
 
 
 STACK_WAYS = ("fsdp2 eager", "simplefsdp + dtcompile", "simplefsdp + inductor")
@@ -187,22 +191,12 @@ def _stack_rank(rank: int, way: str, steps: int) -> dict[str, Any]:
         optim.zero_grad(set_to_none=True)
         losses.append(float(loss))
 
-    for _ in range(2):
-        step()
-    measured = measure_memory(step, [*model.parameters(), x])
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    saved, out = saved_bytes(lambda: forward(x), model.parameters())
-    del out
+    numbers = _measure_step(step, lambda: forward(x), model, lambda: [x], steps)
     estimate = collectives = None
     if isinstance(backend, DTCompileBackend):
         estimate = max(r.memory.peak_bytes for r in backend.records)
         collectives = sum(len(r.collectives) for r in backend.records)
-    return {"peak": measured.peak_bytes, "estimate": estimate, "saved": saved, "step_s": statistics.median(times),
-            "collectives": collectives, "losses": losses[:3]}
+    return {**numbers, "estimate": estimate, "collectives": collectives, "losses": losses[:3]}
 
 
 def _stack_table(steps: int) -> None:
