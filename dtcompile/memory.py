@@ -77,9 +77,10 @@ class LiveTensor:
         return f"{self.name} ({self.kind}, {format_bytes(self.bytes)})"
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Storage:
     name: str
+    """The node that allocated it."""
     bytes: int
     kind: str
     start: int
@@ -139,14 +140,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
         return hint(tensor.numel()) * tensor.element_size()
 
 
-def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.Node, list[object]], dict[object, dict]]:
-    """Every storage the graph holds, with the span of the schedule it is alive for."""
+def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.Node, list[_Storage]]]:
+    """Every storage the graph holds, with the span of the schedule it is alive for, and
+    the storages each node's value lives in."""
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     end = len(nodes) - 1
-    owner: dict[object, dict] = {}  # storage key -> {name, bytes, kind, start, end}
-    same: dict[object, object] = {}  # a wait's own fake storage -> its collective's buffer
-    node_keys: dict[fx.Node, list[object]] = {}
+    owner: dict[object, _Storage] = {}  # storage key -> its storage
+    same: dict[object, _Storage] = {}  # a wait's own fake storage -> its collective's buffer
+    held: dict[fx.Node, list[_Storage]] = {}
     outputs = set()
     for node in nodes:
         if node.op == "output":
@@ -156,38 +158,38 @@ def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.N
             continue
         if node.target is _WAIT and isinstance(node.args[0], fx.Node):
             # wait_tensor returns its collective's buffer (its fake value does not say so).
-            node_keys[node] = node_keys.get(node.args[0], [])
-            for tensor, key in zip(_tensors(node.meta.get("val")), node_keys[node]):
-                same[_storage_key(tensor)] = key
+            held[node] = held.get(node.args[0], [])
+            for tensor, storage in zip(_tensors(node.meta.get("val")), held[node]):
+                same[_storage_key(tensor)] = storage
             continue
-        keys = []
+        storages = []
         for tensor in _tensors(node.meta.get("val")):
             key = _storage_key(tensor)
-            key = same.get(key, key)
-            keys.append(key)
-            if key not in owner:
+            storage = same.get(key) or owner.get(key)
+            if storage is None:
                 kind = "input" if node.op == "placeholder" else ("gathered" if is_collective(node) else "temporary")
                 start = 0 if node.op == "placeholder" else position[node]  # the caller holds inputs before
-                owner[key] = {"name": node.name, "bytes": _nbytes(tensor), "kind": kind, "start": start, "end": position[node]}
-        node_keys[node] = keys
+                storage = owner[key] = _Storage(node.name, _nbytes(tensor), kind, start, position[node])
+            storages.append(storage)
+        held[node] = storages
     for node in nodes:
         for used in node.all_input_nodes:
-            for key in node_keys.get(used, ()):
-                owner[key]["end"] = max(owner[key]["end"], position[node])
-        for key in node_keys.get(node, ()):
+            for storage in held.get(used, ()):
+                storage.end = max(storage.end, position[node])
+        for storage in held.get(node, ()):
             if node.op == "placeholder":
-                owner[key]["end"] = end
+                storage.end = end
             if node in outputs:
-                owner[key]["end"] = end
-                if owner[key]["kind"] == "temporary":
-                    owner[key]["kind"] = "output"
-    return nodes, [_Storage(**fields) for fields in owner.values()], node_keys, owner
+                storage.end = end
+                if storage.kind == "temporary":
+                    storage.kind = "output"
+    return nodes, list(owner.values()), held
 
 
 def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: str = "forward", held_bytes: int = 0) -> MemoryEstimate:
     """The live bytes of ``gm`` along its schedule (see the module docstring)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    nodes, storages, node_keys, owner = _storages(graph)
+    nodes, storages, held = _storages(graph)
     delta = [0] * (len(nodes) + 1)
     for s in storages:
         delta[s.start] += s.bytes
@@ -213,11 +215,7 @@ def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: str = "forward", held_b
         peak_node=nodes[peak_at].name if nodes else "",
         at_peak=tuple(alive),
         by_kind=tuple(totals.items()),
-        spans={
-            node.name: (owner[keys[0]]["start"], owner[keys[0]]["end"], owner[keys[0]]["bytes"])
-            for node, keys in node_keys.items()
-            if keys
-        },
+        spans={node.name: (own[0].start, own[0].end, own[0].bytes) for node, own in held.items() if own},
     )
 
 
@@ -254,7 +252,6 @@ class PeakTracker:
     def __init__(self, estimate: MemoryEstimate, budget: int) -> None:
         self.estimate = estimate
         self.budget = budget
-        self.base_peak = estimate.peak_bytes
         self._curve = list(estimate.curve)
 
     def span(self, node: fx.Node) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ dtype, reduce op) when
   input of the others): the bucket's buffer is the memory bucketing adds;
 - the graph's estimated peak (:mod:`dtcompile.memory`) stays within its
   memory budget (``config.memory_budget_bytes``, by default the peak as traced
-  plus one module's gathered weights): a bucket is issued once its last input
+  plus twice the largest module's gathered weights): a bucket is issued once its last input
   exists, so a gathered member's result is alive from there rather than from
   its own collective, a reduced member's input until there, and the bucket's
   buffers (its inputs concatenated, its result) at once;

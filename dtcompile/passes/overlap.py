@@ -44,7 +44,7 @@ from torch import fx
 
 from dtcompile.collectives import collective_info
 from dtcompile.cost_model import collective_time_us
-from dtcompile.memory import estimate_memory, format_bytes
+from dtcompile.memory import PeakTracker, estimate_memory, format_bytes
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
 from dtcompile.regions import issues_collectives
@@ -76,9 +76,10 @@ def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
     return moved
 
 
-def _hoist_collectives(gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: int, ctx: PassContext) -> int:
+def _hoist_collectives(
+    gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: int, tracker: PeakTracker, ctx: PassContext
+) -> int:
     moved = 0
-    tracker = ctx.peak_tracker(gm)
     for node in list(gm.graph.nodes):
         info = infos.get(node)
         if info is None or info.fused:
@@ -216,10 +217,14 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     before = simulate(gm.graph, ctx.profile).total_us
     held = _peak_in_flight(gm.graph, infos)
     outcomes = len(ctx.outcomes)
-    peak_before = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
-    moved = _sink_waits(gm, ctx) + _hoist_collectives(gm, infos, ctx.config.overlap_memory_budget_bytes, ctx)
+    moved = _sink_waits(gm, ctx)
+    # Sinking a wait moves no allocation (a wait is its collective's buffer): the memory as found.
+    tracker = ctx.peak_tracker(gm)
+    peak_before = tracker.estimate.peak_bytes
+    moved += _hoist_collectives(gm, infos, ctx.config.overlap_memory_budget_bytes, tracker, ctx)
     hoisted, recorded = list(gm.graph.nodes), len(ctx.outcomes)
     filled = _fill_windows(gm, infos, talking_regions, ctx)
+    peak = None
     if filled:
         peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
         if peak > ctx.budget_bytes:
@@ -230,12 +235,14 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
                 f"no compute moved under collectives: {filled} move(s) would take the estimated peak to "
                 f"{format_bytes(peak)}, over the memory budget {format_bytes(ctx.budget_bytes)} ({ctx.budget_why})",
             )
-            filled = 0
+            filled, peak = 0, None
     moved += filled
     if not moved:
         return gm
+    if peak is None:
+        peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
+    adds = peak - peak_before
     # Rounded: moving nodes whose estimates sum alike leaves float noise, not a gain.
-    adds = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes - peak_before
     price = ctx.price(round(before - simulate(gm.graph, ctx.profile).total_us, 6), 0.0, adds_bytes=adds)
     more = _peak_in_flight(gm.graph, infos) - held
     if not price.pays:

@@ -26,7 +26,6 @@ from _titan import (
     Run,
     global_batches,
     initial_weights,
-    llama3_config,
     llama3_on_meta,
     load_simple_fsdp_weights,
     mismatches,
@@ -38,28 +37,19 @@ from _titan import (
 )
 from _titan import torchtitan_on_cpu as titan_on_cpu
 
+# test_torchtitan's tiny Llama3, training settings and tolerance (its comment says why).
+from test_torchtitan import GLOBAL_BATCH, LR, MAX_NORM, NUM_STEPS, SEQ_LEN, TOL, VOCAB_SIZE
+from test_torchtitan import _llama3_config as _config
+
 import dtcompile
 from dtcompile.records import Action
 from dtcompile.testing import run_gloo, run_threaded
-
-NUM_STEPS = 2
-DIM, NUM_HEADS, NUM_LAYERS, HIDDEN_DIM = 64, 4, 2, 128
-VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH = 128, 16, 4
-LR = 1e-2
-MAX_NORM = 1.0
-TOL = dict(rtol=1e-5, atol=1e-6)
 
 # name -> (world size, tensor parallel degree); FSDP over the rest.
 PLANS = {"fsdp": (2, 1), "fsdp_tp": (4, 2)}
 # FSDP x TP runs on gloo processes: SimpleFSDP joins the fsdp and tp meshes
 # (DeviceMesh._concatenate), whose groups ranks that are threads cannot resolve.
 RUN = {"fsdp": run_threaded, "fsdp_tp": run_gloo}
-
-
-def _config() -> Any:
-    return llama3_config(
-        dim=DIM, n_heads=NUM_HEADS, n_layers=NUM_LAYERS, hidden_dim=HIDDEN_DIM, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN
-    )
 
 
 def _train_on_gloo_rank(rank: int, *args: Any) -> Run:
