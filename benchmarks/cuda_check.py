@@ -862,37 +862,39 @@ def main() -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _environment()
     failed = []
-    if "fused" in parts:
+
+    def run_part(name, *part_args):
+        """The part's result, or None with its traceback printed: the other parts go on."""
         try:
-            _fused(args)
-        except Exception:  # noqa: BLE001 - reported; the other parts go on
-            failed.append("fused")
+            return PARTS[name](*part_args)
+        except Exception:  # noqa: BLE001 - reported
+            failed.append(name)
             traceback.print_exc()
+            return None
+
+    if "fused" in parts:
+        run_part("fused", args)
     if parts & {"block", "calibrate", "memory"}:
         mesh = _fake_cuda_world()
         try:
             if "memory" in parts:
-                try:
-                    _memory(args)
-                except Exception:  # noqa: BLE001 - reported; the other parts go on
-                    failed.append("memory")
-                    traceback.print_exc()
-            if not parts & {"block", "calibrate"}:
-                return
-            parallel, x = _build(mesh, args)
-            step = None
-            if "block" in parts:
-                try:
-                    step = _block(args, parallel, x)["inductor"]
-                except Exception:  # noqa: BLE001 - reported; calibrate goes on
-                    failed.append("block")
-                    traceback.print_exc()
-            if "calibrate" in parts:
-                _calibrate(args, parallel, x, step)
+                run_part("memory", args)
+            if parts & {"block", "calibrate"}:
+                parallel, x = _build(mesh, args)
+                step = None
+                if "block" in parts:
+                    timings = run_part("block", args, parallel, x)
+                    step = timings["inductor"] if timings else None
+                if "calibrate" in parts:
+                    _calibrate(args, parallel, x, step)
         finally:
             dist.destroy_process_group()
     if failed:
         sys.exit(f"parts that failed: {failed}")
+
+
+# The parts main() runs, each reported on its own when it fails.
+PARTS = {"fused": _fused, "memory": _memory, "block": _block}
 
 
 if __name__ == "__main__":

@@ -220,6 +220,8 @@ class DTCompileBackend:
             params=param_names(gm, example_inputs),
             reshard=config.reshard_after_forward,
             keep_gathered=config.keep_gathered,
+            memory_budget=config.memory_budget_bytes,
+            name=f"compile {info.compile_id}",
         )
         try:
             with (
@@ -354,8 +356,8 @@ class DTCompileBackend:
         )
         ctx = PassContext(kind=kind, config=config, info=info, memory=memory)
         gm, passes = run_passes(gm, example_inputs, ctx)
-        if kind == "forward" and partitioner.resharding.decisions:
-            passes.insert(0, partitioner.record(gm))
+        if kind == "forward":
+            passes[:0] = partitioner.records(gm)
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
         regions = inline_regions(gm, info, kind)
         gm.recompile()

@@ -48,13 +48,18 @@ class DTCompileConfig:
     memory_budget_bytes: int | None = None
     """Most bytes per rank a compiled graph may hold at its peak, as
     :mod:`dtcompile.memory` estimates it (its tensors along the schedule, and for a
-    backward what the caller holds meanwhile): ``bucketing`` and ``overlap`` refuse a
-    rewrite that would pass it, and say so in their records.  ``None``: each graph's
-    peak as traced (no pass applied) plus a prefetch window of twice the gathered
-    weights of its largest module (a block of a ``ModuleList``): one module
-    prefetched ahead, as FSDP2 does, and the bucket it comes through; a graph that
-    gathers no parameters gets twice its largest collective's buffer.  A budget below a graph's peak as traced is an error that names
-    that peak and what is alive there."""
+    backward what the caller holds meanwhile).  A training graph whose forward or
+    backward peaks over it has activations recomputed in the backward instead of
+    saved, the fewest that fit (:mod:`dtcompile.recompute`, on torch's
+    ``activation_memory_budget``; the forward's ``activation_budget`` record names
+    them); ``bucketing`` and ``overlap`` refuse a rewrite that would pass it, and say
+    so in their records.  ``None``: nothing is recomputed for memory, and each
+    graph's passes keep to its peak as traced (no pass applied) plus a prefetch
+    window of twice the gathered weights of its largest module (a block of a
+    ``ModuleList``): one module prefetched ahead, as FSDP2 does, and the bucket it
+    comes through; a graph that gathers no parameters gets twice its largest
+    collective's buffer.  A budget below the least peak a graph can have is an
+    error that names that peak and what is alive there."""
 
     reshard_after_forward: bool = True
     """Gather a parameter stored sharded on a data-parallel axis again in the

@@ -12,7 +12,9 @@ Before either partitions, :func:`dtcompile.reshard.tag_reshard_after_forward`
 marks the gathers of sharded parameters to be done again in the backward
 (``reshard_after_forward``); :attr:`Partitioner.resharding` says what it did, and
 :attr:`Partitioner.held_during_backward` what the caller holds while the backward
-runs (:mod:`dtcompile.memory`).
+runs (:mod:`dtcompile.memory`).  With ``memory_budget_bytes`` set, the min-cut
+split recomputes activations until the forward and backward fit it
+(:mod:`dtcompile.recompute`; :attr:`Partitioner.activations` says what).
 
 A :class:`Partitioner` is a module-level object whose pickled state is its
 settings, so Inductor's FX graph cache and AOTAutograd's cache can key on it
@@ -37,6 +39,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from dtcompile.collectives import is_collective
 from dtcompile.memory import held_during_backward
 from dtcompile.passes import padded_collective
+from dtcompile.recompute import ActivationChoice, fit_activation_budget
 from dtcompile.records import PassRecord
 from dtcompile.reshard import ParamNames, Resharding, tag_reshard_after_forward
 from dtcompile.scoped_patch import ScopedPatch
@@ -67,14 +70,19 @@ class Partitioner(CustomPartitionerFn):
         params: ParamNames | None = None,
         reshard: bool = True,
         keep_gathered: frozenset[str] = frozenset(),
+        memory_budget: int | None = None,
+        name: str = "this graph",
     ) -> None:
         self.uneven = uneven
         self.key = key
         self.params = dict(params or {})
         self.reshard = reshard
         self.keep_gathered = keep_gathered
+        self.memory_budget = memory_budget
+        self.name = name
         self.on_start = on_start
         self.resharding = Resharding((), {})
+        self.activations: ActivationChoice | None = None
         self.held_during_backward = 0
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
@@ -92,21 +100,37 @@ class Partitioner(CustomPartitionerFn):
         self.resharding = tag_reshard_after_forward(
             gm, self.params, enabled=self.reshard, keep=self.keep_gathered, refused=refused
         )
+        self.activations = None
         if keeping:
+            # No activation budget: the passes keep the budget or say it is below the peak.
             kwargs.pop("compiler", None)
             forward, backward = partition_keeping_collectives(gm, joint_inputs, **kwargs)
         else:
             kwargs.setdefault("compiler", "inductor")
-            forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+            def min_cut(joint: fx.GraphModule) -> Any:
+                return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+            if self.memory_budget is None:
+                forward, backward = min_cut(gm)
+            else:
+                forward, backward, self.activations = fit_activation_budget(gm, min_cut, self.memory_budget, self.name)
         self.held_during_backward = held_during_backward(forward, backward)
         return forward, backward
 
-    def record(self, forward: fx.GraphModule) -> PassRecord:
-        """The ``reshard_after_forward`` decisions as the first record of the ``forward`` graph."""
-        nodes = len(forward.graph.nodes)
-        collectives = sum(1 for n in forward.graph.nodes if is_collective(n))
-        decisions = self.resharding.decisions
-        return PassRecord("reshard_after_forward", True, nodes, nodes, collectives, collectives, decisions)
+    def records(self, forward: fx.GraphModule) -> list[PassRecord]:
+        """The partition's decisions, the first records of the ``forward`` graph: the
+        ``reshard_after_forward`` decisions, and the ``activation_budget``'s where it
+        recomputed activations to fit ``memory_budget_bytes``."""
+        records = []
+        if self.resharding.decisions:
+            nodes = len(forward.graph.nodes)
+            collectives = sum(1 for n in forward.graph.nodes if is_collective(n))
+            decisions = self.resharding.decisions
+            records.append(PassRecord("reshard_after_forward", True, nodes, nodes, collectives, collectives, decisions))
+        if self.activations is not None:
+            records.append(self.activations.record(forward))
+        return records
 
     def uuid(self) -> str:
         params = ", ".join(f"{i}:{name}" for i, name in sorted(self.params.items()))
@@ -120,6 +144,7 @@ class Partitioner(CustomPartitionerFn):
             "params": self.params,
             "reshard": self.reshard,
             "keep_gathered": sorted(self.keep_gathered),
+            "memory_budget": self.memory_budget,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -128,8 +153,11 @@ class Partitioner(CustomPartitionerFn):
         self.params = state["params"]
         self.reshard = state["reshard"]
         self.keep_gathered = frozenset(state["keep_gathered"])
+        self.memory_budget = state["memory_budget"]
+        self.name = "this graph"
         self.on_start = None
         self.resharding = Resharding((), {})
+        self.activations = None
         self.held_during_backward = 0
 
 

@@ -34,6 +34,8 @@ class Action(enum.Enum):
     """Nodes were reordered (``overlap``)."""
     RESHARDED = "resharded"
     """A gathered parameter is gathered again in the backward instead of kept (``reshard_after_forward``)."""
+    RECOMPUTED = "recomputed"
+    """An activation is recomputed in the backward instead of saved, to fit the memory budget (``activation_budget``)."""
     SKIPPED = "skipped"
     """The pass left a candidate as it was; the outcome says why."""
 

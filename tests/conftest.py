@@ -39,7 +39,7 @@ def pytest_addoption(parser):
     # Here, not in tests/fuzz/conftest.py: pytest reads options only from the
     # conftests it loads at startup, and `pytest tests --fuzz-examples N` would not.
     group = parser.getgroup("dtcompile fuzzer (tests/fuzz)")
-    group.addoption("--fuzz-examples", type=int, default=None, help="programs the fuzzer runs (default 500, the CI budget)")
+    group.addoption("--fuzz-examples", type=int, default=None, help="programs the fuzzer runs (default 300 programs, 100 plan-fuzzer models: the CI budget)")
     group.addoption("--fuzz-seed", type=int, default=None, help="the fuzzer's seed (default: the fixed CI seed)")
 
 
@@ -54,8 +54,9 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.subprocess)
     # The fuzzer's tests run last: they keep threaded worlds alive across many
     # programs and tear down hung ones, and a later test must not start from
-    # whatever a torn-down world left behind.
-    items[:] = sorted(items, key=lambda item: item.nodeid.startswith("tests/fuzz/"))
+    # whatever a torn-down world left behind.  The warm-cache tests (minutes each)
+    # run first, so that pytest-xdist's workers do not end with one of them alone.
+    items[:] = sorted(items, key=lambda item: (item.nodeid.startswith("tests/fuzz/"), item.get_closest_marker("warm") is None))
 
 
 @pytest.fixture(autouse=True)

@@ -64,11 +64,23 @@ def measure_memory(step: Callable[[], Any], alive: Iterable[torch.Tensor] = ()) 
     Run the step once before (compiling, and allocating what a first step allocates
     once), and set gradients to ``None`` between steps to measure one step as the next
     one runs."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
     base = storage_bytes(alive)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    # Garbage from before the step (an earlier program's tensors in reference cycles)
+    # freed during it would count as negative bytes of the step: collected first, and
+    # no collection while it runs.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        if collecting:
+            gc.enable()
     events = sorted(
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
     )

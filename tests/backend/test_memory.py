@@ -1,5 +1,6 @@
 """Memory: FSDP stays FSDP when compiled (reshard after forward), the peak-memory model
-against the allocator's measurement, and the memory budget the passes keep to."""
+against the allocator's measurement, the memory budget the passes keep to, and the
+activations recomputed to fit it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor
 import dtcompile
 from dtcompile._testing import models
 from dtcompile._testing.cases import CASES
-from dtcompile.memory import MemoryBudgetError
+from dtcompile.memory import MemoryBudgetError, format_bytes
 from dtcompile.records import Action
 from dtcompile.testing import assert_matches_eager, measure_memory, saved_bytes, threaded_world
 
@@ -96,6 +97,48 @@ def test_resharded_fsdp_equals_eager_forward_and_backward_on_4_threaded_ranks(op
     assert_matches_eager(build, world=threaded_world(4, (4,), ("dp",)), backend=dtcompile.backend(inductor=False, **options))
 
 
+def _recomputed(backend) -> list[str]:
+    return [d.node for r in backend.records for p in r.passes if p.name == "activation_budget" for d in p.decisions if d.node]
+
+
+def test_a_budget_under_the_default_split_recomputes_activations_to_fit(fake_world):
+    mesh, _, parallel, x = _stack(fake_world)
+    held, out, backend = _saved_compiled(parallel, x)
+    default_peak = max(r.memory_traced.peak_bytes for r in backend.records)
+    budget = default_peak * 92 // 100
+    torch._dynamo.reset()
+    fitted_held, fitted_out, fitted = _saved_compiled(parallel, x, memory_budget_bytes=budget)
+    torch.testing.assert_close(fitted_out, out)
+    for record in fitted.records:
+        assert record.memory_traced.peak_bytes <= budget and record.memory.peak_bytes <= budget, record.kind
+    # What the record names is what the forward no longer saves, and the bytes held fall by as much.
+    recomputed = _recomputed(fitted)
+    assert recomputed and not _recomputed(backend)
+    returned = lambda b: {a.name for a in b.records[0].graph.graph.output_node().args[0]}  # noqa: E731
+    assert set(recomputed) <= returned(backend) - returned(fitted)
+    summary = next(p for p in fitted.records[0].passes if p.name == "activation_budget").decisions[0]
+    assert f"over memory_budget_bytes {format_bytes(budget)}; {len(recomputed)} activations" in summary.text
+    assert fitted_held < held, (fitted_held, held)
+
+
+@pytest.mark.models
+def test_recomputed_activations_equal_eager_forward_and_backward_on_4_threaded_ranks():
+    sizes = dict(rows=8, dim=32, hidden=64)
+
+    def build(mesh):
+        _, parallel, x = models.build_norm_mlp_stack(mesh, **sizes)
+        return parallel, (x.chunk(4)[mesh.get_local_rank()],)
+
+    with dtcompile.testing.fake_world(4, (4,), ("dp",)) as mesh:
+        _, parallel, x = models.build_norm_mlp_stack(mesh, **sizes)
+        _, _, backend = _saved_compiled(parallel, x.chunk(4)[0])
+    budget = max(r.memory_traced.peak_bytes for r in backend.records) * 92 // 100
+    torch._dynamo.reset()
+    fitted = dtcompile.backend(inductor=False, memory_budget_bytes=budget)
+    assert_matches_eager(build, world=threaded_world(4, (4,), ("dp",)), backend=fitted)
+    assert _recomputed(fitted)
+
+
 @pytest.mark.parametrize("case_name", sorted(CASES))
 def test_the_estimated_peak_is_within_10_percent_of_the_measured_one(fake_world, case_name):
     case = CASES[case_name]
@@ -147,8 +190,12 @@ def test_a_budget_below_the_least_peak_is_a_clear_error(fake_world):
     error = raised.value.__cause__ if isinstance(raised.value.__cause__, MemoryBudgetError) else raised.value.inner_exception
     assert isinstance(error, MemoryBudgetError)
     message = str(error)
-    assert message.startswith("dtcompile: memory_budget_bytes=1048576 (1 MiB) is below the least peak of the forward graph")
-    assert "its peak with no pass applied" in message and "Raise memory_budget_bytes to at least" in message
+    # Even with its activations recomputed in the backward, the graph peaks above 1 MiB.
+    assert message.startswith("dtcompile: memory_budget_bytes=1048576 (1 MiB) is below the least peak of compile 0/0: ")
+    assert "the least of every share of its activations recomputed in the backward" in message
+    least = int(message.split("Raise memory_budget_bytes to at least ")[1].split(",")[0])
+    torch._dynamo.reset()
+    torch.compile(parallel, backend=dtcompile.backend(inductor=False, memory_budget_bytes=least))(x).sum().backward()
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,9 @@ gave wrong gradients on the warm run only.
 The suites: the shared models (:data:`dtcompile._testing.cases.CASES`,
 issue #37's FSDP-style stack among them), every model of the auto-parallel
 zoo (planned on the ranks' 1-D mesh), a batch of the program fuzzer's
-2-rank programs, and the torchtitan client tests' trainings.
+2-rank programs, and the torchtitan client tests' trainings.  CI runs five of
+the zoo's models and two of the clients; the ``soak`` tier (``pytest -m soak``)
+the others.
 """
 
 from __future__ import annotations
@@ -155,14 +157,20 @@ def _zoo_rank(rank: int, names: list[str]) -> dict[str, Any]:
     return results
 
 
-def _zoo_names() -> list[str]:
+# The zoo models CI runs warm (embeddings, tied weights, a convolution, SDPA, buffers); the
+# soak tier runs the rest (two of them torchtitan's, 5 min of Inductor compiles on 2 cores).
+ZOO_IN_CI = ("small_lm", "tied_embeddings_lm", "groupnorm_conv", "causal_sdpa", "with_buffers")
+
+
+def _zoo_names(group: str) -> list[str]:
     from zoo_models import ZOO
 
-    return list(ZOO)
+    return [name for name in ZOO if (name in ZOO_IN_CI) == (group == "ci")]
 
 
-def test_zoo_cold_and_warm_equal_the_single_process_model(tmp_path):
-    names = _zoo_names()
+@pytest.mark.parametrize("group", ["ci", pytest.param("soak", marks=pytest.mark.soak)])
+def test_zoo_cold_and_warm_equal_the_single_process_model(group, tmp_path):
+    names = _zoo_names(group)
     cold, warm = run_cold_and_warm(WORLD_SIZE, _zoo_rank, names, cache_dir=tmp_path, timeout=TIMEOUT)
     for name in names:
         for rank in range(WORLD_SIZE):
@@ -299,10 +307,15 @@ CLIENTS = {
     "spmd_types_qwen3": ("spmd_types", "qwen3", dict(rtol=1e-5, atol=1e-6)),
     "qwen3_moe_ep": ("moe", None, dict(rtol=1e-3, atol=1e-4)),
 }
+# CI runs torchtitan's two paths warm, DTensor TP + SP and its default spmd_types; the soak tier
+# the other three (2 to 3 min each of Inductor compiles on 2 cores).
+CLIENTS_IN_CI = ("llama3_tp_sp", "spmd_types_llama3")
 
 
 @pytest.mark.models
-@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize(
+    "client", [c if c in CLIENTS_IN_CI else pytest.param(c, marks=pytest.mark.soak) for c in CLIENTS]
+)
 def test_torchtitan_cold_and_warm_equal_eager(client, tmp_path):
     from _titan import mismatches, raise_mismatches, require_torchtitan
 
