@@ -80,6 +80,7 @@ def _budget(model, ways):
     return sum(p.numel() * p.element_size() for p in model.parameters()) // ways
 
 
+@pytest.mark.models
 def test_cpu_flash_attention_is_planned_with_the_efficient_attention_strategies(tp_mesh):
     model, x = _build(Attention, 4, 8, 16)
     solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x,), param_memory_budget_bytes=_budget(model, 2))
@@ -111,6 +112,7 @@ def test_an_op_without_any_strategy_falls_back_to_replicated(tp_mesh):
     )
 
 
+@pytest.mark.models
 def test_an_op_with_a_decomposition_is_planned_as_its_decomposition(tp_mesh):
     import sys
     from pathlib import Path

@@ -110,6 +110,7 @@ def test_switched_off_pass_does_not_run_and_passes_log(caplog):
     assert "inference: pass annotate: nodes 3 -> 3, collectives 0 -> 0" in caplog.text
 
 
+@pytest.mark.models
 def test_compiler_settings_change_only_inside_the_call():
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config

@@ -69,6 +69,7 @@ def test_fsdp_compiled_holds_what_fsdp2_holds_between_forward_and_backward(fake_
     assert sum(c.bytes for c in backward_gathers) == (3 * 256 + 4 * 2 * 1024 * 256) * 4
 
 
+@pytest.mark.models
 def test_keeping_gathered_weights_holds_them_and_says_why(fake_world):
     mesh, _, parallel, x = _stack(fake_world)
     resharded, _, _ = _saved_compiled(parallel, x)
@@ -101,6 +102,7 @@ def _recomputed(backend) -> list[str]:
     return [d.node for r in backend.records for p in r.passes if p.name == "activation_budget" for d in p.decisions if d.node]
 
 
+@pytest.mark.models
 def test_a_budget_under_the_default_split_recomputes_activations_to_fit(fake_world):
     mesh, _, parallel, x = _stack(fake_world)
     held, out, backend = _saved_compiled(parallel, x)
@@ -140,6 +142,7 @@ def test_recomputed_activations_equal_eager_forward_and_backward_on_4_threaded_r
 
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
+@pytest.mark.models
 def test_the_estimated_peak_is_within_10_percent_of_the_measured_one(fake_world, case_name):
     case = CASES[case_name]
     mesh = fake_world(4, case.mesh_shape(4), case.mesh_dim_names)
@@ -164,6 +167,7 @@ def _peaks(backend):
     return {r.kind: (r.memory_traced.peak_bytes, r.memory.peak_bytes, r.memory_budget[0]) for r in backend.records}
 
 
+@pytest.mark.models
 def test_a_budget_the_passes_would_pass_is_kept_and_the_refusals_say_so(fake_world):
     mesh, _, parallel, x = _stack(fake_world, rows=16)
     step = lambda backend: torch.compile(parallel, backend=backend)(x).sum().backward()  # noqa: E731
@@ -183,6 +187,7 @@ def test_a_budget_the_passes_would_pass_is_kept_and_the_refusals_say_so(fake_wor
     assert any(": starts a new bucket: joining" in line for line in refusals)
 
 
+@pytest.mark.models
 def test_a_budget_below_the_least_peak_is_a_clear_error(fake_world):
     mesh, _, parallel, x = _stack(fake_world, rows=16)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:

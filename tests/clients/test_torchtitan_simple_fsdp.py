@@ -89,6 +89,10 @@ def _train_on_rank(
     return run
 
 
+# Whole torchtitan models compiled on ranks: the slow tier, as the other client tests.
+pytestmark = pytest.mark.models
+
+
 @pytest.mark.parametrize("plan", PLANS)
 def test_simple_fsdp_llama3_whole_model_compiled_matches_eager_and_one_process(plan, torchtitan_on_cpu):
     world_size, tp = PLANS[plan]

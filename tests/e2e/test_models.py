@@ -38,6 +38,7 @@ def _schedule(case_name: str, mesh) -> str:
     return str(collective_schedule(parallel, case.local_input(x, mesh), backend=dtcompile.backend()))
 
 
+@pytest.mark.models
 def test_tp_mlp_schedule(world4):
     mesh = CASES["tp_mlp"].mesh(4)
     _compile_steps("tp_mlp", mesh, dtcompile.backend())
@@ -72,6 +73,7 @@ forward total: 5 collectives, 20480 B per rank
 backward total: 4 collectives, 16384 B per rank""")
 
 
+@pytest.mark.models
 def test_fsdp_mlp_schedule(world4):
     mesh = CASES["fsdp_mlp"].mesh(4)
     _compile_steps("fsdp_mlp", mesh, dtcompile.backend())

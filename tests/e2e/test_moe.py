@@ -104,7 +104,8 @@ def _assert_step_close(got: _Step, want: _Step, what: str) -> None:
         torch.testing.assert_close(grad, want.grads[name], **TOL, msg=lambda m, n=name: f"{what}: grad of {n}: {m}")
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.models)])
+@pytest.mark.models
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_moe_expert_parallel_compiled_matches_eager_and_reference(world_size):
     reference, _ = _reference(world_size)
     results = run_threaded(world_size, _rank_eager_and_compiled, world_size)
@@ -142,6 +143,7 @@ def _rank_records(rank: int) -> list:
     return list(backend.records)
 
 
+@pytest.mark.models
 def test_moe_all_to_all_is_reported_data_dependent_and_left_alone():
     records = run_threaded(2, _rank_records)[0]
     assert [r.kind for r in records] == ["forward", "backward"]
@@ -197,6 +199,7 @@ total backward: 3 collectives, 160 B per rank and 2 data-dependent, ~22.9 us""")
     assert "<td>192 and 4 data-dependent</td>" in page  # bytes per rank per step
 
 
+@pytest.mark.models
 def test_moe_schedule_text_says_data_dependent_not_an_estimate():
     from dtcompile.testing.schedule import CollectiveSchedule, ScheduledCollective, _fields
 

@@ -18,6 +18,7 @@ from fuzz_shrink import shrink
 from fuzz_world import ProgramRun, RankRun, Side, Value, run_programs
 
 
+@pytest.mark.models
 def test_a_seed_draws_the_same_programs():
     first = generate_programs({"1d2": 6, "2d": 3}, seed=7)
     again = generate_programs({"1d2": 6, "2d": 3}, seed=7)

@@ -144,6 +144,7 @@ def test_overlap_is_undone_where_communication_cannot_run_beside_compute(fake_wo
     assert ctx.outcomes[0].action is Action.MOVED and ctx.outcomes[0].price.saves_us > 0
 
 
+@pytest.mark.models
 def test_async_tp_is_not_fused_on_a_profile_without_fused_kernels(fake_world):
     case = CASES["tp_sp_block"]
     mesh = fake_world(2, (2,), ("tp",))
@@ -170,6 +171,7 @@ def _rank_calibrate(rank: int, name: str) -> dict:
     return dtcompile.calibrate(name, iters=2).to_json()
 
 
+@pytest.mark.models
 def test_calibrate_writes_a_profile_a_backend_loads_by_name(fake_world, monkeypatch, tmp_path):
     monkeypatch.setenv("DTCOMPILE_PROFILE_DIR", str(tmp_path))
     measured = run_gloo(2, _rank_calibrate, "this_box_gloo")

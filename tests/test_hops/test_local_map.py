@@ -1026,6 +1026,7 @@ def _dynamic_rank(rank: int) -> tuple[list[float], int, list[str]]:
     return errors, counter.frame_count, [str(r.spec) for record in backend.records for r in record.regions]
 
 
+@pytest.mark.models
 def test_dynamic_shapes_compile_once_and_match_the_reference():
     """Under ``dynamic=True`` Dynamo passes the region its sizes as operands; the
     region's forward/backward split carries them (saved sizes included) and one

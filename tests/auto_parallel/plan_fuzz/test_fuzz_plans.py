@@ -33,7 +33,7 @@ from dtcompile.testing import fake_world, run_threaded
 pytestmark = pytest.mark.fuzz
 
 CI_EXAMPLES = 100
-CHUNKS = 4
+CHUNKS = 8
 CI_SEED = 20261125
 SHARES = {"1d2": 0.4, "1d4": 0.3, "2x2": 0.3}
 
