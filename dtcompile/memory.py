@@ -46,6 +46,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryPlan",
     "PeakTracker",
+    "budget_below_peak",
     "estimate_memory",
     "format_bytes",
     "held_during_backward",
@@ -320,14 +321,19 @@ class MemoryPlan:
                 f"peak as traced {format_bytes(traced.peak_bytes)} + prefetch window {format_bytes(window)}"
             )
         if budget_bytes < traced.peak_bytes:
-            raise MemoryBudgetError(
-                f"dtcompile: memory_budget_bytes={budget_bytes} ({format_bytes(budget_bytes)}) is below "
-                f"the least peak of {graph}: {traced.peak_bytes} B ({format_bytes(traced.peak_bytes)}), its peak "
-                f"with no pass applied, {traced}; alive there: {traced.largest()}. Raise memory_budget_bytes to at "
-                f"least {traced.peak_bytes}, or shard more (more ranks on the data-parallel axis, "
-                "reshard_after_forward=True), or make the batch smaller"
-            )
+            raise budget_below_peak(budget_bytes, graph, traced, "its peak with no pass applied")
         return budget_bytes, "memory_budget_bytes"
+
+
+def budget_below_peak(budget: int, graph: str, least: MemoryEstimate, how: str) -> MemoryBudgetError:
+    """The error for ``memory_budget_bytes=budget`` below ``least``, the least peak ``graph``
+    can have (``how`` says how it was found): that peak, what is alive there, and the fix."""
+    return MemoryBudgetError(
+        f"dtcompile: memory_budget_bytes={budget} ({format_bytes(budget)}) is below the least peak of {graph}: "
+        f"{least.peak_bytes} B ({format_bytes(least.peak_bytes)}), {how}, {least}; alive there: {least.largest()}. "
+        f"Raise memory_budget_bytes to at least {least.peak_bytes}, or shard more (more ranks on the "
+        "data-parallel axis, reshard_after_forward=True), or make the batch smaller"
+    )
 
 
 def prefetch_window(gathered: dict[str, int]) -> int:

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from dtcompile.memory import MemoryBudgetError, MemoryEstimate, estimate_memory, format_bytes, held_during_backward
+from dtcompile.memory import MemoryEstimate, budget_below_peak, estimate_memory, format_bytes, held_during_backward
 from dtcompile.records import Action, Outcome, PassRecord
 
 __all__ = ["ActivationChoice", "fit_activation_budget"]
@@ -128,22 +128,19 @@ def fit_activation_budget(
     # The peak need not fall as the share does: recomputing everything from the inputs also
     # recomputes the gathers of every weight at the backward's start.  So the shares are
     # tried from the top down, and the first that fits is refined upwards.
-    tried, fits = [default], None
+    least, fits = default, None
     for step in range(_GRID - 1, -1, -1):
-        tried.append(split(step / _GRID))
-        if tried[-1].peak.peak_bytes <= budget:
-            fits = tried[-1]
+        tried = split(step / _GRID)
+        if tried.peak.peak_bytes <= budget:
+            fits = tried
             break
+        least = min(least, tried, key=lambda s: s.peak.peak_bytes)
     if fits is None:
-        least = min(tried, key=lambda s: s.peak.peak_bytes)
-        peak = least.peak
-        raise MemoryBudgetError(
-            f"dtcompile: memory_budget_bytes={budget} ({format_bytes(budget)}) is below the least peak of {graph}: "
-            f"{peak.peak_bytes} B ({format_bytes(peak.peak_bytes)}) in its {peak.kind}, the least of every share of "
-            f"its activations recomputed in the backward (torch's activation_memory_budget={least.share:.3g}), {peak}; "
-            f"alive there: {peak.largest()}. Raise memory_budget_bytes to at least {peak.peak_bytes}, or shard more "
-            "(more ranks on the data-parallel axis, reshard_after_forward=True), or make the batch smaller"
+        how = (
+            f"in its {least.peak.kind}, the least of every share of its activations recomputed in the backward "
+            f"(torch's activation_memory_budget={least.share:.3g})"
         )
+        raise budget_below_peak(budget, graph, least.peak, how)
     over = fits.share + 1 / _GRID
     for _ in range(_REFINE):
         candidate = split((fits.share + over) / 2)

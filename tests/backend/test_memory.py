@@ -113,7 +113,7 @@ def test_a_budget_under_the_default_split_recomputes_activations_to_fit(fake_wor
     torch.testing.assert_close(fitted_out, out)
     for record in fitted.records:
         assert record.memory_traced.peak_bytes <= budget and record.memory.peak_bytes <= budget, record.kind
-    # What the record names is what the forward no longer saves, and the bytes held fall by as much.
+    # What the record names is what the forward no longer saves, and the bytes held fall.
     recomputed = _recomputed(fitted)
     assert recomputed and not _recomputed(backend)
     returned = lambda b: {a.name for a in b.records[0].graph.graph.output_node().args[0]}  # noqa: E731
