@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
     from dtcompile.collectives import CollectiveInfo
     from dtcompile.compiler import DTCompileBackend, backend
     from dtcompile.config import DTCompileConfig
+    from dtcompile.rank_check import RanksDisagree
     from dtcompile.records import CompiledGraph
     from dtcompile.report import Report, explain
     from hops.local_map import local_map
@@ -30,6 +31,7 @@ __all__ = [
     "CompiledGraph",
     "DTCompileBackend",
     "DTCompileConfig",
+    "RanksDisagree",
     "Report",
     "auto_parallel",
     "backend",
@@ -43,6 +45,7 @@ _WHERE = {
     "CompiledGraph": "dtcompile.records",
     "DTCompileBackend": "dtcompile.compiler",
     "DTCompileConfig": "dtcompile.config",
+    "RanksDisagree": "dtcompile.rank_check",
     "Report": "dtcompile.report",
     "auto_parallel": "dtcompile.auto_parallel",
     "backend": "dtcompile.compiler",

@@ -55,15 +55,17 @@ from dtcompile.config import DTCompileConfig
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.scoped_patch import ScopedPatch
 
-__all__ = ["compile_key", "rank_position", "stable_mesh_keys"]
+__all__ = ["compile_key", "key_fields", "meshes_held", "profile_text", "rank_position", "source_digest", "stable_mesh_keys"]
 
 # Fields that do not change a compiled graph: what is printed or logged, and what
 # happens where torch cannot trace (nothing is compiled or cached then).
-_NOT_IN_KEY = frozenset({"report", "trace_pass_graphs", "eager_fallback", "aot_cache"})
+_NOT_IN_KEY = frozenset(
+    {"report", "trace_pass_graphs", "eager_fallback", "aot_cache", "check_ranks", "check_ranks_timeout_s"}
+)
 
 
 @functools.cache
-def _source_digest() -> str:
+def source_digest() -> str:
     """One digest of the sources of the packages that trace and rewrite dtcompile's graphs."""
     import dynamo_vars
     import hops
@@ -85,20 +87,26 @@ def _canonical(value: Any) -> str:
     return repr(value)
 
 
+def key_fields(config: DTCompileConfig) -> dict[str, str]:
+    """The options that change a compiled graph, by name, as text every process writes alike."""
+    return {name: _canonical(getattr(config, name)) for name in DTCompileConfig.field_names() if name not in _NOT_IN_KEY}
+
+
+def profile_text(profile: HardwareProfile) -> str:
+    """``profile``'s numbers as text every process writes alike."""
+    return _canonical(profile.to_json())
+
+
 def compile_key(config: DTCompileConfig, profile: HardwareProfile, position: str = "") -> str:
     """The text torch's caches key dtcompile's graphs on, besides the graph and Inductor's config;
     ``profile`` is the one the graph is priced with (``auto`` picks it per graph), ``position``
     this rank's place in the graph's meshes (:func:`rank_position`; empty: shared by all ranks)."""
-    fields = ", ".join(
-        f"{name}={_canonical(getattr(config, name))}"
-        for name in DTCompileConfig.field_names()
-        if name not in _NOT_IN_KEY
-    )
-    key = f"dtcompile(source={_source_digest()}, {fields}, profile={_canonical(profile.to_json())}"
+    fields = ", ".join(f"{name}={text}" for name, text in key_fields(config).items())
+    key = f"dtcompile(source={source_digest()}, {fields}, profile={profile_text(profile)}"
     return key + (f", rank={position})" if position else ")")
 
 
-def _meshes_held(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+def meshes_held(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     """Every ``DeviceMesh`` the Dynamo graph holds, in order of appearance: its inputs', its
     nodes' values' and its nodes' constant arguments' (a DTensor's mesh, a spec's, a mesh)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -128,7 +136,7 @@ def rank_position(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
 
     from dtcompile.notation import describe_mesh
 
-    meshes = _meshes_held(gm, example_inputs)
+    meshes = meshes_held(gm, example_inputs)
     if not meshes:
         return ""
     where = ", ".join(f"{describe_mesh(mesh)} at {tuple(mesh.get_coordinate() or ())}" for mesh in meshes)

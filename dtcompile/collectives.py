@@ -33,6 +33,7 @@ __all__ = [
     "CollectiveInfo",
     "axis_name",
     "collective_info",
+    "group_names_in",
     "graph_collectives",
     "group_backends",
     "profile_for_groups",
@@ -158,6 +159,21 @@ def flattened_axes(mesh: Any) -> dict[str, str]:
     """Group name -> name, for every flattened mesh made from ``mesh``'s root mesh."""
     flattened = getattr(mesh._get_root_mesh(), "_flatten_mapping", {})
     return {flat._dim_group_names[0]: name for name, flat in flattened.items()}
+
+
+def group_names_in(gm: fx.GraphModule) -> list[str]:
+    """The process groups ``gm``'s functional collectives run on, by name, in program order
+    (an AOT graph's nodes call the op overloads, a Dynamo graph's the op packets)."""
+    names = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            continue
+        packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+        namespace, _, name = packet._qualified_op_name.partition("::")
+        if (namespace, name) in _COLLECTIVES:
+            names.append(node.args[_COLLECTIVES[namespace, name][1]])
+    return list(dict.fromkeys(names))
 
 
 def is_collective(node: fx.Node) -> bool:

@@ -26,6 +26,11 @@ The pipeline for one Dynamo graph:
 3. Lowering: the regions are inlined (:func:`dtcompile.lowering.inline_regions`),
    then Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph as
    it is (``inductor=False``).
+4. Where ranks can compile differently (a real process group; ``check_ranks``),
+   the compiled graph's first call first checks that every rank of its groups
+   compiled the same collectives (:mod:`dtcompile.rank_check`); the backward is
+   then compiled with the forward, not at its first call, so that the check
+   covers both.
 
 Where step 1 fails in torch on a program eager DTensor runs (stock AOTAutograd
 refuses some DTensor programs), the Dynamo graph runs eagerly instead, with a
@@ -40,6 +45,7 @@ import collections
 import contextlib
 import functools
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -50,15 +56,37 @@ from torch import fx
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
 from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallback_artifact, format_compiled_graph
-from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
+from dtcompile.cache_keys import (
+    compile_key,
+    key_fields,
+    meshes_held,
+    profile_text,
+    rank_position,
+    source_digest,
+    stable_mesh_keys,
+)
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig, config_for
+from dtcompile.cost_model import ProfileChoice
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
 from dtcompile.lowering import inline_regions
 from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
-from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
+from dtcompile.rank_check import (
+    CheckedOnFirstCall,
+    RanksDisagree,
+    Schedule,
+    agree,
+    check_groups,
+    collective_lines,
+    decided_from,
+    inputs_text,
+    load_schedule,
+    save_schedule,
+    world_can_disagree,
+)
+from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord, RankCheck
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
 from dtcompile.sharding_cache import fresh_sharding_caches
@@ -75,29 +103,34 @@ _MAX_RECORDS = 256
 
 
 @contextlib.contextmanager
-def _compile_caches(config: DTCompileConfig) -> Iterator[None]:
-    """torch's compile caches as the user set them, except AOTAutograd's where this compile
-    must run here (``aot_cache=False``, or ``report`` / ``trace_pass_graphs``, which show
-    the graphs as they compile): a hit there would trace nothing.  Both caches key on
-    :func:`~dtcompile.cache_keys.compile_key` through the partitioner, so a hit is a
-    graph compiled with these options."""
+def _aot_settings(config: DTCompileConfig, *, backward_now: bool) -> Iterator[None]:
+    """AOTAutograd as this compile needs it.  Its cache as the user set it, except where
+    this compile must run here (``aot_cache=False``, or ``report`` / ``trace_pass_graphs``,
+    which show the graphs as they compile): a hit there would trace nothing.  Both
+    caches key on :func:`~dtcompile.cache_keys.compile_key` through the partitioner, so
+    a hit is a graph compiled with these options.  ``backward_now``: the backward is
+    compiled with the forward, not at its first call, so that the ranks' check
+    (:mod:`dtcompile.rank_check`) sees its collectives before either runs."""
     from torch._functorch import config as functorch_config
 
+    settings = {}
     if not config.aot_cache or config.report or config.trace_pass_graphs:
-        with functorch_config.patch(enable_autograd_cache=False):
-            yield
-    else:
+        settings["enable_autograd_cache"] = False
+    if backward_now:
+        settings["force_non_lazy_backward_lowering"] = True
+    with functorch_config.patch(settings):
         yield
 
 
 class _Progress:
     """How far one backend call got: past AOTAutograd's trace (into the partitioner or
-    dtcompile's passes) or not.  A failure after the trace is never run eagerly
-    instead; a call that returns without ever getting there was served from
-    AOTAutograd's cache."""
+    dtcompile's passes) or not, and the graphs it compiled.  A failure after the trace
+    is never run eagerly instead; a call that returns without ever getting there was
+    served from AOTAutograd's cache."""
 
     def __init__(self) -> None:
         self.traced = False
+        self.graphs: list[CompiledGraph] = []
 
     def trace_finished(self) -> None:
         self.traced = True
@@ -173,6 +206,9 @@ class DTCompileBackend:
         self.records: collections.deque[CompiledGraph] = collections.deque(maxlen=_MAX_RECORDS)
         self.fallbacks: collections.deque[EagerFallback] = collections.deque(maxlen=_MAX_RECORDS)
         self.cached: collections.deque[CachedCompile] = collections.deque(maxlen=_MAX_RECORDS)
+        self.checks: collections.deque[RankCheck] = collections.deque(maxlen=_MAX_RECORDS)
+        # (rank, frame) -> schedules its ranks agreed on (rank: ranks as threads share a backend).
+        self._agreed: dict[tuple[int, str], set[str]] = {}
 
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
@@ -183,6 +219,7 @@ class DTCompileBackend:
         ``aot_cache=False``: it reads what dtcompile compiles)."""
         other = DTCompileBackend(self.config.replace(**changes))
         other.records, other.fallbacks, other.cached = self.records, self.fallbacks, self.cached
+        other.checks = self.checks
         return other
 
     def __call__(
@@ -213,6 +250,7 @@ class DTCompileBackend:
         progress = _Progress()
         # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
         key = compile_key(config, priced.profile, rank_position(gm, example_inputs))
+        checking = config.check_ranks and world_can_disagree()
         partitioner = Partitioner(
             bool(info.uneven),
             key,
@@ -225,7 +263,7 @@ class DTCompileBackend:
         )
         try:
             with (
-                _compile_caches(config),
+                _aot_settings(config, backward_now=checking),
                 stable_mesh_keys(),
                 fresh_sharding_caches(),
                 keep_regions(),
@@ -247,11 +285,84 @@ class DTCompileBackend:
         except Exception as exc:
             if progress.traced or not config.eager_fallback or _raised_on_purpose(exc):
                 raise
-            compiled = self._fall_back_to_eager(gm, info, exc)
+            fallback = self._fall_back_to_eager(gm, info, exc)
+            compiled, how = gm.forward, f"run eagerly ({fallback.error})"
         else:
+            how = "compiled here" if progress.traced else "served from the compile cache"
             if not progress.traced:
                 self._loaded_from_cache(gm, info)
-        return with_outputs_put_back(compiled, constants, views)
+        run = with_outputs_put_back(compiled, constants, views)
+        if not checking:
+            return run
+        schedule = self._schedule(gm, example_inputs, config, priced, key, how, progress.graphs)
+        groups = check_groups(gm, meshes_held(gm, example_inputs))
+        if not groups or schedule.collectives == ():
+            # Nothing to pair up: a graph some ranks run alone (rank 0's evaluation) must not wait.
+            return run
+        return CheckedOnFirstCall(
+            run,
+            with_outputs_put_back(gm.forward, constants, views),
+            functools.partial(self._agree, schedule, groups, config.check_ranks_timeout_s, info.axes),
+            functools.partial(self._run_eagerly_on_every_rank, gm, info),
+        )
+
+    def _schedule(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: DTCompileConfig,
+        priced: ProfileChoice,
+        key: str,
+        how: str,
+        graphs: Sequence[CompiledGraph],
+    ) -> Schedule:
+        """What this rank compiled for ``gm``, as its ranks' check compares it; a compiled
+        schedule is saved beside the compile cache, for a run the cache serves."""
+        compile_id = str(torch._guards.CompileContext.current_compile_id())
+        saved_as = f"{key}\n{gm.code}\n{inputs_text(example_inputs)}"
+        collectives: tuple[str, ...] | None = None
+        if graphs:
+            collectives = collective_lines((g.kind, g.collectives) for g in graphs)
+            if config.inductor and config.aot_cache:
+                save_schedule(saved_as, collectives)
+        elif how.startswith("served"):
+            collectives = load_schedule(saved_as)
+        profile = f"{priced}, numbers {profile_text(priced.profile)}"
+        decided = decided_from(key_fields(config), profile, source_digest(), gm, example_inputs)
+        return Schedule(compile_id, how, collectives, decided, eager=how.startswith("run eagerly"))
+
+    def _agree(self, schedule: Schedule, groups: Sequence[str], timeout_s: float, axes: Mapping[str, str]) -> bool:
+        """The ranks' check of one graph (:func:`dtcompile.rank_check.agree`), recorded; a
+        recompile whose schedule its frame already agreed on is not exchanged."""
+        import torch.distributed as dist
+
+        frame = (dist.get_rank(), schedule.compile_id.split("/")[0])
+
+        def record(outcome: str, seconds: float = 0.0) -> None:
+            check = RankCheck(schedule.compile_id, tuple(groups), outcome, seconds, bool(schedule.digest))
+            self.checks.append(check)
+            log.info("%s", check)
+
+        if schedule.digest and schedule.digest in self._agreed.get(frame, ()):
+            record("agreed on by an earlier graph")
+            return False
+        start = time.perf_counter()
+        try:
+            eager = agree(schedule, groups, timeout_s, axes)
+        except RanksDisagree:
+            record("ranks disagree", time.perf_counter() - start)
+            raise
+        record("every rank runs it eagerly" if eager else "agreed", time.perf_counter() - start)
+        if not eager and schedule.digest:
+            self._agreed.setdefault(frame, set()).add(schedule.digest)
+        return eager
+
+    def _run_eagerly_on_every_rank(self, gm: fx.GraphModule, info: DynamoGraphInfo) -> None:
+        warnings.warn(
+            f"dtcompile: graph {info.compile_id} runs eagerly on every rank of its groups: some rank could not "
+            "compile it (its backend.fallbacks says why), and ranks must issue the same collectives",
+            stacklevel=3,
+        )
 
     def _loaded_from_cache(self, gm: fx.GraphModule, info: DynamoGraphInfo) -> None:
         """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log."""
@@ -260,16 +371,16 @@ class DTCompileBackend:
         log.info("%s", cached)
         emit_cached_artifact(cached)
 
-    def _fall_back_to_eager(self, gm: fx.GraphModule, info: DynamoGraphInfo, exc: Exception) -> Callable[..., Any]:
-        """The Dynamo graph run as it is (DTensor's eager ops: eager's numbers and
-        collectives), for a graph torch's AOTAutograd could not trace; says so
+    def _fall_back_to_eager(self, gm: fx.GraphModule, info: DynamoGraphInfo, exc: Exception) -> EagerFallback:
+        """Records that the Dynamo graph runs as it is (DTensor's eager ops: eager's numbers
+        and collectives), for a graph torch's AOTAutograd could not trace; says so
         (a warning, ``backend.fallbacks``, a ``dtcompile_eager_fallback`` artifact)."""
         fallback = EagerFallback(compile_id=info.compile_id, error=_one_line(exc), graph=gm)
         self.fallbacks.append(fallback)
         log.info("%s", fallback)
         emit_fallback_artifact(fallback)
         warnings.warn(f"dtcompile: {fallback}", stacklevel=2)
-        return gm.forward
+        return fallback
 
     def _inductor_inner_compile(
         self,
@@ -376,6 +487,7 @@ class DTCompileBackend:
             lowering=dict(lowering(passes)),
         )
         self.records.append(record)
+        progress.graphs.append(record)
         log.info(
             "compile %s %s graph: %d nodes, %d collectives, %d local_map regions",
             record.compile_id,

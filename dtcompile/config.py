@@ -110,8 +110,24 @@ class DTCompileConfig:
     do) compiles every graph here, to inspect it; Inductor's FX graph cache,
     keyed on each graph after the passes, serves either way."""
 
+    check_ranks: bool = True
+    """Before a compiled graph first runs, check that every rank of its process groups
+    compiled the same collectives (:mod:`dtcompile.rank_check`): ranks that differ (an
+    option, the cost profile, a cache warm on some ranks only, an eager fallback) then
+    stop with an error that says how, instead of gloo aborting or NCCL hanging in the
+    first collective that does not pair up; where some rank runs the graph eagerly,
+    every rank does.  One exchange through the process group's store per graph, at its
+    first call only.  ``False`` skips it."""
+
+    check_ranks_timeout_s: float = 600.0
+    """Seconds (> 0) a rank waits at the check for its peers to reach the same graph:
+    longer than the slowest rank takes to compile it (a cold cache beside a warm one);
+    a peer that does not come within it is named in the error."""
+
     def __post_init__(self) -> None:
         _check_bool("inductor", self.inductor)
+        _check_bool("check_ranks", self.check_ranks)
+        _check_seconds("check_ranks_timeout_s", self.check_ranks_timeout_s)
         _check_bool("aot_cache", self.aot_cache)
         _check_bool("eager_fallback", self.eager_fallback)
         _check_bool("report", self.report)
@@ -149,6 +165,8 @@ class DTCompileConfig:
                 self.report,
                 self.trace_pass_graphs,
                 self.eager_fallback,
+                self.check_ranks,
+                self.check_ranks_timeout_s,
             )
         )
 
@@ -174,6 +192,13 @@ class DTCompileConfig:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"dtcompile: {name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"dtcompile: {name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"dtcompile: {name} must be > 0 seconds and finite, got {value}")
 
 
 def _check_bytes(name: str, value: Any, *, minimum: int) -> None:

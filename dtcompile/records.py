@@ -20,7 +20,7 @@ from dtcompile.collectives import CollectiveInfo
 from dtcompile.memory import MemoryEstimate, format_bytes
 from dtcompile.regions import RegionInfo
 
-__all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price"]
+__all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]
 
 
 class Action(enum.Enum):
@@ -200,4 +200,28 @@ class CachedCompile:
         return (
             f"compile {self.compile_id}: loaded from AOTAutograd's cache (compiled by dtcompile with the same "
             "options in an earlier run; its graphs were inspected there)"
+        )
+
+
+@dataclass(frozen=True)
+class RankCheck:
+    """One graph's check that its ranks compiled the same collectives (:mod:`dtcompile.rank_check`)."""
+
+    compile_id: str
+    groups: tuple[str, ...]
+    """The process groups compared on, by name."""
+    outcome: str
+    """``agreed``, ``agreed on by an earlier graph`` (a recompile with its frame's schedule:
+    nothing exchanged), ``every rank runs it eagerly`` or ``ranks disagree``."""
+    seconds: float
+    """Wall time of the exchange (0 where nothing was exchanged)."""
+    known: bool
+    """Whether this rank knew its graph's collectives (not: eager, or served from the
+    cache without them); where a rank did not, what they were decided from is compared."""
+
+    def __str__(self) -> str:
+        what = "collectives" if self.known else "what they were decided from"
+        return (
+            f"compile {self.compile_id}: ranks' check of {what} on groups {list(self.groups)}: "
+            f"{self.outcome} ({self.seconds * 1e3:.1f} ms)"
         )

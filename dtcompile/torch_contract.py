@@ -160,6 +160,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._functorch.partitioners", "_must_be_in_forward", ("node",)),
     ("torch._functorch.aot_autograd", "make_boxed_func", ("f",)),
     ("torch._functorch.config", "enable_autograd_cache", None),
+    # dtcompile.rank_check: the backward compiled with the forward, the store, the cache folder
+    ("torch._functorch.config", "force_non_lazy_backward_lowering", None),
+    ("torch.distributed.distributed_c10d", "_get_default_store", ()),
+    ("torch._inductor.runtime.cache_dir_utils", "cache_dir", ()),
     ("torch._guards", "CompileContext.current_compile_id", ()),
     ("torch._logging", "trace_structured", ("name", "metadata_fn", "payload_fn")),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a builtin: no signature

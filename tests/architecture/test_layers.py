@@ -9,7 +9,8 @@ a module may import modules of its own layer or below, never above:
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
    ``annotations``, ``ops``, ``memory``
 4. ``dtcompile.records``, ``dtcompile.pass_names``
-5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``, ``recompute``, ``reshard``
+5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``, ``recompute``, ``reshard``,
+   ``cache_keys``, ``dynamo_output``, ``rank_check``
 6. the backend -- ``dtcompile.compiler``
 7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver), ``dtcompile.calibration``
 8. the package face -- ``dtcompile`` (``__init__``)
@@ -43,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.memory",
     ),
     ("dtcompile.records", "dtcompile.pass_names"),
-    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.recompute", "dtcompile.reshard", "dtcompile.cache_keys", "dtcompile.dynamo_output"),
+    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.recompute", "dtcompile.reshard", "dtcompile.cache_keys", "dtcompile.dynamo_output", "dtcompile.rank_check"),
     ("dtcompile.compiler",),
     ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.calibration"),
     ("dtcompile",),

@@ -1,0 +1,402 @@
+"""Ranks that compiled a graph differently stop with an error before its first collective.
+
+A compiled graph's collectives pair up across ranks only if every rank compiled
+the same ones, in the same order, with the same sizes and groups.  What
+dtcompile decides them from is not always shared: its options, the cost profile
+(``auto`` reads a calibrated file, a GPU's name), whether the graph was compiled
+here, served by a compile cache or run eagerly because torch could not trace
+it, dtcompile's and torch's versions, the Dynamo graph itself (a recompile on
+one rank).  Ranks that differ in any of these can bucket, order or fuse
+differently, and the first sign of it is gloo aborting both processes
+(``Received data size doesn't match expected size``) or NCCL hanging until its
+watchdog fires, or, where sizes happen to agree, wrong numbers.
+
+So before a compiled Dynamo graph first runs, its ranks compare what they
+compiled (:func:`agree`): each rank writes a :class:`Schedule` digest (every
+collective of its forward and backward: op, mesh axis, group size, dtype and
+shape, in order) to the process group's store and reads those of its peers, one
+mesh axis after another (so what one axis's ranks learn reaches the whole mesh),
+and then every rank does the same thing:
+
+- all agree: the compiled graph runs, and the check never runs again for it;
+- a rank ran the graph eagerly (``eager_fallback``): every rank runs it eagerly,
+  DTensor's own collectives on each, with a warning;
+- schedules differ: every rank raises :class:`RanksDisagree`, naming the graph,
+  the ranks on each side, the first collective that differs and the inputs
+  that differ between them (an option, the profile, the cache);
+- a peer does not come within ``check_ranks_timeout_s``: :class:`RanksDisagree`
+  naming it (it is running another graph, e.g. one it recompiled).
+
+The exchange goes through the store, not a collective: a check that a peer
+answers with a real collective (a rank that recompiled, or runs another graph)
+would abort gloo by itself.  A graph served by AOTAutograd's cache traced
+nothing here; its schedule is read back from what the run that compiled it
+wrote beside the cache (:func:`save_schedule`), or, where that is gone, the
+inputs it was decided from are compared instead.  A recompile whose schedule
+equals one this rank's frame already agreed on needs no exchange: its peers
+may not have recompiled, and they issue the same collectives either way.
+
+Off with ``dtcompile.backend(check_ranks=False)``; skipped where it cannot
+matter: no process group, the fake group, groups of one rank, and a graph
+this rank compiled without collectives (a graph that only some ranks run, such
+as rank 0's evaluation, must not wait for the others; where a peer compiled
+collectives for it, that peer's check names this rank as not coming).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from dtcompile.collectives import CollectiveInfo, axis_name, group_names_in
+
+__all__ = [
+    "RanksDisagree",
+    "Schedule",
+    "agree",
+    "check_groups",
+    "collective_lines",
+    "load_schedule",
+    "save_schedule",
+    "world_can_disagree",
+]
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "dtcompile/rank_check"
+# Backends whose ranks are one process's simulation: they cannot compile differently.
+_SIMULATED = frozenset({"fake"})
+
+
+class RanksDisagree(RuntimeError):
+    """Ranks compiled one graph differently; raised on every rank before its first collective."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What one rank compiled for one Dynamo graph, as the check compares it."""
+
+    compile_id: str
+    how: str
+    """``compiled here``, ``served from the compile cache`` or ``run eagerly (...)``."""
+    collectives: tuple[str, ...] | None
+    """Every collective of its graphs in program order (:func:`collective_lines`);
+    ``None`` where unknown (eager, or a cache entry without its saved schedule)."""
+    decided: Mapping[str, str]
+    """What the compile was decided from, by name: options, cost profile, sources, the graph."""
+    eager: bool = False
+
+    @property
+    def digest(self) -> str:
+        """Digest of the collectives; empty where they are unknown."""
+        return "" if self.collectives is None else _digest("\n".join(self.collectives))
+
+    @property
+    def decided_digest(self) -> str:
+        return _digest(json.dumps(dict(self.decided), sort_keys=True))
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "decided": dict(self.decided)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Schedule:
+        data = json.loads(text)
+        collectives = data["collectives"]
+        return cls(**{**data, "collectives": None if collectives is None else tuple(collectives)})
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def collective_lines(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]) -> tuple[str, ...]:
+    """One line per collective of each ``(kind, collectives)`` graph, as ranks must agree on it:
+    ``forward collective 0: all_gather[dp] x2 float32[16, 8]``.  An all-to-all's and a data-dependent
+    collective's shapes may differ between ranks, so they are left out."""
+    lines = []
+    for kind, collectives in graphs:
+        for i, c in enumerate(collectives):
+            dtype = str(c.dtype).removeprefix("torch.")
+            shape = "" if c.op == "all_to_all" or c.data_dependent else str(list(c.shape))
+            lines.append(f"{kind} collective {i}: {c.label}[{c.axis}] x{c.group_size} {dtype}{shape}")
+    return tuple(lines)
+
+
+# ---------------------------------------------------------------------------
+# Which groups a graph's ranks compare on.
+
+
+def world_can_disagree() -> bool:
+    """Whether this process has ranks that can compile differently: an initialized
+    process group that is not one process's simulation."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and str(dist.get_backend()) not in _SIMULATED
+
+
+def check_groups(gm: fx.GraphModule, meshes: Sequence[Any], extra: Iterable[str] = ()) -> list[str]:
+    """The process groups whose ranks compare this graph, by name, in an order every rank
+    shares: each mesh's axes in order (a DTensor graph's collectives run on them or on
+    their flattened groups), then the groups the Dynamo graph's own functional
+    collectives name, then ``extra`` (the compiled graphs' groups); groups of one rank
+    and simulated ones are left out."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names: list[str] = []
+    for mesh in meshes:
+        names += list(getattr(mesh, "_dim_group_names", None) or ())
+    names += group_names_in(gm)
+    names += list(extra)
+    groups = []
+    for name in dict.fromkeys(names):
+        group = _resolve_process_group(name)
+        if group.size() > 1 and str(dist.get_backend(group)) not in _SIMULATED:
+            groups.append(name)
+    return groups
+
+
+# ---------------------------------------------------------------------------
+# The exchange.
+
+
+@dataclass
+class _Verdict:
+    eager: bool
+    disagreement: str
+
+
+def agree(schedule: Schedule, groups: Sequence[str], timeout_s: float, axes: Mapping[str, str] | None = None) -> bool:
+    """Compares ``schedule`` with this graph's peers on each of ``groups`` (process group
+    names; ``axes`` names their mesh axes); see the module docstring.  Returns whether
+    every rank runs the graph eagerly; raises :class:`RanksDisagree` on every rank where
+    they compiled it differently."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
+
+    store = _get_default_store()
+    rank = dist.get_rank()
+    detail = schedule.to_json()
+    verdict = _Verdict(eager=schedule.eager, disagreement="")
+    for name in groups:
+        ranks = dist.get_process_group_ranks(_resolve_process_group(name))
+        axis = axis_name(name, axes)
+        peers = _exchange(store, axis, ranks, rank, timeout_s, schedule, detail, verdict)
+        verdict.eager = verdict.eager or any(peer["eager"] for peer in peers)
+        if not verdict.disagreement:
+            verdict.disagreement = next((p["disagreement"] for p in peers if p["disagreement"]), "")
+        if not verdict.disagreement and not verdict.eager:
+            verdict.disagreement = _compare(store, schedule.compile_id, axis, peers)
+    if verdict.eager:
+        return True
+    if verdict.disagreement:
+        raise RanksDisagree(verdict.disagreement)
+    return False
+
+
+def _exchange(
+    store: Any,
+    axis: str,
+    ranks: Sequence[int],
+    rank: int,
+    timeout_s: float,
+    schedule: Schedule,
+    detail: str,
+    verdict: _Verdict,
+) -> list[dict[str, Any]]:
+    """This rank's digest for one group written, and every rank's of that group read."""
+    import torch.distributed as dist
+
+    group_key = _digest(",".join(map(str, ranks)))
+    # The n-th check of this rank on this group meets every peer's n-th.
+    seq = store.add(f"{_PREFIX}/{group_key}/count/{rank}", 1)
+    base = f"{_PREFIX}/{group_key}/{seq}"
+    mine = {
+        "rank": rank,
+        "compile_id": schedule.compile_id,
+        "digest": schedule.digest,
+        "decided": schedule.decided_digest,
+        "eager": verdict.eager,
+        "disagreement": verdict.disagreement,
+        "detail": f"{base}/{rank}/detail",
+    }
+    # Four round trips: the count, both keys, the wait, the peers' digests.
+    store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
+    keys = [f"{base}/{r}" for r in ranks]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:
+        missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
+        raise RanksDisagree(
+            f"dtcompile: rank(s) {missing} of the {axis} group {list(ranks)} did not come to compare "
+            f"graph {schedule.compile_id} with rank {rank} within check_ranks_timeout_s={timeout_s:g} s: they "
+            "are running another graph (one this rank compiled and they did not: a recompile on some ranks "
+            "only, or a graph break taken on some ranks only), or are still compiling (raise "
+            "check_ranks_timeout_s where compiles take longer), or have stopped"
+        ) from exc
+    return [json.loads(value) for value in store.multi_get(keys)]
+
+
+def _compare(store: Any, compile_id: str, axis: str, peers: Sequence[Mapping[str, Any]]) -> str:
+    """Empty where ``peers`` compiled alike, else the error that says how they differ.
+
+    Schedules are compared where every peer knows its own; where one does not (a
+    cache entry whose schedule was not saved), what they were decided from."""
+    known = all(peer["digest"] for peer in peers)
+    field = "digest" if known else "decided"
+    sides: dict[str, list[Mapping[str, Any]]] = {}
+    for peer in peers:
+        sides.setdefault(peer[field], []).append(peer)
+    if len(sides) == 1:
+        return ""
+    schedules = [(sorted(p["rank"] for p in side), Schedule.from_json(store.get(side[0]["detail"]))) for side in sides.values()]
+    return disagreement_message(compile_id, axis, schedules, compared_schedules=known)
+
+
+def disagreement_message(
+    compile_id: str, axis: str, sides: Sequence[tuple[list[int], Schedule]], *, compared_schedules: bool
+) -> str:
+    """The error for ranks on ``sides`` (ranks, what they compiled) of one graph."""
+    lines = [
+        f"dtcompile: ranks compiled graph {compile_id} differently: its collectives would not pair up on the "
+        f"{axis} group (gloo aborts, NCCL hangs, or the numbers are wrong), so every rank stops before the first one."
+    ]
+    for ranks, schedule in sides:
+        count = "unknown collectives" if schedule.collectives is None else f"{len(schedule.collectives)} collectives"
+        lines.append(f"  ranks {ranks}: graph {schedule.compile_id}, {schedule.how}, {count}")
+    (ranks_a, a), (ranks_b, b) = sides[0], sides[1]
+    if compared_schedules:
+        lines.append(f"  first difference: {_first_difference(a, b, ranks_a[0], ranks_b[0])}")
+    else:
+        lines.append("  (a rank's schedule is unknown: served from the compile cache without it, so what the graphs "
+                     "were decided from is compared)")
+    causes = [
+        f"{name}: {a.decided.get(name, '(none)')} on rank {ranks_a[0]}, {b.decided.get(name, '(none)')} on rank {ranks_b[0]}"
+        for name in dict.fromkeys([*a.decided, *b.decided])
+        if a.decided.get(name) != b.decided.get(name)
+    ]
+    if a.how != b.how:
+        causes.append(f"rank {ranks_a[0]}'s graph was {a.how}, rank {ranks_b[0]}'s {b.how}")
+    if causes:
+        lines.append("  what differs: " + "; ".join(causes))
+    else:
+        lines.append("  nothing it was decided from differs: a compile that is not deterministic (please report it)")
+    lines.append(
+        "  Fix: give every rank the same dtcompile options, cost profile (DTCOMPILE_PROFILE_DIR) and compile "
+        "cache; dtcompile.backend(check_ranks=False) skips this check."
+    )
+    return "\n".join(lines)
+
+
+def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int) -> str:
+    ours, theirs = a.collectives or (), b.collectives or ()
+    for x, y in zip(ours, theirs):
+        if x != y:
+            (where, x), (_, y) = x.split(": ", 1), y.split(": ", 1)
+            return f"{where}: {x} on rank {rank_a}, {y} on rank {rank_b}"
+    longer, rank = (ours, rank_a) if len(ours) > len(theirs) else (theirs, rank_b)
+    return f"{longer[min(len(ours), len(theirs))]} on rank {rank} only"
+
+
+# ---------------------------------------------------------------------------
+# What a graph was decided from, and its schedule saved beside the compile cache.
+
+
+def inputs_text(example_inputs: Sequence[Any]) -> str:
+    """The Dynamo graph's inputs as every rank describes them alike (a DTensor by its spec)."""
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    for x in example_inputs:
+        if isinstance(x, DTensor):
+            parts.append(f"DTensor({x._spec})")
+        elif isinstance(x, torch.Tensor):
+            parts.append(f"{x.dtype}{list(x.shape)}/{list(x.stride())}/{x.requires_grad}")
+        else:
+            parts.append(type(x).__name__)
+    return ", ".join(parts)
+
+
+def decided_from(
+    fields: Mapping[str, str], profile_text: str, source: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
+) -> dict[str, str]:
+    """What a compile of ``gm`` is decided from, by name (``fields``: the options that change graphs)."""
+    return {
+        **fields,
+        "cost profile": profile_text,
+        "dtcompile source": source,
+        "torch": torch.__version__,
+        "Dynamo graph": _digest(gm.code + inputs_text(example_inputs)),
+    }
+
+
+def _schedule_path(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "dtcompile_schedules" / f"{_digest(key)}.json"
+
+
+def save_schedule(key: str, collectives: Sequence[str]) -> None:
+    """Writes a compiled graph's collectives beside torch's compile cache, for a run the cache serves."""
+    path = _schedule_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(list(collectives)))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: the check compares decisions instead
+        log.warning("dtcompile: could not save the collective schedule to %s: %s", path, exc)
+
+
+def load_schedule(key: str) -> tuple[str, ...] | None:
+    """The collectives :func:`save_schedule` wrote for ``key``, or ``None``."""
+    try:
+        return tuple(json.loads(_schedule_path(key).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+class CheckedOnFirstCall:
+    """A compiled Dynamo graph whose first call first checks that its ranks agree (:func:`agree`).
+
+    ``compiled`` runs after that, or ``eager`` where some rank runs the graph eagerly."""
+
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        eager: Callable[..., Any],
+        check: Callable[[], bool],
+        on_eager: Callable[[], None],
+    ) -> None:
+        self._run = compiled
+        self._eager = eager
+        self._check: Callable[[], bool] | None = check
+        self._on_eager = on_eager
+        self._failed: RanksDisagree | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._failed is not None:
+            # Its ranks disagree: running it would pair collectives that do not match.
+            raise self._failed
+        if self._check is not None:
+            try:
+                eager = self._check()
+            except RanksDisagree as exc:
+                self._failed = exc
+                raise
+            self._check = None
+            if eager:
+                self._on_eager()
+                self._run = self._eager
+        return self._run(*args)
