@@ -75,8 +75,12 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 # name -> tensor parallel degree; the data parallel (FSDP) degree is the rest of the world.
 PLANS = {"tp_sp": 2, "fsdp": 1}
-# dtcompile's options: the named backend "dtcompile" is dtcompile.backend() (Inductor).
-MODES = {"aot": {"inductor": False}, "inductor": {}}
+# dtcompile's options: the named backend "dtcompile" is dtcompile.backend() (Inductor),
+# here with every graph compiled on its rank: a graph that holds no mesh (FSDP's blocks:
+# its gathers run in hooks) is keyed alike on every rank, so one rank's compile would
+# serve the other from AOTAutograd's cache (tests/warm runs that path), and GRAPHS
+# pins what each rank compiles.
+MODES = {"aot": {"inductor": False}, "inductor": {"aot_cache": False}}
 
 # The collectives of the graphs dtcompile compiles on each rank (sorted), op[mesh axis]
 # group size and bytes per rank.  Tensor + sequence parallel, per block: the sequence
