@@ -165,7 +165,9 @@ def group_names_in(gm: fx.GraphModule) -> list[str]:
     """The process groups ``gm``'s functional collectives run on, by name, in program order
     (an AOT graph's nodes call the op overloads, a Dynamo graph's the op packets)."""
     names = []
-    for node in gm.graph.nodes:
+    # A Dynamo graph keeps an autograd Function's body (spmd_types' collectives) as a subgraph.
+    nodes = [node for module in gm.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes]
+    for node in nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             continue

@@ -62,11 +62,14 @@ from torch import fx
 from dtcompile.collectives import CollectiveInfo, axis_name, group_names_in
 
 __all__ = [
+    "ABORT_KEY",
     "RanksDisagree",
     "Schedule",
+    "abort_checks",
     "agree",
     "check_groups",
     "collective_lines",
+    "waiting_checks",
     "load_schedule",
     "save_schedule",
     "world_can_disagree",
@@ -101,6 +104,18 @@ class Schedule:
     def digest(self) -> str:
         """Digest of the collectives; empty where they are unknown."""
         return "" if self.collectives is None else _digest("\n".join(self.collectives))
+
+    def on_axis(self, axis: str) -> tuple[str, ...] | None:
+        """The collectives on ``axis``'s groups: what the ranks of one such group must agree on.
+        Ranks of two different groups of an axis need not (under uneven shards a rank
+        whose shard is empty moves empty buffers with its own group)."""
+        if self.collectives is None:
+            return None
+        return tuple(line for line in self.collectives if line.split(": ", 1)[1].split("]", 1)[0].endswith(f"[{axis}"))
+
+    def digest_on(self, axis: str) -> str:
+        lines = self.on_axis(axis)
+        return "" if lines is None else _digest("\n".join(lines))
 
     @property
     def decided_digest(self) -> str:
@@ -147,16 +162,19 @@ def world_can_disagree() -> bool:
 
 def check_groups(gm: fx.GraphModule, meshes: Sequence[Any], extra: Iterable[str] = ()) -> list[str]:
     """The process groups whose ranks compare this graph, by name, in an order every rank
-    shares: each mesh's axes in order (a DTensor graph's collectives run on them or on
-    their flattened groups), then the groups the Dynamo graph's own functional
-    collectives name, then ``extra`` (the compiled graphs' groups); groups of one rank
-    and simulated ones are left out."""
+    shares: each mesh's axes in order, then its flattened ones (a DTensor graph's
+    collectives run on them), then the groups the Dynamo graph's own functional
+    collectives name, then ``extra``; groups of one rank and simulated ones are left out."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from dtcompile.collectives import flattened_axes
 
     names: list[str] = []
     for mesh in meshes:
         names += list(getattr(mesh, "_dim_group_names", None) or ())
+    for mesh in meshes:
+        names += list(flattened_axes(mesh))
     names += group_names_in(gm)
     names += list(extra)
     groups = []
@@ -225,7 +243,7 @@ def _exchange(
     mine = {
         "rank": rank,
         "compile_id": schedule.compile_id,
-        "digest": schedule.digest,
+        "digest": schedule.digest_on(axis),
         "decided": schedule.decided_digest,
         "eager": verdict.eager,
         "disagreement": verdict.disagreement,
@@ -235,7 +253,11 @@ def _exchange(
     store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
     keys = [f"{base}/{r}" for r in ranks]
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
+        _wait(store, keys, timeout_s, f"rank {rank} waits at the check of graph {schedule.compile_id} on the {axis} group {list(ranks)}")
+    except _Aborted as exc:
+        raise RanksDisagree(
+            f"dtcompile: graph {schedule.compile_id}'s check on the {axis} group {list(ranks)} was ended: {exc}"
+        ) from None
     except dist.DistStoreError as exc:
         missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
         raise RanksDisagree(
@@ -264,6 +286,62 @@ def _compare(store: Any, compile_id: str, axis: str, peers: Sequence[Mapping[str
     return disagreement_message(compile_id, axis, schedules, compared_schedules=known)
 
 
+ABORT_KEY = f"{_PREFIX}/abort"
+"""A key in the default process group's store that ends every waiting check (see :func:`abort_checks`)."""
+
+
+def abort_checks(reason: str) -> None:
+    """Ends the checks ranks of this job wait in, with :class:`RanksDisagree` saying ``reason``:
+    for a launcher or test world whose rank failed where its peers cannot see it (they wait
+    at a check for a rank that will never come).  A no-op without a process group."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if dist.is_available() and dist.is_initialized():
+        _get_default_store().set(ABORT_KEY, reason)
+
+
+# Thread -> what its rank waits for at a check (ranks as threads wait in one process).
+_WAITING: dict[int, str] = {}
+
+
+def waiting_checks() -> list[str]:
+    """What the ranks of this process wait for at a check now, one line each (for a test
+    world that must tell a rank waiting for a peer that will never come from a slow one)."""
+    return list(_WAITING.values())
+
+
+def _wait(store: Any, keys: list[str], timeout_s: float, what: str) -> None:
+    """``store.wait(keys)`` for up to ``timeout_s``, ended early by :func:`abort_checks`."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    _WAITING[threading.get_ident()] = what
+    try:
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=min(_SLICE_S, max(deadline - time.monotonic(), 0.001))))
+                return
+            except dist.DistStoreError:
+                if store.check([ABORT_KEY]):
+                    raise _Aborted(store.get(ABORT_KEY).decode()) from None
+                if time.monotonic() >= deadline:
+                    raise
+    finally:
+        _WAITING.pop(threading.get_ident(), None)
+
+
+class _Aborted(Exception):
+    pass
+
+
+# How often a waiting check looks for an abort.
+_SLICE_S = 1.0
+
+
 def disagreement_message(
     compile_id: str, axis: str, sides: Sequence[tuple[list[int], Schedule]], *, compared_schedules: bool
 ) -> str:
@@ -273,11 +351,12 @@ def disagreement_message(
         f"{axis} group (gloo aborts, NCCL hangs, or the numbers are wrong), so every rank stops before the first one."
     ]
     for ranks, schedule in sides:
-        count = "unknown collectives" if schedule.collectives is None else f"{len(schedule.collectives)} collectives"
+        on_axis = schedule.on_axis(axis)
+        count = "unknown collectives" if on_axis is None else f"{len(on_axis)} collectives on {axis}"
         lines.append(f"  ranks {ranks}: graph {schedule.compile_id}, {schedule.how}, {count}")
     (ranks_a, a), (ranks_b, b) = sides[0], sides[1]
     if compared_schedules:
-        lines.append(f"  first difference: {_first_difference(a, b, ranks_a[0], ranks_b[0])}")
+        lines.append(f"  first difference: {_first_difference(a, b, ranks_a[0], ranks_b[0], axis)}")
     else:
         lines.append("  (a rank's schedule is unknown: served from the compile cache without it, so what the graphs "
                      "were decided from is compared)")
@@ -291,7 +370,11 @@ def disagreement_message(
     if causes:
         lines.append("  what differs: " + "; ".join(causes))
     else:
-        lines.append("  nothing it was decided from differs: a compile that is not deterministic (please report it)")
+        lines.append(
+            "  nothing it was decided from differs: the ranks traced the same program to different collectives "
+            "(each rank's trace reads its own coordinates, and under uneven shards its own shard sizes); "
+            "a bug in torch or dtcompile, please report it"
+        )
     lines.append(
         "  Fix: give every rank the same dtcompile options, cost profile (DTCOMPILE_PROFILE_DIR) and compile "
         "cache; dtcompile.backend(check_ranks=False) skips this check."
@@ -299,8 +382,8 @@ def disagreement_message(
     return "\n".join(lines)
 
 
-def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int) -> str:
-    ours, theirs = a.collectives or (), b.collectives or ()
+def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int, axis: str) -> str:
+    ours, theirs = a.on_axis(axis) or (), b.on_axis(axis) or ()
     for x, y in zip(ours, theirs):
         if x != y:
             (where, x), (_, y) = x.split(": ", 1), y.split(": ", 1)

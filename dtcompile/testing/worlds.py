@@ -232,8 +232,7 @@ def run_threaded(
             stopped.append(rank)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             failures.put((rank, traceback.format_exc()))
-            # Wakes the ranks that wait for this one in a collective.
-            threaded.ProcessLocalGroup.exception_handle(exc)
+            wake_ranks_waiting_for(rank, exc)
         finally:
             dist.destroy_process_group()
             if rank > 0:
@@ -272,6 +271,17 @@ def run_threaded(
             what += f" (rank(s) {sorted(stopped)} stopped waiting for them)"
         raise _failure(what, list(failures.queue))
     return [results[rank] for rank in range(world_size)]
+
+
+def wake_ranks_waiting_for(rank: int, exc: BaseException) -> None:
+    """From a rank thread that failed: ends its peers' waits for it, in a threaded group's
+    collective and at dtcompile's ranks' check (:func:`dtcompile.rank_check.abort_checks`)."""
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
+
+    from dtcompile.rank_check import abort_checks
+
+    abort_checks(f"rank {rank} stopped ({type(exc).__name__}: {str(exc).strip()[:200]})")
+    threaded.ProcessLocalGroup.exception_handle(exc)
 
 
 def _resolve_backend_names() -> None:
@@ -328,6 +338,13 @@ def _gloo_rank_main(
             buffer = io.BytesIO()
             torch.save(fn(rank, *args), buffer)
             results.put((rank, True, buffer.getvalue()))
+        except BaseException as exc:
+            # Ends the peers' waits for this rank at dtcompile's ranks' check.
+            with contextlib.suppress(Exception):
+                from dtcompile.rank_check import abort_checks
+
+                abort_checks(f"rank {rank} stopped ({type(exc).__name__}: {str(exc).strip()[:200]})")
+            raise
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent

@@ -41,7 +41,7 @@ from fuzz_programs import MESHES, Program, make_input, namespace, placements_tex
 
 from dtcompile.sharding_cache import clear_sharding_caches
 from dtcompile.testing.asserts import per_rank
-from dtcompile.testing.worlds import RankFailure, _mesh, run_gloo, run_threaded
+from dtcompile.testing.worlds import RankFailure, _mesh, run_gloo, run_threaded, wake_ranks_waiting_for
 
 __all__ = ["ProgramRun", "RankRun", "Side", "Stuck", "Value", "default_backend", "error_summary", "run_on_gloo", "run_programs"]
 
@@ -173,6 +173,12 @@ def _unjoined_collective(rank: int) -> str | None:
     """
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
+    from dtcompile.rank_check import waiting_checks
+
+    # A peer waiting at dtcompile's ranks' check for this rank, which has finished its phase.
+    waiting = [line for line in waiting_checks() if not line.startswith(f"rank {rank} ")]
+    if waiting:
+        return "; ".join(waiting) + ", for this rank, which will not come"
     world = dist.distributed_c10d._world
     groups = {name: pg for pg, name in world.pg_names.items()}
     with threaded.ProcessLocalGroup._coll_lock:
@@ -302,7 +308,6 @@ def _rank_loop(rank: int, world_size: int, programs: Sequence[Program], start: i
 
 
 def _walk(rank: int, world_size: int, programs: Sequence[Program], start: int, shared: _Shared, make_backend: Callable[[], Any]) -> None:
-    from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
     meshes = {kind: _mesh(ws, shape, names) for kind, (ws, shape, names) in MESHES.items() if ws == world_size}
     backend = make_backend()
@@ -326,8 +331,8 @@ def _walk(rank: int, world_size: int, programs: Sequence[Program], start: int, s
         except BaseException as exc:  # noqa: BLE001 - stuck peers, or woken from a collective
             shared.abort(index, rank, exc)
             shared.meet.abort(f"rank {rank} stopped: {type(exc).__name__}")
-            # Wakes the ranks that wait in a collective for one that never comes.
-            threaded.ProcessLocalGroup.exception_handle(exc)
+            # Wakes the ranks that wait in a collective (or at dtcompile's check) for one that never comes.
+            wake_ranks_waiting_for(rank, exc)
             return
 
 
