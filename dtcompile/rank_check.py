@@ -69,7 +69,7 @@ __all__ = [
     "agree",
     "check_groups",
     "collective_lines",
-    "waiting_checks",
+    "checks_waiting_for",
     "load_schedule",
     "save_schedule",
     "world_can_disagree",
@@ -253,7 +253,8 @@ def _exchange(
     store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
     keys = [f"{base}/{r}" for r in ranks]
     try:
-        _wait(store, keys, timeout_s, f"rank {rank} waits at the check of graph {schedule.compile_id} on the {axis} group {list(ranks)}")
+        what = f"rank {rank} waits at the check of graph {schedule.compile_id} on the {axis} group {list(ranks)}"
+        _wait(store, dict(zip(ranks, keys)), timeout_s, what)
     except _Aborted as exc:
         raise RanksDisagree(
             f"dtcompile: graph {schedule.compile_id}'s check on the {axis} group {list(ranks)} was ended: {exc}"
@@ -301,29 +302,35 @@ def abort_checks(reason: str) -> None:
         _get_default_store().set(ABORT_KEY, reason)
 
 
-# Thread -> what its rank waits for at a check (ranks as threads wait in one process).
-_WAITING: dict[int, str] = {}
+# Thread -> (what its rank waits for at a check, the store, each peer's key).
+_WAITING: dict[int, tuple[str, Any, dict[int, str]]] = {}
 
 
-def waiting_checks() -> list[str]:
-    """What the ranks of this process wait for at a check now, one line each (for a test
-    world that must tell a rank waiting for a peer that will never come from a slow one)."""
-    return list(_WAITING.values())
+def checks_waiting_for(rank: int) -> list[str]:
+    """The checks ranks of this process wait at now for ``rank`` (which has not come), one
+    line each: for a test world that must tell a rank waiting for a peer that will never
+    come from one waiting for a slow peer."""
+    found = []
+    for what, store, keys in list(_WAITING.values()):
+        if rank in keys and not store.check([keys[rank]]):
+            found.append(what)
+    return found
 
 
-def _wait(store: Any, keys: list[str], timeout_s: float, what: str) -> None:
-    """``store.wait(keys)`` for up to ``timeout_s``, ended early by :func:`abort_checks`."""
+def _wait(store: Any, keys: dict[int, str], timeout_s: float, what: str) -> None:
+    """``store.wait`` for every rank's key of ``keys`` for up to ``timeout_s``, ended early
+    by :func:`abort_checks`."""
     import threading
     import time
 
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout_s
-    _WAITING[threading.get_ident()] = what
+    _WAITING[threading.get_ident()] = (what, store, keys)
     try:
         while True:
             try:
-                store.wait(keys, timedelta(seconds=min(_SLICE_S, max(deadline - time.monotonic(), 0.001))))
+                store.wait(list(keys.values()), timedelta(seconds=min(_SLICE_S, max(deadline - time.monotonic(), 0.001))))
                 return
             except dist.DistStoreError:
                 if store.check([ABORT_KEY]):

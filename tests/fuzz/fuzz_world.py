@@ -173,10 +173,10 @@ def _unjoined_collective(rank: int) -> str | None:
     """
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
-    from dtcompile.rank_check import waiting_checks
+    from dtcompile.rank_check import checks_waiting_for
 
     # A peer waiting at dtcompile's ranks' check for this rank, which has finished its phase.
-    waiting = [line for line in waiting_checks() if not line.startswith(f"rank {rank} ")]
+    waiting = checks_waiting_for(rank)
     if waiting:
         return "; ".join(waiting) + ", for this rank, which will not come"
     world = dist.distributed_c10d._world
