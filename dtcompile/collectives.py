@@ -18,6 +18,7 @@ sizes read from a tensor, as a MoE's token dispatch and combine are) is
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "group_names_in",
     "graph_collectives",
     "group_backends",
+    "spmd_axes",
     "profile_for_groups",
     "is_collective",
     "largest_collective",
@@ -128,7 +130,9 @@ def _moved_values(node: fx.Node, name: tuple[str, str], count_output: bool) -> l
 
 
 def mesh_axes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:
-    """Group name -> mesh axis name, for every DeviceMesh that the graph's DTensors use.
+    """Group name -> mesh axis name, for every DeviceMesh that the graph's DTensors use,
+    and for the groups of its plain-tensor collectives where ``spmd_types`` names them
+    (:func:`spmd_axes`).
 
     Read from the Dynamo graph's inputs and node values before AOTAutograd
     desugars the DTensors away.  A 1-D mesh over the whole world reuses the
@@ -152,7 +156,30 @@ def mesh_axes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, st
         axes.update(zip(group_names, names))
         for group_name, name in flattened_axes(mesh).items():
             axes.setdefault(group_name, name)
+    for group_name, name in spmd_axes(group_names_in(gm)).items():
+        axes.setdefault(group_name, name)
     return axes
+
+
+def spmd_axes(group_names: Sequence[str]) -> dict[str, str]:
+    """Group name -> mesh axis name, from ``spmd_types``' current mesh (torchtitan's
+    ``set_current_spmd_mesh``), for the groups of plain-tensor collectives; empty where
+    ``spmd_types`` is not imported or no mesh is current.  ``spmd_types`` knows an axis by
+    its ranks' layout (``MeshAxis.of(group)``): the default group serves the ``tp`` axis
+    of a world that is all tensor parallel."""
+    spmd = sys.modules.get("spmd_types")
+    names = spmd.current_mesh_names() if spmd is not None and group_names else None
+    if not names:
+        return {}
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    by_axis = {axis: name for name, axis in names.items()}
+    found = {}
+    for group_name in group_names:
+        axis = spmd.MeshAxis.of(_resolve_process_group(group_name))
+        if axis in by_axis:
+            found[group_name] = by_axis[axis]
+    return found
 
 
 def flattened_axes(mesh: Any) -> dict[str, str]:

@@ -63,8 +63,9 @@ def build(dim: int, hidden: int, layers: int, mesh) -> nn.Sequential:
 
 
 def batch(step: int, rows: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s inputs and targets: the same on every rank (tensor parallelism)."""
-    generator = torch.Generator().manual_seed(1000 + step)
+    """Step ``step``'s inputs and targets: the same on every rank (tensor parallelism), two
+    batches taken in turn (a dataset small enough to learn in a few steps)."""
+    generator = torch.Generator().manual_seed(1000 + step % 2)
     x = torch.randn(rows, dim, generator=generator)
     return x.to(device), torch.tanh(x.flip(-1)).to(device)
 

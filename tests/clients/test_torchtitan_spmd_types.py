@@ -122,10 +122,10 @@ MODES = {"aot": {"inductor": False}, "inductor": {"aot_cache": False}}
 # FFN, reduce-scattered after ``wo`` and ``w2`` (float32[4, 16, 64] gathered), as on
 # the DTensor path; the loss: max, sum of exponentials and target log-probability
 # all-reduced per token.  spmd_types' collectives run on the default process group
-# (the tensor-parallel group is the whole world of 2), which dtcompile names
-# ``world``: they carry a group, not a mesh axis.
-_SP = ("all_gather[world] x2 16384 B", "reduce_scatter[world] x2 16384 B") * 2
-_LOSS = ("all_reduce[world] x2 256 B",) * 3
+# (the tensor-parallel group is the whole world of 2); dtcompile names it by the axis
+# of torchtitan's current SPMD mesh with the same ranks, ``tp``.
+_SP = ("all_gather[tp] x2 16384 B", "reduce_scatter[tp] x2 16384 B") * 2
+_LOSS = ("all_reduce[tp] x2 256 B",) * 3
 GRAPHS = sorted([("forward", _SP), ("backward", _SP), ("forward", _LOSS), ("backward", ())])
 
 
