@@ -173,15 +173,14 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, steps: int, rounds: int, trace: str | None) -> dict:
-    torch.set_num_threads(_threads(world))
-    mesh = _mesh(kind, world)
-    x = _input(kind, dim, rows)
+def compile_variants(kind: str, mesh, dim: int, hidden: int, x: torch.Tensor, variants: dict) -> tuple[dict, dict, dict]:
+    """Each variant (name -> a backend's factory) compiled on its own copy of the row's model,
+    its first step's output and every gradient checked against eager's: (fns, models, backends)."""
     eager = _model(kind, mesh, dim, hidden)
     want = train_step(eager, eager, x)
     want_grads = _grads(eager)
     fns, models, backends = {}, {}, {}
-    for name, make in _variants().items():
+    for name, make in variants.items():
         backend = make()
         model = _model(kind, mesh, dim, hidden)
         fn = torch.compile(model, backend=backend)
@@ -190,18 +189,32 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
         for g, w in zip(_grads(model), want_grads):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: grad: {m}")
         fns[name], models[name], backends[name] = fn, model, backend
+    return fns, models, backends
+
+
+def take_turns(fns: dict, models: dict, x: torch.Tensor, steps: int) -> dict[str, list[float]]:
+    """Seconds of each of ``steps`` steps per variant, the variants taking turns step by step
+    (the first of each turn rotating), so that drift in the machine's load reaches every
+    variant alike; the ranks meet before each step."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
-    for name in names:  # warm
-        train_step(fns[name], models[name], x)
-    # Step by step, the variants taking turns (the first of each turn rotating), so that
-    # drift in the machine's load reaches every variant alike.
-    for i in range(steps * rounds):
+    for i in range(steps):
         for name in names[i % len(names):] + names[: i % len(names)]:
             dist.barrier()
             start = time.perf_counter()
             train_step(fns[name], models[name], x)
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, steps: int, rounds: int, trace: str | None) -> dict:
+    torch.set_num_threads(_threads(world))
+    mesh = _mesh(kind, world)
+    x = _input(kind, dim, rows)
+    fns, models, backends = compile_variants(kind, mesh, dim, hidden, x, _variants())
+    for name in fns:  # warm
+        train_step(fns[name], models[name], x)
+    times = take_turns(fns, models, x, steps * rounds)
     result = {name: statistics.median(t) for name, t in times.items()}
     result["comm"] = _replay_comm(backends["no passes"], steps)
     result["predicted"] = _simulated_us(backends["dtcompile"]) / _simulated_us(backends["no passes"])

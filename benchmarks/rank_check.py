@@ -29,15 +29,13 @@ import argparse
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gloo_steps import DEFAULT_ROWS, FOUR_ROWS, _grads, _input, _mesh, _model, _threads  # noqa: E402
-from schedule_owner import train_step  # noqa: E402
+from gloo_steps import DEFAULT_ROWS, FOUR_ROWS, _input, _mesh, _threads, compile_variants, take_turns  # noqa: E402
 
 import dtcompile  # noqa: E402
 from dtcompile.testing.worlds import run_gloo  # noqa: E402
@@ -49,26 +47,9 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
     torch.set_num_threads(_threads(world))
     mesh = _mesh(kind, world)
     x = _input(kind, dim, rows)
-    eager = _model(kind, mesh, dim, hidden)
-    want = train_step(eager, eager, x)
-    want_grads = _grads(eager)
-    fns, models, backends = {}, {}, {}
-    for name, options in VARIANTS.items():
-        backend = dtcompile.backend(aot_cache=False, **options)
-        model = _model(kind, mesh, dim, hidden)
-        fn = torch.compile(model, backend=backend)
-        got = train_step(fn, model, x)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: output: {m}")
-        for g, w in zip(_grads(model), want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: grad: {m}")
-        fns[name], models[name], backends[name] = fn, model, backend
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for i in range(steps * rounds):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            start = time.perf_counter()
-            train_step(fns[name], models[name], x)
-            times[name].append(time.perf_counter() - start)
+    variants = {name: (lambda o=options: dtcompile.backend(aot_cache=False, **o)) for name, options in VARIANTS.items()}
+    fns, models, backends = compile_variants(kind, mesh, dim, hidden, x, variants)
+    times = take_turns(fns, models, x, steps * rounds)
     checks = list(backends["check"].checks)
     assert checks and all(c.outcome == "agreed" for c in checks), [str(c) for c in checks]
     assert not backends["no check"].checks
