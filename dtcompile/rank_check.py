@@ -160,11 +160,11 @@ def world_can_disagree() -> bool:
     return dist.is_available() and dist.is_initialized() and str(dist.get_backend()) not in _SIMULATED
 
 
-def check_groups(gm: fx.GraphModule, meshes: Sequence[Any], extra: Iterable[str] = ()) -> list[str]:
+def check_groups(gm: fx.GraphModule, meshes: Sequence[Any]) -> list[str]:
     """The process groups whose ranks compare this graph, by name, in an order every rank
     shares: each mesh's axes in order, then its flattened ones (a DTensor graph's
     collectives run on them), then the groups the Dynamo graph's own functional
-    collectives name, then ``extra``; groups of one rank and simulated ones are left out."""
+    collectives name; groups of one rank and simulated ones are left out."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -176,7 +176,6 @@ def check_groups(gm: fx.GraphModule, meshes: Sequence[Any], extra: Iterable[str]
     for mesh in meshes:
         names += list(flattened_axes(mesh))
     names += group_names_in(gm)
-    names += list(extra)
     groups = []
     for name in dict.fromkeys(names):
         group = _resolve_process_group(name)
