@@ -294,7 +294,7 @@ class DTCompileBackend:
         run = with_outputs_put_back(compiled, constants, views)
         if not checking:
             return run
-        schedule = self._schedule(gm, example_inputs, config, priced, key, how, progress.graphs)
+        schedule = self._schedule(gm, example_inputs, info.compile_id, config, priced, key, how, progress.graphs)
         groups = check_groups(gm, meshes_held(gm, example_inputs))
         if not groups or schedule.collectives == ():
             # Nothing to pair up: a graph some ranks run alone (rank 0's evaluation) must not wait.
@@ -310,6 +310,7 @@ class DTCompileBackend:
         self,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
+        compile_id: str,
         config: DTCompileConfig,
         priced: ProfileChoice,
         key: str,
@@ -318,7 +319,6 @@ class DTCompileBackend:
     ) -> Schedule:
         """What this rank compiled for ``gm``, as its ranks' check compares it; a compiled
         schedule is saved beside the compile cache, for a run the cache serves."""
-        compile_id = str(torch._guards.CompileContext.current_compile_id())
         saved_as = f"{key}\n{gm.code}\n{inputs_text(example_inputs)}"
         collectives: tuple[str, ...] | None = None
         if graphs:
