@@ -11,8 +11,9 @@ builds the whole-program report on the same pieces.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from dtcompile.memory import format_bytes
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
-__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "format_compiled_graph", "memory_json", "memory_lines", "pass_lines", "region_lines"]
+__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "emit_saved_artifacts", "format_compiled_graph", "memory_json", "memory_lines", "pass_lines", "region_lines", "saved_artifacts", "timeline_json", "timeline_lines"]
 
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
@@ -76,6 +77,7 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
             for r in record.regions
         ],
         "memory": memory_json(record),
+        "timeline": timeline_json(record),
         "collectives": items,
         "totals": {
             "count": len(items),
@@ -123,6 +125,40 @@ def memory_json(record: CompiledGraph) -> dict[str, Any] | None:
     }
 
 
+def timeline_json(record: CompiledGraph) -> dict[str, Any] | None:
+    """One graph's simulated run (:func:`dtcompile.simulate.simulate`) as JSON data, after the
+    passes and before them: per run its total, compute and exposed communication time, and
+    its bars as ``[lane, name, start_us, end_us, nodes]`` (lanes ``compute``, ``comm``,
+    ``exposed``; back-to-back compute is one bar)."""
+    if record.timeline is None:
+        return None
+    runs = {"after": record.timeline, "before": record.timeline_traced}
+    return {
+        when: {
+            "total_us": round(run.total_us, 3),
+            "compute_us": round(run.compute_us, 3),
+            "comm_us": round(run.comm_us, 3),
+            "exposed_us": round(run.exposed_comm_us, 3),
+            "spans": [[s.lane, s.name, round(s.start_us, 3), round(s.end_us, 3), s.nodes] for s in run.spans],
+        }
+        for when, run in runs.items()
+        if run is not None
+    }
+
+
+def timeline_lines(record: CompiledGraph) -> list[str]:
+    """The text report's timeline line of one graph: its simulated time, before the passes too."""
+    data = timeline_json(record)
+    if not data:
+        return []
+
+    def run(r: dict[str, Any]) -> str:
+        return f"{r['total_us']:.4g} us ({r['compute_us']:.3g} compute, {r['exposed_us']:.3g} communication exposed)"
+
+    before = f"; before the passes {run(data['before'])}" if "before" in data else ""
+    return [f"{record.compile_id} {record.kind}: {run(data['after'])}{before}"]
+
+
 def memory_lines(record: CompiledGraph) -> list[str]:
     """The text report's memory lines of one graph: its peak, before the passes, the budget."""
     estimate, traced = record.memory, record.memory_traced
@@ -141,13 +177,39 @@ def _artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
     torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
 
 
+def _artifacts(record: CompiledGraph) -> list[tuple[str, str, Callable[[], str]]]:
+    """One AOT graph's artifacts as ``(name, encoding, payload)``, the payload made when asked."""
+    artifacts = [
+        ("dtcompile_placements", "string", record.info.format),
+        (f"dtcompile_{record.kind}_graph", "string", record.annotated),
+        (f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record))),
+    ]
+    if record.regions:
+        artifacts.append((f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions))
+    return artifacts
+
+
 def emit_artifacts(record: CompiledGraph) -> None:
     """Log one AOT graph's annotations as ``TORCH_TRACE`` artifacts (no-ops without TORCH_TRACE)."""
-    _artifact("dtcompile_placements", "string", record.info.format)
-    _artifact(f"dtcompile_{record.kind}_graph", "string", record.annotated)
-    _artifact(f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record)))
-    if record.regions:
-        _artifact(f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions)
+    for name, encoding, payload in _artifacts(record):
+        _artifact(name, encoding, payload)
+
+
+def saved_artifacts(records: Sequence[CompiledGraph]) -> list[list[str]]:
+    """The artifacts of a Dynamo graph's AOT graphs as ``[name, encoding, payload]`` data, to keep
+    beside the compile cache (:mod:`dtcompile.beside_cache`) for :func:`emit_saved_artifacts`;
+    the placements, the same for every AOT graph of one Dynamo graph, once."""
+    saved: dict[str, list[str]] = {}
+    for record in records:
+        for name, encoding, payload in _artifacts(record):
+            saved.setdefault(name, [name, encoding, payload()])
+    return list(saved.values())
+
+
+def emit_saved_artifacts(saved: Sequence[Sequence[str]]) -> None:
+    """Log again what :func:`saved_artifacts` kept, for a graph the compile cache served."""
+    for name, encoding, payload in saved:
+        _artifact(name, encoding, functools.partial(str, payload))
 
 
 def emit_fallback_artifact(fallback: EagerFallback) -> None:
@@ -202,6 +264,8 @@ def format_compiled_graph(record: CompiledGraph) -> str:
             *pass_lines(record),
             "-- memory (estimated, per rank) --",
             *memory_lines(record),
+            f"-- timeline (simulated on {profile.name}) --",
+            *timeline_lines(record),
             "-- collectives --",
             *collective_table([record]),
         ]

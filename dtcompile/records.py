@@ -19,6 +19,7 @@ from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.memory import MemoryEstimate, format_bytes
 from dtcompile.regions import RegionInfo
+from dtcompile.simulate import Timeline
 
 __all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]
 
@@ -140,6 +141,10 @@ class CompiledGraph:
     """The same before any pass: what the passes added is the difference."""
     memory_budget: tuple[int, str] = (0, "")
     """The budget the passes kept to, and where it comes from (``memory_budget_bytes``)."""
+    timeline: Timeline | None = None
+    """Its schedule played on its cost profile, as lowered (:func:`dtcompile.simulate.simulate`)."""
+    timeline_traced: Timeline | None = None
+    """The same before any pass: what the passes hid is the difference."""
     lowering: Mapping[str, Any] = field(default_factory=dict)
     """How it was lowered: ``{}`` without Inductor, else the Inductor settings this
     backend asked for (from ``inductor_config``, ``options=`` and ``mode=``) as
@@ -187,7 +192,9 @@ class CachedCompile:
     artifacts loaded with ``torch.compiler.load_cache_artifacts()``) compiled this
     graph with the same dtcompile source and options
     (:func:`dtcompile.cache_keys.compile_key`): nothing was traced, partitioned or
-    passed here, so there is no :class:`CompiledGraph` to inspect for it.
+    passed here, so there is no :class:`CompiledGraph` to inspect for it; the
+    ``TORCH_TRACE`` artifacts of the run that compiled it, kept beside the cache
+    (:mod:`dtcompile.beside_cache`), are logged again instead.
     ``dtcompile.backend(report=True)`` or ``trace_pass_graphs=True`` compile
     without that cache, to show the graphs.
     """
@@ -195,11 +202,18 @@ class CachedCompile:
     compile_id: str
     graph: fx.GraphModule
     """The Dynamo graph."""
+    reported: bool = False
+    """Whether the artifacts of the run that compiled it were found and logged again."""
 
     def __str__(self) -> str:
+        again = (
+            "its report sections, kept beside the cache, are logged again"
+            if self.reported
+            else "its graphs were inspected there; what was kept of them beside the cache is gone"
+        )
         return (
             f"compile {self.compile_id}: loaded from AOTAutograd's cache (compiled by dtcompile with the same "
-            "options in an earlier run; its graphs were inspected there)"
+            f"options in an earlier run; {again})"
         )
 
 

@@ -6,13 +6,14 @@ profile's ``matmul_tflops``, any other op reads and writes its tensors at its
 ``local_map`` region (one node until lowering) takes what its body takes, the
 collectives it issues and waits for inside included: :func:`region_timeline`.
 :func:`simulate` plays a whole graph on a compute and a communication stream
-with the collective times of :mod:`dtcompile.cost_model`.
+with the collective times of :mod:`dtcompile.cost_model`, and keeps what it played
+as :class:`Span` bars (what the report's timeline and its Perfetto file draw).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from dtcompile.cost_model import HardwareProfile, collective_time_us
 from dtcompile.regions import is_region, region_body
 from dtcompile.sizes import hint, nbytes_hint, numel_hint
 
-__all__ = ["Timeline", "fused_hidden_us", "node_time_us", "region_timeline", "simulate"]
+__all__ = ["Span", "Timeline", "fused_hidden_us", "node_time_us", "region_timeline", "simulate"]
 
 
 _FREE = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select",
@@ -85,6 +86,22 @@ def fused_hidden_us(comm_us: float, matmul_us: float, group_size: int, profile: 
 
 
 @dataclass(frozen=True)
+class Span:
+    """One bar of a simulated timeline."""
+
+    lane: str
+    """``compute``: the compute stream's work; ``comm``: a collective on the communication
+    stream; ``exposed``: the compute stream waiting for communication (at a wait, the
+    part of a collective that holds it, the communication left after the last node)."""
+    name: str
+    """The node, or for merged compute the first and last node (``mm .. relu``)."""
+    start_us: float
+    end_us: float
+    nodes: int = 1
+    """How many graph nodes the bar stands for (back-to-back compute is one bar)."""
+
+
+@dataclass(frozen=True)
 class Timeline:
     """Estimated run of one graph: a compute stream and a communication stream."""
 
@@ -94,6 +111,8 @@ class Timeline:
     """Sum of the collectives' estimates."""
     total_us: float
     """When the last node finishes."""
+    spans: tuple[Span, ...] = field(default=(), compare=False, repr=False)
+    """The bars, in the order played (:class:`Span`)."""
 
     @property
     def exposed_comm_us(self) -> float:
@@ -119,6 +138,7 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
     wait = torch.ops._c10d_functional.wait_tensor.default
     clock = comm_free = compute = comm = 0.0
     done: dict[Any, float] = {}
+    bars = _Bars()
     for node in graph.nodes:
         info = collective_info(node)
         if info is not None and info.fused:
@@ -126,27 +146,70 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
             m = node_time_us(node, profile)
             comm += c
             compute += m
-            clock = max(clock, comm_free) + c + m - fused_hidden_us(c, m, info.group_size, profile)
+            start = max(clock, comm_free)
+            bars.expose(clock, start, node.name)
+            clock = start + c + m - fused_hidden_us(c, m, info.group_size, profile)
+            bars.add("comm", node.name, start, start + c)
+            bars.add("compute", node.name, start, start + m)
+            bars.expose(start + m, clock, node.name)  # what the matmuls did not hide
         elif info is not None:
             cost = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
             comm += cost
             start = max(clock, comm_free)
-            clock += (1.0 - profile.overlap) * cost  # the part that holds the compute stream
+            held = (1.0 - profile.overlap) * cost  # the part that holds the compute stream
+            bars.expose(clock, clock + held, node.name)
+            clock += held
             comm_free = start + cost
             done[node] = comm_free
+            bars.add("comm", node.name, start, comm_free)
         elif node.target is wait:
-            clock = max(clock, done.get(node.args[0], clock))
+            ready = max(clock, done.get(node.args[0], clock))
+            bars.expose(clock, ready, node.name)
+            clock = ready
         elif is_region(node):
             inner = region_timeline(node, profile)
             compute += inner.compute_us
             comm += inner.comm_us
             # Its collectives queue behind the ones in flight; it ends with its body.
             start = max(clock, comm_free) if inner.comm_us else clock
+            bars.expose(clock, start, node.name)
             clock = start + inner.total_us
+            bars.add("compute", node.name, start, start + inner.compute_us)
+            bars.expose(start + inner.compute_us, clock, node.name)  # its body's own waits
             if inner.comm_us:
+                bars.add("comm", node.name, start, clock)
                 comm_free = clock
         else:
             cost = node_time_us(node, profile)
             compute += cost
+            if cost:
+                bars.add("compute", node.name, clock, clock + cost)
             clock += cost
-    return Timeline(compute, comm, max(clock, comm_free))
+    bars.expose(clock, comm_free, "end")
+    return Timeline(compute, comm, max(clock, comm_free), tuple(bars.spans))
+
+
+class _Bars:
+    """The spans of one simulation; back-to-back compute nodes merge into one bar."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._compute: int | None = None
+        """Index of the compute bar the next compute node may extend."""
+
+    def add(self, lane: str, name: str, start: float, end: float) -> None:
+        i = self._compute
+        if lane == "compute" and i is not None and abs(self.spans[i].end_us - start) < 1e-9:
+            last = self.spans[i]
+            first = last.name.split(" .. ")[0]
+            self.spans[i] = Span(lane, f"{first} .. {name}", last.start_us, end, last.nodes + 1)
+            return
+        self.spans.append(Span(lane, name, start, end))
+        if lane == "compute":
+            self._compute = len(self.spans) - 1
+
+    def expose(self, start: float, end: float, name: str) -> None:
+        """The compute stream waits from ``start`` to ``end`` (nothing when they meet)."""
+        if end - start > 1e-9:
+            self.spans.append(Span("exposed", name, start, end))
+            self._compute = None

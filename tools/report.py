@@ -5,15 +5,20 @@ rank), keeps what dtcompile logged (``dtcompile_*`` artifacts, see
 :mod:`dtcompile.artifacts`) and what Dynamo logged about graph breaks and
 recompiles, and writes ``OUT/index.html``: the graphs run eagerly because
 torch could not trace them (``eager_fallback``); the graphs AOTAutograd's
-cache served (compiled by an earlier run, so not shown); the ``dtcompile.auto_parallel``
+cache served (compiled by an earlier run, whose sections are logged again from
+what it kept beside the cache); the ``dtcompile.auto_parallel``
 solutions planned (each node's placements and cost); per compile id the DTensor
 placements, the annotated forward and backward graphs and the collective
-schedule; each graph's estimated memory over its schedule (the curve with its
+schedule; each graph's simulated timeline before and after the passes (a compute
+and a communication lane, the compute stream's waits marked) and its estimated
+memory over its schedule (the curve with its
 peak marked, the budget the passes kept to, what is alive at the peak);
 communication bytes and estimated time per step; a check that every
 rank issues the same collectives in the same order (a rank that differs would
 hang a real job); graph breaks and recompile reasons.  No scripts, no network:
-the file opens anywhere.
+the file opens anywhere.  ``--perfetto OUT.json`` also writes the timelines as a
+Chrome trace-event file for Perfetto (:func:`perfetto_trace`), beside a
+torch.profiler trace of the same step with ``--measured``.
 
 The log format: a line ``<glog prefix>] {json metadata}`` starts an entry; the
 payload follows on lines that begin with a tab, and the metadata's
@@ -37,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Trace", "TraceError", "main", "read_trace", "render_html"]
+from dtcompile.progress import track
+
+__all__ = ["Trace", "TraceError", "main", "perfetto_trace", "read_trace", "render_html"]
 
 _RANK_FILE = re.compile(r"dedicated_log_torch_trace_rank_(\d+)_.*\.log$")
 _ENTRY = re.compile(r"^[A-Z]\d{4} [\d:.]+ +\d+ [^\]]*\] (\{.*\})$")
@@ -156,7 +163,7 @@ def read_trace(trace_dir: str | Path) -> Trace:
         )
     ranks: dict[int, RankTrace] = {}
     warnings: list[str] = []
-    for file in files:
+    for file in track(files, "dtcompile-report: reading logs", unit="log"):
         rank = int(_RANK_FILE.search(file.name).group(1))
         trace = ranks.setdefault(rank, RankTrace(rank))
         for number, meta, payload in _entries(file, warnings):
@@ -290,6 +297,51 @@ def _memory_svg(kind: str, memory: dict[str, Any], width: int = 640, height: int
     )
 
 
+_LANE_COLOURS = {"compute": "#2da44e", "comm": "#0969da", "exposed": "#cf222e"}
+
+
+def _timeline_svg(kind: str, timeline: dict[str, Any], width: int = 640) -> str:
+    """One graph's simulated run as an inline SVG, before the passes (when logged) above after
+    them, on one time scale: per run a compute lane (compute green, the compute stream
+    waiting for communication red) and a communication lane (each collective a blue bar)."""
+    runs = [(when, timeline[when]) for when in ("before", "after") if when in timeline]
+    if not runs:
+        return ""
+    end = max(run["total_us"] for _, run in runs) or 1.0
+    label, lane_h, gap, pad = 150, 14, 4, 4
+    run_h = 2 * (lane_h + gap) + 10
+    height = len(runs) * run_h + 16
+
+    def x(us: float) -> float:
+        return label + (width - label - pad) * us / end
+
+    items = []
+    for i, (when, run) in enumerate(runs):
+        top = i * run_h + 4
+        title = f"{when} the passes: {run['total_us']:.1f} us, {run['exposed_us']:.1f} exposed"
+        items.append(f'<text x="0" y="{top + lane_h - 3}" font-size="11">{html.escape(when)} the passes</text>')
+        items.append(f'<text x="0" y="{top + 2 * lane_h + gap - 3}" font-size="10" fill="#555">{run["total_us"]:.3g} us, {run["exposed_us"]:.3g} exposed</text>')
+        for lane, name, start, stop, nodes in run["spans"]:
+            row = top if lane != "comm" else top + lane_h + gap
+            w = max(x(stop) - x(start), 0.5)
+            what = {"compute": f"compute, {nodes} node(s)", "comm": "collective", "exposed": "waiting for communication"}[lane]
+            tip = f"{name}: {what}, {start:.1f} to {stop:.1f} us"
+            items.append(
+                f'<rect class="{lane}" x="{x(start):.1f}" y="{row}" width="{w:.1f}" height="{lane_h}" '
+                f'fill="{_LANE_COLOURS[lane]}"><title>{html.escape(tip)}</title></rect>'
+            )
+        items.append(f"<title>{html.escape(title)}</title>")
+    axis_y = len(runs) * run_h + 12
+    items.append(f'<text x="{label}" y="{axis_y}" font-size="10" fill="#555">0 us</text>')
+    items.append(f'<text x="{width - pad}" y="{axis_y}" font-size="10" fill="#555" text-anchor="end">{end:.3g} us</text>')
+    return (
+        f'<figure><svg class="timeline" width="{width}" height="{height}" role="img" '
+        f'aria-label="{html.escape(kind)} timeline">{"".join(items)}</svg>'
+        f"<figcaption>{html.escape(kind)}: simulated on the graph's cost profile; per run, top lane compute "
+        "(green; red where it waits for communication), bottom lane the collectives (blue)</figcaption></figure>"
+    )
+
+
 def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list[str] | None = None) -> str:
     """The report as one HTML document (rank 0's graphs; every rank in the checks and totals)."""
     ranks = sorted(trace.ranks)
@@ -347,8 +399,9 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         parts.append('<section id="cached-compiles"><h2>Graphs served by the compile cache (compiled by an earlier run)</h2>')
         parts.append(
             "<p>AOTAutograd's cache served these graphs: dtcompile compiled them in an earlier run with the same "
-            "source and options, so their placements, graphs and collectives are not in this trace. Trace a run "
-            "with an empty TORCHINDUCTOR_CACHE_DIR, or compile with dtcompile.backend(aot_cache=False), to see them.</p>"
+            "source and options. Their sections below were logged again from what that run kept beside the cache; "
+            "where a graph says that is gone, trace a run with an empty TORCHINDUCTOR_CACHE_DIR, or compile with "
+            "dtcompile.backend(aot_cache=False), to see it.</p>"
         )
         parts += [f"<pre>{html.escape(text)}</pre>" for text in lead.cached]
         parts.append("</section>")
@@ -387,6 +440,10 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         ]
         if passes:
             parts.append("<h3>Passes</h3>" + _table(["graph", "pass", "ran", "nodes", "collectives", "decisions"], passes, left=2))
+        timelines = [(kind, data["timeline"]) for kind, data in record.collectives.items() if data.get("timeline")]
+        if timelines:
+            parts.append("<h3>Timeline (simulated)</h3>")
+            parts += [_timeline_svg(kind, timeline) for kind, timeline in timelines]
         memories = [(kind, data["memory"]) for kind, data in record.collectives.items() if data.get("memory")]
         if memories:
             parts.append("<h3>Memory</h3>")
@@ -411,12 +468,88 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
     return "\n".join(parts)
 
 
+_TIDS = {"compute": 1, "exposed": 1, "comm": 2}
+
+
+def perfetto_trace(trace: Trace, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The simulated timelines as a Chrome trace-event file, which Perfetto (ui.perfetto.dev)
+    and chrome://tracing open: per rank, graph and run (before or after the passes) one
+    process, with a compute thread (waits for communication named ``exposed: <node>``) and a
+    communication thread, each bar a complete (``X``) event in microseconds.  ``measured``, a
+    torch.profiler Chrome trace of the same step (``prof.export_chrome_trace``), is put beside
+    them, its processes renamed ``measured: ...``: predicted against measured."""
+    events: list[dict[str, Any]] = []
+
+    def name(pid: int, what: str, text: str, tid: int = 0) -> None:
+        events.append({"name": what, "ph": "M", "pid": pid, "tid": tid, "args": {"name": text}})
+
+    pid = 0
+    for rank in sorted(trace.ranks):
+        for cid, record in sorted(trace.ranks[rank].compiles.items()):
+            for kind, data in record.collectives.items():
+                for when, run in (data.get("timeline") or {}).items():
+                    pid += 1
+                    name(pid, "process_name", f"rank {rank} compile {cid} {kind} ({when} the passes, predicted)")
+                    events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+                    name(pid, "thread_name", "compute", _TIDS["compute"])
+                    name(pid, "thread_name", "communication", _TIDS["comm"])
+                    for lane, node, start, stop, nodes in run["spans"]:
+                        events.append({
+                            "name": f"exposed: {node}" if lane == "exposed" else node,
+                            "cat": lane,
+                            "ph": "X",
+                            "ts": start,
+                            "dur": round(stop - start, 3),
+                            "pid": pid,
+                            "tid": _TIDS[lane],
+                            "args": {"nodes": nodes},
+                        })
+    if measured is not None:
+        events += _measured_events(measured, first_pid=pid + 1)
+    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"source": "dtcompile-report"}}
+
+
+def _measured_events(measured: dict[str, Any] | list[Any], first_pid: int) -> list[dict[str, Any]]:
+    """A torch.profiler Chrome trace's events, its processes renumbered after ours and named
+    ``measured: ...``; a file that is not a trace-event file is a TraceError."""
+    raw = measured.get("traceEvents") if isinstance(measured, dict) else measured
+    if not isinstance(raw, list):
+        raise TraceError("--measured: not a Chrome trace-event file (no traceEvents list); write one with prof.export_chrome_trace(PATH)")
+    pids: dict[Any, int] = {}
+    named: set[int] = set()
+    out = []
+    for event in raw:
+        if not isinstance(event, dict) or "ph" not in event:
+            continue
+        event = dict(event)
+        pid = pids.setdefault(event.get("pid", 0), first_pid + len(pids))
+        original = event.get("pid", 0)
+        event["pid"] = pid
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            event["args"] = {"name": f"measured: {event.get('args', {}).get('name', original)}"}
+            named.add(pid)
+        out.append(event)
+    for original, pid in pids.items():
+        if pid not in named:
+            out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"measured: process {original}"}})
+    return out
+
+
 def _depyf_files(dump_dir: str) -> list[str]:
     path = Path(dump_dir)
     files = sorted(p.name for p in path.glob("*.py")) if path.is_dir() else []
     if not files:
         raise TraceError(f"{path}: no depyf dump (*.py files); make one with dtcompile.explain(..., depyf_dir={str(path)!r})")
     return files
+
+
+def _read_measured(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as err:
+        raise TraceError(f"--measured {path}: cannot read it ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise TraceError(f"--measured {path}: not JSON ({err.msg}); pass a torch.profiler Chrome trace") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,7 +562,20 @@ def main(argv: list[str] | None = None) -> int:
         help="a depyf dump of the same run (dtcompile.explain(..., depyf_dir=DUMP_DIR)); "
         "its decompiled code is copied to OUT/depyf and listed in the report",
     )
+    parser.add_argument(
+        "--perfetto",
+        metavar="OUT_JSON",
+        help="also write the simulated timelines as a Chrome trace-event file (open it in ui.perfetto.dev)",
+    )
+    parser.add_argument(
+        "--measured",
+        metavar="PROFILER_JSON",
+        help="with --perfetto: a torch.profiler Chrome trace of the same step (prof.export_chrome_trace), "
+        "put beside the predicted timelines",
+    )
     args = parser.parse_args(argv)
+    if args.measured and not args.perfetto:
+        parser.error("--measured goes beside the predicted timelines of --perfetto: pass --perfetto OUT_JSON too")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(
@@ -439,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trace = read_trace(args.trace_dir)
         depyf_files = _depyf_files(args.depyf) if args.depyf else None
+        measured = _read_measured(args.measured) if args.measured else None
+        timelines = perfetto_trace(trace, measured) if args.perfetto else None
     except TraceError as err:
         print(f"dtcompile-report: {err}", file=sys.stderr)
         return 2
@@ -465,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(Path(args.depyf) / name, out / "depyf" / name)
     (out / "index.html").write_text(render_html(trace, depyf_files=depyf_files))
     print(f"dtcompile-report: wrote {out / 'index.html'} ({len(trace.ranks)} rank(s))")
+    if timelines is not None:
+        Path(args.perfetto).write_text(json.dumps(timelines))
+        print(f"dtcompile-report: wrote {args.perfetto} ({len(timelines['traceEvents'])} trace events)")
     return 0
 
 

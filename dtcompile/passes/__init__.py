@@ -45,6 +45,7 @@ from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.overlap import reorder_for_overlap
 from dtcompile.records import Outcome, PassRecord
+from dtcompile.simulate import simulate
 from dtcompile.sizes import hint
 
 __all__ = ["PASSES", "GraphPass", "PassContext", "padded_collective", "run_passes"]
@@ -198,6 +199,7 @@ def run_passes(
     """Runs ``passes`` (default :data:`PASSES`) in order, skipping those in ``ctx.config.disable_passes``."""
     records = []
     ctx.set_budget(gm)
+    ctx.traced_timeline = simulate(gm.graph, ctx.profile)
     # Judged on the graph as traced: a pass's own rewrites (bucketing's slices of
     # its flat buffers) must not read as DTensor's padding to the passes after it.
     rank_dependent = _rank_dependent(ctx, gm)

@@ -11,6 +11,7 @@ from torch import fx
 from dtcompile.collectives import largest_collective
 from dtcompile.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
 from dtcompile.records import Action, Outcome, Price
+from dtcompile.simulate import Timeline
 
 if TYPE_CHECKING:
     from dtcompile.annotations import DynamoGraphInfo
@@ -43,6 +44,8 @@ class PassContext:
     """Where :attr:`budget_bytes` comes from, as the records say it."""
     traced_memory: MemoryEstimate | None = None
     """The graph's memory before any pass, set by ``run_passes``."""
+    traced_timeline: Timeline | None = None
+    """The graph before any pass played on its profile (:func:`~dtcompile.simulate.simulate`), set by ``run_passes``."""
     outcomes: list[Outcome] = field(default_factory=list)
     """The current pass's decisions (``run_passes`` takes them after each pass)."""
 

@@ -536,6 +536,11 @@ def test_report_renders_in_headless_chromium(trace_dir, tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     for section in ['id="summary"', 'id="divergence"', 'id="compile-0_0"', 'id="graph-breaks"', 'id="recompiles"']:
         assert section in dom.stdout
+    # The browser parsed each graph's timeline as SVG: its bars are elements of the DOM.
+    timelines = re.findall(r'<svg class="timeline".*?</svg>', dom.stdout, flags=re.S)
+    assert len(timelines) >= 2
+    assert any('<rect class="compute"' in svg for svg in timelines)
+    assert any('<rect class="comm"' in svg for svg in timelines)
     assert "CONSOLE" not in dom.stderr and "Uncaught" not in dom.stderr
     shot = tmp_path / "report.png"
     run = subprocess.run(
