@@ -55,7 +55,15 @@ from torch import fx
 
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo, describe_dynamo_graph
-from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallback_artifact, format_compiled_graph
+from dtcompile.artifacts import (
+    emit_artifacts,
+    emit_cached_artifact,
+    emit_fallback_artifact,
+    emit_saved_artifacts,
+    format_compiled_graph,
+    saved_artifacts,
+)
+from dtcompile.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.cache_keys import (
     compile_key,
     key_fields,
@@ -90,6 +98,7 @@ from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallbac
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
 from dtcompile.sharding_cache import fresh_sharding_caches
+from dtcompile.simulate import simulate
 from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dynamo_vars.dtensor_state import loss_parallel_backward
 from hops import keep_regions
@@ -100,6 +109,8 @@ log = logging.getLogger(__name__)
 
 # How many compiled graphs a backend keeps for inspection; older ones are dropped.
 _MAX_RECORDS = 256
+# The folder beside the compile cache that keeps each compiled graph's TORCH_TRACE artifacts.
+_REPORTS = "dtcompile_reports"
 
 
 @contextlib.contextmanager
@@ -126,11 +137,23 @@ class _Progress:
     """How far one backend call got: past AOTAutograd's trace (into the partitioner or
     dtcompile's passes) or not, and the graphs it compiled.  A failure after the trace
     is never run eagerly instead; a call that returns without ever getting there was
-    served from AOTAutograd's cache."""
+    served from AOTAutograd's cache.  ``kept_as``: where the graphs' artifacts are kept
+    beside the compile cache as each compiles (the backward may compile at its first
+    call), ``None`` where no cache can serve them."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept_as: str | None = None) -> None:
         self.traced = False
         self.graphs: list[CompiledGraph] = []
+        self.kept_as = kept_as
+        self._kept: dict[str, list[str]] = {}
+
+    def compiled(self, record: CompiledGraph) -> None:
+        self.graphs.append(record)
+        if self.kept_as is not None:
+            # Made now: lowering rewrites the graph in place (Inductor's reinplacing).
+            for name, encoding, payload in saved_artifacts([record]):
+                self._kept.setdefault(name, [name, encoding, payload])
+            save_beside_cache(_REPORTS, self.kept_as, list(self._kept.values()))
 
     def trace_finished(self) -> None:
         self.traced = True
@@ -247,9 +270,11 @@ class DTCompileBackend:
         log.info("%s: cost profile %s", info.compile_id, priced)
         constants = split_constant_outputs(gm)
         views = split_input_views(gm)
-        progress = _Progress()
         # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
         key = compile_key(config, priced.profile, rank_position(gm, example_inputs))
+        # What is kept beside the compile cache for this graph is found again by this.
+        entry = f"{key}\n{gm.code}\n{inputs_text(example_inputs)}"
+        progress = _Progress(kept_as=entry if config.inductor and config.aot_cache else None)
         checking = config.check_ranks and world_can_disagree()
         partitioner = Partitioner(
             bool(info.uneven),
@@ -290,11 +315,11 @@ class DTCompileBackend:
         else:
             how = "compiled here" if progress.traced else "served from the compile cache"
             if not progress.traced:
-                self._loaded_from_cache(gm, info)
+                self._loaded_from_cache(gm, info, entry)
         run = with_outputs_put_back(compiled, constants, views)
         if not checking:
             return run
-        schedule = self._schedule(gm, example_inputs, info.compile_id, config, priced, key, how, progress.graphs)
+        schedule = self._schedule(gm, example_inputs, info.compile_id, config, priced, key, entry, how, progress.graphs)
         groups = check_groups(gm, meshes_held(gm, example_inputs))
         if not groups or schedule.collectives == ():
             # Nothing to pair up: a graph some ranks run alone (rank 0's evaluation) must not wait.
@@ -314,19 +339,19 @@ class DTCompileBackend:
         config: DTCompileConfig,
         priced: ProfileChoice,
         key: str,
+        entry: str,
         how: str,
         graphs: Sequence[CompiledGraph],
     ) -> Schedule:
         """What this rank compiled for ``gm``, as its ranks' check compares it; a compiled
-        schedule is saved beside the compile cache, for a run the cache serves."""
-        saved_as = f"{key}\n{gm.code}\n{inputs_text(example_inputs)}"
+        schedule is saved beside the compile cache (as ``entry``), for a run the cache serves."""
         collectives: tuple[str, ...] | None = None
         if graphs:
             collectives = collective_lines((g.kind, g.collectives) for g in graphs)
             if config.inductor and config.aot_cache:
-                save_schedule(saved_as, collectives)
+                save_schedule(entry, collectives)
         elif how.startswith("served"):
-            collectives = load_schedule(saved_as)
+            collectives = load_schedule(entry)
         profile = f"{priced}, numbers {profile_text(priced.profile)}"
         decided = decided_from(key_fields(config), profile, source_digest(), gm, example_inputs)
         return Schedule(compile_id, how, collectives, decided, eager=how.startswith("run eagerly"))
@@ -364,12 +389,16 @@ class DTCompileBackend:
             stacklevel=3,
         )
 
-    def _loaded_from_cache(self, gm: fx.GraphModule, info: DynamoGraphInfo) -> None:
-        """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log."""
-        cached = CachedCompile(compile_id=info.compile_id, graph=gm)
+    def _loaded_from_cache(self, gm: fx.GraphModule, info: DynamoGraphInfo, entry: str) -> None:
+        """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log,
+        and logs again the artifacts the run that compiled it kept beside the cache."""
+        saved = load_beside_cache(_REPORTS, entry)
+        cached = CachedCompile(compile_id=info.compile_id, graph=gm, reported=bool(saved))
         self.cached.append(cached)
         log.info("%s", cached)
         emit_cached_artifact(cached)
+        if saved:
+            emit_saved_artifacts(saved)
 
     def _fall_back_to_eager(self, gm: fx.GraphModule, info: DynamoGraphInfo, exc: Exception) -> EagerFallback:
         """Records that the Dynamo graph runs as it is (DTensor's eager ops: eager's numbers
@@ -484,10 +513,12 @@ class DTCompileBackend:
             memory=estimate_memory(gm, kind, memory.held_bytes),
             memory_traced=ctx.traced_memory,
             memory_budget=(ctx.budget_bytes, ctx.budget_why),
+            timeline=simulate(gm.graph, info.profile),
+            timeline_traced=ctx.traced_timeline,
             lowering=dict(lowering(passes)),
         )
         self.records.append(record)
-        progress.graphs.append(record)
+        progress.compiled(record)
         log.info(
             "compile %s %s graph: %d nodes, %d collectives, %d local_map regions",
             record.compile_id,

@@ -49,16 +49,15 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
 
+from dtcompile.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.collectives import CollectiveInfo, axis_name, group_names_in
 
 __all__ = [
@@ -430,30 +429,18 @@ def decided_from(
     }
 
 
-def _schedule_path(key: str) -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "dtcompile_schedules" / f"{_digest(key)}.json"
+_SCHEDULES = "dtcompile_schedules"
 
 
 def save_schedule(key: str, collectives: Sequence[str]) -> None:
     """Writes a compiled graph's collectives beside torch's compile cache, for a run the cache serves."""
-    path = _schedule_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(list(collectives)))
-        tmp.replace(path)
-    except OSError as exc:  # a read-only cache: the check compares decisions instead
-        log.warning("dtcompile: could not save the collective schedule to %s: %s", path, exc)
+    save_beside_cache(_SCHEDULES, key, list(collectives))
 
 
 def load_schedule(key: str) -> tuple[str, ...] | None:
     """The collectives :func:`save_schedule` wrote for ``key``, or ``None``."""
-    try:
-        return tuple(json.loads(_schedule_path(key).read_text()))
-    except (OSError, ValueError):
-        return None
+    saved = load_beside_cache(_SCHEDULES, key)
+    return tuple(saved) if isinstance(saved, list) else None
 
 
 class CheckedOnFirstCall:

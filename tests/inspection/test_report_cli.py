@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import html
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -151,18 +153,34 @@ def test_report_shows_graphs_run_eagerly(tmp_path, capsys):
     assert "tensor subclass inputs" in section and "permute" in section
 
 
+def _sections(page: str) -> dict[str, str]:
+    return dict(re.findall(r'<section[^>]* id="([^"]+)">(.*?)</section>', page, flags=re.S))
+
+
 @pytest.mark.inductor
-def test_report_says_which_graphs_the_compile_cache_served(tmp_path):
-    """A restarted run's graphs come from AOTAutograd's cache: nothing of theirs to show
-    but that, and the report says so instead of showing nothing."""
+def test_a_warm_cache_run_reports_what_a_cold_one_does(tmp_path):
+    """A restarted run's graphs come from AOTAutograd's cache: nothing is traced, so the
+    sections the run that compiled them kept beside the cache are logged again, and the
+    report is the cold run's, plus a section saying which graphs the cache served."""
     cache = tmp_path / "cache"
     first = _trace(tmp_path / "first", "dtcompile_inductor", cache=cache)
     again = _trace(tmp_path / "again", "dtcompile_inductor", cache=cache)
-    for trace, served in ((first, False), (again, True)):
+    pages = {}
+    for trace in (first, again):
         out = trace / "report"
         assert report_tool.main([str(trace), "-o", str(out)]) == 0
-        page = (out / "index.html").read_text()
-        assert ('<section id="cached-compiles">' in page) == served
-        assert ('id="compile-0_0"' in page) != served
-    section = page[page.index('<section id="cached-compiles">') :].split("</section>")[0]
-    assert html.escape("compile 0/0: loaded from AOTAutograd's cache") in section
+        pages[trace] = (out / "index.html").read_text()
+    cold, warm = _sections(pages[first]), _sections(pages[again])
+    assert "cached-compiles" not in cold and "compile-0_0" in cold
+    served = warm.pop("cached-compiles")
+    assert html.escape("compile 0/0: loaded from AOTAutograd's cache") in served
+    assert "its report sections, kept beside the cache, are logged again" in served
+    assert warm == cold
+    assert '<svg class="timeline"' in warm["compile-0_0"] and '<svg class="memory"' in warm["compile-0_0"]
+    # Without what was kept, the report says so instead of showing nothing.
+    shutil.rmtree(cache / "dtcompile_reports")
+    bare = _trace(tmp_path / "bare", "dtcompile_inductor", cache=cache)
+    assert report_tool.main([str(bare), "-o", str(bare / "report")]) == 0
+    sections = _sections((bare / "report" / "index.html").read_text())
+    assert "compile-0_0" not in sections
+    assert "what was kept of them beside the cache is gone" in sections["cached-compiles"]
