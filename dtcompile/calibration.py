@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from dtcompile.collectives import profile_for_groups
 from dtcompile.cost_model import AUTO, HardwareProfile, Link, register_profile, save_profile
+from dtcompile.progress import Progress
 
 __all__ = ["calibrate", "fit_link"]
 
@@ -98,7 +99,7 @@ def fit_link(times_us: dict[tuple[str, int], float], group_size: int) -> Link:
     return Link(bandwidth_gbps=bandwidth_gbps, hop_latency_us=hop, base_latency_us=base)
 
 
-def _collectives(group: Any, device: torch.device, iters: int) -> dict[tuple[str, int], float]:
+def _collectives(group: Any, device: torch.device, iters: int, progress: Progress) -> dict[tuple[str, int], float]:
     n = dist.get_world_size(group)
     times = {}
     for size in SIZES:
@@ -110,6 +111,7 @@ def _collectives(group: Any, device: torch.device, iters: int) -> dict[tuple[str
             lambda: dist.all_gather_into_tensor(gathered, shard, group=group), device, iters, group
         )
         times[("all_reduce", numel * 4)] = _median_us(lambda: dist.all_reduce(full, group=group), device, iters, group)
+        progress.step(f"collectives of {size} B")
     return times
 
 
@@ -183,15 +185,17 @@ def calibrate(
         name = profile_for_groups(AUTO, {device.type}, [group.group_name] if group is not None else []).profile.name
     if not isinstance(name, str) or not name or name == AUTO:
         raise ValueError(f"dtcompile.calibrate: name must be a profile name other than {AUTO!r}, got {name!r}")
-    link = fit_link(_collectives(group, device, iters), dist.get_world_size(group))
-    measured = torch.tensor(
-        [link.bandwidth_gbps, link.hop_latency_us, link.base_latency_us, _copy_gbps(device, iters),
-         _matmul_tflops(device, iters), _overlap(group, device, iters)],
-        dtype=torch.float64,
-        device=device,
-    )
     # Rank 0's numbers on every rank: each rank's passes decide from this profile.
     first = dist.get_global_rank(group, 0) if group is not None else 0
+    with Progress(f"dtcompile.calibrate({name})", len(SIZES) + 3, unit="measurement", show=dist.get_rank() == first) as progress:
+        link = fit_link(_collectives(group, device, iters, progress), dist.get_world_size(group))
+        numbers = [link.bandwidth_gbps, link.hop_latency_us, link.base_latency_us]
+        for what, measure in (("copies", _copy_gbps), ("matmuls", _matmul_tflops)):
+            numbers.append(measure(device, iters))
+            progress.step(what)
+        numbers.append(_overlap(group, device, iters))
+        progress.step("overlap")
+    measured = torch.tensor(numbers, dtype=torch.float64, device=device)
     dist.broadcast(measured, src=first, group=group)
     bandwidth, hop, base, copy, tflops, overlap = measured.tolist()
     shared = Link(bandwidth_gbps=bandwidth, hop_latency_us=hop, base_latency_us=base)

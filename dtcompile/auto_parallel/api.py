@@ -23,6 +23,7 @@ from torch import nn
 from dtcompile.auto_parallel.placements import Layout
 from dtcompile.collectives import profile_for_groups
 from dtcompile.cost_model import HardwareProfile
+from dtcompile.progress import Progress
 from dtcompile.reshard import resharded
 
 __all__ = ["auto_parallel", "plan"]
@@ -141,17 +142,22 @@ def plan(
         if value is not None:
             outs[i] = _layout(f"output_placements[{i}]", value, mesh)
 
-    start = time.perf_counter()
-    traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
-    traced_s = time.perf_counter() - start
-    problem = build_problem(
-        traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes,
-        resharded=functools.partial(resharded, config=config),
-    )
-    problem.seconds["trace"] = traced_s
-    tie_repeated_layers(problem)
-    result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes)
-    problem.seconds["solve"] = result.seconds
+    with Progress("auto_parallel", 4, unit="stage") as progress:
+        start = time.perf_counter()
+        traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
+        traced_s = time.perf_counter() - start
+        progress.step("traced")
+        problem = build_problem(
+            traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes,
+            resharded=functools.partial(resharded, config=config),
+        )
+        problem.seconds["trace"] = traced_s
+        progress.step("problem built")
+        tie_repeated_layers(problem)
+        progress.step("layers tied")
+        result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes)
+        problem.seconds["solve"] = result.seconds
+        progress.step("solved")
     log.info(
         "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
         len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,

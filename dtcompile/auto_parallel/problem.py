@@ -73,6 +73,7 @@ from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
 from dtcompile.cost_model import HardwareProfile
+from dtcompile.progress import track
 from dtcompile.simulate import node_time_us
 
 __all__ = ["Candidate", "Edge", "Link", "PNode", "Problem", "build_problem"]
@@ -661,7 +662,8 @@ def build_problem(
     regathered = frozenset(node.name for name, node in traced.params if resharded(name))
     b = _Builder(traced, mesh, profile, dict(fixed or {}), bucket_cap_bytes, regathered)
     b.placeholders()
-    for node in traced.gm.graph.nodes:
+    nodes = traced.gm.graph.nodes
+    for node in track(nodes, "auto_parallel: candidate placements", len(nodes), unit="node"):
         if node.op == "call_function" and node.target is not operator.getitem:
             _refuse_writes(node, traced)
             b.call(node)

@@ -57,3 +57,5 @@ def test_the_demo_prints_no_cache_tracebacks():
     assert "OK: compiled matches eager and the reference" in text
     assert "Failed to pickle" not in text
     assert "Traceback" not in text
+    # A quiet demo: no warning of ours or of torch's (numpy is a dependency: torch warns without it).
+    assert "Warning" not in out.stderr and "warn" not in out.stderr.lower(), out.stderr[-3000:]
