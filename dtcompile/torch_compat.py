@@ -95,7 +95,7 @@ def subclass_outer_size_from_inner() -> bool:
       for other placements) then gets its size specialized in the middle of the
       trace, and a ``local_map`` region's output recorded as dynamic before that
       no longer matches the compiled graph ("expected between 3 and 4 wrapped
-      outputs"): the README's limits say so, a strict xfail pins it.
+      outputs"): docs/limits.md says so, a strict xfail pins it.
     """
     from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
 

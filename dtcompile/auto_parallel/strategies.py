@@ -138,7 +138,7 @@ def op_strategies(
         if len(in_layouts) != len(tensors):
             continue
         # Only Shard, Replicate and Partial: sizes, costs and redistributions here know no other
-        # placement (a view's _StridedShard is left out; see the README's limits).
+        # placement (a view's _StridedShard is left out; see docs/limits.md).
         if not all(isinstance(p, (Shard, Replicate, Partial)) for layout in (*in_layouts, *out_layouts)
                    if layout is not None for p in layout):
             continue

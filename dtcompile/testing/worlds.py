@@ -6,7 +6,7 @@
 - :func:`simulated_world`: the fake process group plus
   ``LocalTensorMode(world_size)``: every tensor holds all ranks' values and
   collectives have real semantics.  Stock torch 2.13 compiles only simple
-  programs on it (see the README's limits).
+  programs on it (see docs/limits.md).
 - :func:`run_threaded`: every rank a thread of this process with torch's
   threaded process group: real collective semantics, and each rank compiles
   its own program as a real rank would.  For compiled numerics in one process.

@@ -1,9 +1,9 @@
 """The house's layers only point down, and no module imports itself in a circle.
 
-The layer order (the README's layout section says the same), bottom first;
+The layer order (docs/layout.md says the same), bottom first;
 a module may import modules of its own layer or below, never above:
 
-0. base -- ``dtcompile.notation``, ``dtcompile.sharding_cache``, ``dtcompile.sizes``, ``dtcompile.torch_compat``, ``dtcompile.torch_contract``
+0. base -- ``dtcompile.beside_cache``, ``dtcompile.notation``, ``dtcompile.progress``, ``dtcompile.sharding_cache``, ``dtcompile.sizes``, ``dtcompile.torch_compat``, ``dtcompile.torch_contract``
 1. ``hops`` -- the ``local_map`` region op
 2. ``dynamo_vars`` -- Dynamo support
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
@@ -31,7 +31,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dtcompile.notation", "dtcompile.scoped_patch", "dtcompile.sharding_cache", "dtcompile.sizes", "dtcompile.torch_compat", "dtcompile.torch_contract"),
+    (
+        "dtcompile.beside_cache",
+        "dtcompile.notation",
+        "dtcompile.progress",
+        "dtcompile.scoped_patch",
+        "dtcompile.sharding_cache",
+        "dtcompile.sizes",
+        "dtcompile.torch_compat",
+        "dtcompile.torch_contract",
+    ),
     ("hops",),
     ("dynamo_vars",),
     (
@@ -65,7 +74,7 @@ def layer_of(module: str) -> int:
             if (module == name or module.startswith(name + ".")) and len(name) > best_len:
                 best, best_len = index, len(name)
     if best is None:
-        raise AssertionError(f"{module} is in no layer: add it to LAYERS and to the README's layout")
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS and to docs/layout.md")
     return best
 
 

@@ -35,7 +35,7 @@ UNBOUNDED_MEMORY = 1 << 40
 # Their programs' predicted collectives are compared exactly with the compiled ones,
 # and the backward's re-gathers of resharded weights are predicted from each op's
 # measured backward, which for some decompositions reads other inputs than the
-# compiled graph does (README: Limits); test_mlp checks the re-gathers predicted.
+# compiled graph does (docs/limits.md); test_mlp checks the re-gathers predicted.
 KEPT_GATHERED = DTCompileConfig(reshard_after_forward=False, memory_budget_bytes=UNBOUNDED_MEMORY)
 
 

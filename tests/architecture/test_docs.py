@@ -1,0 +1,128 @@
+"""The docs stay whole: a short README that links to pages that exist, and an API
+reference with an entry for every public name.
+
+No mkdocs needed (CI builds the site itself, ``mkdocs build --strict`` in
+``.ci/run``): these read README.md, mkdocs.yml and docs/ as text, and the
+public modules' ``__all__`` by importing them.  Each check is a function that
+returns what is wrong, tested on the real files and on a broken input.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+MKDOCS = ROOT / "mkdocs.yml"
+DOCS = ROOT / "docs"
+
+# Every module whose ``__all__`` the API reference documents, one ``::: module.name`` each.
+PUBLIC_MODULES = (
+    "dtcompile",
+    "dtcompile.testing",
+    "dtcompile.auto_parallel",
+    "hops",
+    "dynamo_vars",
+    "dtcompile_tools.report",
+)
+README_MAX_LINES = 200
+
+_ENTRY = re.compile(r"^:::\s+([\w.]+)\s*$", re.MULTILINE)
+# A Markdown link's target: [text](target) or [text](target#anchor).
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+# A nav line of mkdocs.yml: "  - Title: page.md" or "  - page.md".
+_NAV_PAGE = re.compile(r"^\s*-\s+(?:[^:\n]*:\s+)?([\w./-]+\.md)\s*$", re.MULTILINE)
+
+
+def reference_entries(texts: list[str]) -> set[str]:
+    """The identifiers of the ``::: identifier`` entries in these Markdown texts."""
+    return {name for text in texts for name in _ENTRY.findall(text)}
+
+
+def missing_entries(exports: dict[str, list[str]], entries: set[str]) -> list[str]:
+    """``module.name`` for every exported name with no reference entry."""
+    return [f"{module}.{name}" for module, names in exports.items() for name in names if f"{module}.{name}" not in entries]
+
+
+def readme_doc_links(text: str) -> list[str]:
+    """The relative links into docs/ (``docs/....md``, anchor dropped)."""
+    return [target.split("#")[0] for target in _LINK.findall(text) if target.startswith("docs/") and target.split("#")[0].endswith(".md")]
+
+
+def nav_pages(mkdocs_yml: str) -> list[str]:
+    """The pages of mkdocs.yml's ``nav:`` (relative to docs/)."""
+    match = re.search(r"^nav:\s*$(.*?)(?=^\S|\Z)", mkdocs_yml, re.MULTILINE | re.DOTALL)
+    assert match, "mkdocs.yml has no nav: section"
+    return _NAV_PAGE.findall(match.group(1))
+
+
+def missing_files(paths: list[str], root: Path) -> list[str]:
+    return [path for path in paths if not (root / path).is_file()]
+
+
+def _exports() -> dict[str, list[str]]:
+    return {module: list(importlib.import_module(module).__all__) for module in PUBLIC_MODULES}
+
+
+def _reference_texts() -> list[str]:
+    return [path.read_text() for path in sorted((DOCS / "reference").glob("*.md"))]
+
+
+def test_readme_is_short():
+    lines = README.read_text().count("\n")
+    assert lines < README_MAX_LINES, (
+        f"README.md has {lines} lines (limit {README_MAX_LINES}): move the prose into a docs/ page and link to it"
+    )
+
+
+def test_every_public_name_has_a_reference_entry():
+    missing = missing_entries(_exports(), reference_entries(_reference_texts()))
+    assert not missing, f"no '::: name' entry in docs/reference/*.md for: {', '.join(missing)}"
+
+
+def test_readme_links_into_docs_exist():
+    links = readme_doc_links(README.read_text())
+    assert links, "README.md links to no docs/ page"
+    missing = missing_files(links, ROOT)
+    assert not missing, f"README.md links to docs pages that do not exist: {missing}"
+
+
+def test_every_nav_page_exists():
+    pages = nav_pages(MKDOCS.read_text())
+    assert "index.md" in pages, pages
+    missing = missing_files(pages, DOCS)
+    assert not missing, f"mkdocs.yml's nav names pages that do not exist in docs/: {missing}"
+
+
+def test_readme_test_command_is_the_ci_command():
+    command = re.search(r"^python3 -m venv \.venv && .*autoparallel.*$", README.read_text(), re.MULTILINE)
+    assert command, "README.md lost its test command (## Two commands)"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command.group(0) in ci, "README.md's test command differs from the one .ci/run runs: keep the two byte-identical"
+
+
+# The checks themselves fail where they should.
+
+
+def test_a_name_without_an_entry_is_named():
+    entries = reference_entries(["::: pkg.a\n    options:\n      members: false\n", "text ::: not.an.entry\n"])
+    assert entries == {"pkg.a"}
+    assert missing_entries({"pkg": ["a", "b"]}, entries) == ["pkg.b"]
+
+
+def test_a_missing_page_is_named(tmp_path):
+    (tmp_path / "there.md").write_text("# there\n")
+    links = readme_doc_links("[a](docs/there.md) [b](docs/gone.md#x) [c](benchmarks/RESULTS.md) [d](https://x/docs/y.md)")
+    assert links == ["docs/there.md", "docs/gone.md"]
+    assert missing_files(["there.md", "gone.md"], tmp_path) == ["gone.md"]
+    nav = "site_name: x\nnav:\n  - Home: index.md\n  - Guides:\n      - One: guides/one.md\n  - two.md\nplugins:\n  - search\n"
+    assert nav_pages(nav) == ["index.md", "guides/one.md", "two.md"]
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_public_module_declares_all(module):
+    assert importlib.import_module(module).__all__, f"{module} has an empty __all__"
