@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
     from dtcompile.calibration import calibrate
     from dtcompile.collectives import CollectiveInfo
-    from dtcompile.compiler import DTCompileBackend, backend
+    from dtcompile.compiler import DTCompileBackend
     from dtcompile.config import DTCompileConfig
     from dtcompile.rank_check import RanksDisagree
     from dtcompile.records import CompiledGraph
+    from dtcompile.registry import backend
     from dtcompile.report import Report, explain
     from hops.local_map import local_map
 
@@ -48,7 +49,7 @@ _WHERE = {
     "RanksDisagree": "dtcompile.rank_check",
     "Report": "dtcompile.report",
     "auto_parallel": "dtcompile.auto_parallel",
-    "backend": "dtcompile.compiler",
+    "backend": "dtcompile.registry",
     "calibrate": "dtcompile.calibration",
     "explain": "dtcompile.report",
     "local_map": "hops.local_map",

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from dtcompile.channels import GraphKind, Meta
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost_model import HardwareProfile, collective_time_us
 from dtcompile.notation import describe_mesh, real_object
@@ -60,7 +61,7 @@ class NodePlacement:
 class Communication:
     """A collective issued on behalf of a Dynamo node."""
 
-    kind: str
+    kind: GraphKind
     """``forward``, ``backward`` or ``inference``: the AOT graph that issues it."""
     collective: CollectiveInfo
     time_us: float
@@ -217,17 +218,17 @@ def _source_node(node: fx.Node, info: DynamoGraphInfo, known: dict[fx.Node, str]
     return next((known[a] for a in node.all_input_nodes if a in known), None)
 
 
-def charge_collective(node: fx.Node, collective: CollectiveInfo, kind: str, info: DynamoGraphInfo, source: str | None) -> str:
+def charge_collective(node: fx.Node, collective: CollectiveInfo, kind: GraphKind, info: DynamoGraphInfo, source: str | None) -> str:
     """Costs collective ``node`` under the profile, charges it to Dynamo node ``source``; returns its note."""
     link = info.profile.link(collective.group_span)
     time_us = collective_time_us(collective.op, collective.bytes, collective.group_size, link)
-    node.meta["dtcompile_collective"] = collective
-    node.meta["dtcompile_cost_us"] = time_us
+    node.meta[Meta.COLLECTIVE] = collective
+    node.meta[Meta.COST_US] = time_us
     info.communication[source or "?"].append(Communication(kind, collective, time_us))
     return f"{collective.short} ~{time_us:.1f} us ({info.profile.name})"
 
 
-def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> int:
+def annotate_aot_graph(gm: fx.GraphModule, kind: GraphKind, info: DynamoGraphInfo) -> int:
     """Annotates every call node of an AOT graph (see the module docstring); returns how many."""
     count = 0
     known: dict[fx.Node, str] = {}
@@ -237,24 +238,24 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: str, info: DynamoGraphInfo) -> 
         source = _source_node(node, info, known)
         if source is not None:
             known[node] = source
-        if kind != "backward" and source is not None and node.meta.get("seq_nr") is not None:
+        if kind != GraphKind.BACKWARD and source is not None and node.meta.get("seq_nr") is not None:
             info.seq_nr_to_node.setdefault(node.meta["seq_nr"], source)
-        if kind != "backward" and source is not None and region_call_id(node) is not None:
+        if kind != GraphKind.BACKWARD and source is not None and region_call_id(node) is not None:
             info.region_calls[region_call_id(node)] = source
-        node.meta["dtcompile_source"] = source
+        node.meta[Meta.SOURCE] = source
         collective = collective_info(node, info.axes)
         if collective is not None:
             note = charge_collective(node, collective, kind, info, source)
         elif source is not None:
             placement = info.nodes.get(source)
-            role = "grad of" if kind == "backward" and not node.meta.get("from_node") else "from"
+            role = "grad of" if kind == GraphKind.BACKWARD and not node.meta.get("from_node") else "from"
             note = f"{role} {source}" + (f": {placement.output}" if placement is not None and placement.output else "")
         else:
             note = "local: no DTensor op (AOTAutograd bookkeeping)"
-        bucket = node.meta.get("dtcompile_bucket")
+        bucket = node.meta.get(Meta.BUCKET)
         if bucket:
             note += f"; bucket of {len(bucket)}: {', '.join(bucket)}"
-        node.meta["dtcompile_annotation"] = note
+        node.meta[Meta.ANNOTATION] = note
         count += 1
     return count
 
@@ -266,7 +267,7 @@ def format_aot_graph(gm: fx.GraphModule) -> str:
         if node.op != "call_function":
             continue
         args = ", ".join(_short(a) for a in node.args)
-        note = node.meta.get("dtcompile_annotation", "")
+        note = node.meta.get(Meta.ANNOTATION, "")
         lines.append(f"{node.name} = {_target_name(node)}({args})  # {note}")
     return "\n".join(lines)
 

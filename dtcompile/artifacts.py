@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dtcompile.channels import Artifact, Meta
 from dtcompile.memory import format_bytes
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
@@ -33,7 +34,7 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
     leave it out and their ``data_dependent`` counts it."""
     items = []
     for node in record.graph.graph.nodes:
-        info = node.meta.get("dtcompile_collective")
+        info = node.meta.get(Meta.COLLECTIVE)
         if info is None:
             continue
         items.append(
@@ -46,7 +47,7 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
                 "dtype": str(info.dtype).removeprefix("torch."),
                 "bytes": info.bytes,
                 "data_dependent": info.data_dependent,
-                "estimated_us": round(node.meta.get("dtcompile_cost_us", 0.0), 3),
+                "estimated_us": round(node.meta.get(Meta.COST_US, 0.0), 3),
             }
         )
     return {
@@ -180,12 +181,12 @@ def _artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
 def _artifacts(record: CompiledGraph) -> list[tuple[str, str, Callable[[], str]]]:
     """One AOT graph's artifacts as ``(name, encoding, payload)``, the payload made when asked."""
     artifacts = [
-        ("dtcompile_placements", "string", record.info.format),
-        (f"dtcompile_{record.kind}_graph", "string", record.annotated),
-        (f"dtcompile_{record.kind}_collectives", "json", lambda: json.dumps(collectives_json(record))),
+        (Artifact.PLACEMENTS, "string", record.info.format),
+        (Artifact.graph(record.kind), "string", record.annotated),
+        (Artifact.collectives(record.kind), "json", lambda: json.dumps(collectives_json(record))),
     ]
     if record.regions:
-        artifacts.append((f"dtcompile_{record.kind}_regions", "string", lambda: record.with_regions))
+        artifacts.append((Artifact.regions(record.kind), "string", lambda: record.with_regions))
     return artifacts
 
 
@@ -214,12 +215,12 @@ def emit_saved_artifacts(saved: Sequence[Sequence[str]]) -> None:
 
 def emit_fallback_artifact(fallback: EagerFallback) -> None:
     """Log a graph run eagerly (``dtcompile_eager_fallback``: why, and the Dynamo graph)."""
-    _with_dynamo_graph("dtcompile_eager_fallback", fallback)
+    _with_dynamo_graph(Artifact.EAGER_FALLBACK, fallback)
 
 
 def emit_cached_artifact(cached: CachedCompile) -> None:
     """Log a graph AOTAutograd's cache served (``dtcompile_cached_compile``: that, and the Dynamo graph)."""
-    _with_dynamo_graph("dtcompile_cached_compile", cached)
+    _with_dynamo_graph(Artifact.CACHED_COMPILE, cached)
 
 
 def _with_dynamo_graph(name: str, note: EagerFallback | CachedCompile) -> None:

@@ -1,10 +1,8 @@
 """The dtcompile ``torch.compile`` backend.
 
-``backend(**options)`` returns a compiler function for ``torch.compile``; the
-name ``"dtcompile"`` (registered through the ``torch_dynamo_backends`` entry
-point ``dtcompile.compiler:dtcompile``) is that factory's result with default
-options, made when torch first looks the name up.  Making a backend installs
-:mod:`dynamo_vars` (nothing is installed at import).
+:class:`DTCompileBackend` is the compiler function ``torch.compile`` calls;
+:mod:`dtcompile.registry` makes them (``dtcompile.backend(**options)``, and the
+name ``"dtcompile"``), installing :mod:`dynamo_vars` (nothing is installed at import).
 
 torch.compile's own knobs reach the backend: ``options={...}`` keys that are
 :class:`~dtcompile.config.DTCompileConfig` fields set them and the others are
@@ -73,6 +71,7 @@ from dtcompile.cache_keys import (
     source_digest,
     stable_mesh_keys,
 )
+from dtcompile.channels import Beside, GraphKind
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.cost_model import ProfileChoice
@@ -103,14 +102,12 @@ from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_co
 from dynamo_vars.dtensor_state import loss_parallel_backward
 from hops import keep_regions
 
-__all__ = ["DTCompileBackend", "backend", "named_backend"]
+__all__ = ["DTCompileBackend"]
 
 log = logging.getLogger(__name__)
 
 # How many compiled graphs a backend keeps for inspection; older ones are dropped.
 _MAX_RECORDS = 256
-# The folder beside the compile cache that keeps each compiled graph's TORCH_TRACE artifacts.
-_REPORTS = "dtcompile_reports"
 
 
 @contextlib.contextmanager
@@ -153,7 +150,7 @@ class _Progress:
             # Made now: lowering rewrites the graph in place (Inductor's reinplacing).
             for name, encoding, payload in saved_artifacts([record]):
                 self._kept.setdefault(name, [name, encoding, payload])
-            save_beside_cache(_REPORTS, self.kept_as, list(self._kept.values()))
+            save_beside_cache(Beside.REPORTS, self.kept_as, list(self._kept.values()))
 
     def trace_finished(self) -> None:
         self.traced = True
@@ -392,7 +389,7 @@ class DTCompileBackend:
     def _loaded_from_cache(self, gm: fx.GraphModule, info: DynamoGraphInfo, entry: str) -> None:
         """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log,
         and logs again the artifacts the run that compiled it kept beside the cache."""
-        saved = load_beside_cache(_REPORTS, entry)
+        saved = load_beside_cache(Beside.REPORTS, entry)
         cached = CachedCompile(compile_id=info.compile_id, graph=gm, reported=bool(saved))
         self.cached.append(cached)
         log.info("%s", cached)
@@ -425,11 +422,11 @@ class DTCompileBackend:
         from torch._inductor.compile_fx import compile_fx_inner
 
         if kwargs.get("is_backward"):
-            kind = "backward"
+            kind = GraphKind.BACKWARD
         elif kwargs.get("is_inference"):
-            kind = "inference"
+            kind = GraphKind.INFERENCE
         else:
-            kind = "forward"
+            kind = GraphKind.FORWARD
         communicates = any(is_collective(node) for node in gm.graph.nodes)
         with contextlib.ExitStack() as stack:
 
@@ -467,9 +464,9 @@ class DTCompileBackend:
             return compile_graph
 
         return aot_autograd(
-            fw_compiler=compiler("forward"),
-            bw_compiler=compiler("backward"),
-            inference_compiler=compiler("inference"),
+            fw_compiler=compiler(GraphKind.FORWARD),
+            bw_compiler=compiler(GraphKind.BACKWARD),
+            inference_compiler=compiler(GraphKind.INFERENCE),
             decompositions=select_decomp_table(),
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
@@ -491,12 +488,12 @@ class DTCompileBackend:
         passes did and returns the settings the graph will be lowered with."""
         progress.trace_finished()
         memory = MemoryPlan(
-            held_bytes=partitioner.held_during_backward if kind == "backward" else 0,
+            held_bytes=partitioner.held_during_backward if kind == GraphKind.BACKWARD else 0,
             prefetch_bytes=prefetch_window(partitioner.resharding.gathered),
         )
         ctx = PassContext(kind=kind, config=config, info=info, memory=memory)
         gm, passes = run_passes(gm, example_inputs, ctx)
-        if kind == "forward":
+        if kind == GraphKind.FORWARD:
             passes[:0] = partitioner.records(gm)
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
         regions = inline_regions(gm, info, kind)
@@ -535,70 +532,8 @@ class DTCompileBackend:
         return gm
 
 
-def backend(**options: Any) -> DTCompileBackend:
-    """Returns the dtcompile compiler function, configured by ``options``.
-
-    ``options`` are the fields of :class:`DTCompileConfig`; an unknown name is a
-    ``ValueError`` that lists the valid ones::
-
-        model = torch.compile(model, backend=dtcompile.backend(inductor=False))
-
-    Making a backend installs :mod:`dynamo_vars` into Dynamo (once per process),
-    so that Dynamo traces the DTensor code before the backend sees it.
-    """
-    config = DTCompileConfig.from_options(options)
-    dynamo_vars.install()
-    dynamo_vars.on_uninstall(_say_backends_trace_stock)
-    return DTCompileBackend(config)
-
-
 _STOCK_TRACING = (
     "Dynamo traces DTensor code with stock support; where stock falls short you get stock errors "
     "(e.g. 'Failed to convert args/kwargs to proxy' for DTensor factories, or local_map inlined). "
     "dynamo_vars.install() (or making a backend with dtcompile.backend()) turns dtcompile's back on."
 )
-
-
-def _say_backends_trace_stock() -> None:
-    warnings.warn(
-        f"dynamo_vars.uninstall(): the dtcompile backends made before are on stock Dynamo now: {_STOCK_TRACING}",
-        stacklevel=3,
-    )
-
-
-_named: DTCompileBackend | None = None
-_entry_point: Any = None
-
-
-def _forget_named() -> None:
-    """After ``dynamo_vars.uninstall()``: torch forgets the name (and gets its entry point
-    back, which its registry replaced by None), so its next lookup installs again."""
-    from torch._dynamo.backends import registry
-
-    if _named is not None and registry._COMPILER_FNS.get("dtcompile") is _named:
-        del registry._COMPILER_FNS["dtcompile"]
-        if _entry_point is not None:
-            registry._BACKENDS["dtcompile"] = _entry_point
-
-
-def named_backend() -> DTCompileBackend:
-    """What ``torch.compile(backend="dtcompile")`` resolves to: one default backend per
-    process, which installs :mod:`dynamo_vars` each time torch looks the name up."""
-    global _named, _entry_point
-    from torch._dynamo.backends import registry
-
-    if _named is None:
-        _named = DTCompileBackend(DTCompileConfig())
-    # Called while torch loads the entry point, before its registry forgets it.
-    _entry_point = registry._BACKENDS.get("dtcompile") or _entry_point
-    dynamo_vars.install()
-    dynamo_vars.on_uninstall(_forget_named)
-    return _named
-
-
-def __getattr__(name: str) -> Any:
-    # The entry point ``dtcompile.compiler:dtcompile``: loaded when torch looks the
-    # name up, never at import.
-    if name == "dtcompile":
-        return named_backend()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ import operator
 from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo, charge_collective
+from dtcompile.channels import GraphKind, Meta
 from dtcompile.collectives import collective_info
 from dtcompile.regions import RegionInfo, is_region, region_body
 from hops.region_op import region_call_id
@@ -21,7 +22,7 @@ __all__ = ["inline_regions"]
 
 
 def inline_regions(
-    gm: fx.GraphModule, info: DynamoGraphInfo | None = None, kind: str = "forward"
+    gm: fx.GraphModule, info: DynamoGraphInfo | None = None, kind: GraphKind = GraphKind.FORWARD
 ) -> list[RegionInfo]:
     """Splices every region's body into ``gm`` in place; returns what it inlined.
 
@@ -39,8 +40,8 @@ def inline_regions(
             continue
         spec = RegionSpec.of(node.args[1])
         where = f"in local_map region {spec.name} ({node.name})"
-        region_note = node.meta.get("dtcompile_annotation")
-        source = node.meta.get("dtcompile_source")
+        region_note = node.meta.get(Meta.ANNOTATION)
+        source = node.meta.get(Meta.SOURCE)
         body = region_body(node)
         ops, collectives = 0, []
         env: dict[fx.Node, fx.Node] = {}
@@ -64,7 +65,7 @@ def inline_regions(
                         f"region {node.name}: body reads attribute {inner.target}"
                     )
                 copied = gm.graph.node_copy(inner, env.__getitem__)
-                copied.meta["dtcompile_region"] = node.name
+                copied.meta[Meta.REGION] = node.name
                 ops += copied.op == "call_function"
                 collective = collective_info(copied, axes)
                 if collective is not None:
@@ -73,7 +74,7 @@ def inline_regions(
                     note = f"{cost}; {where}"
                 else:
                     note = f"{region_note}; {where}" if region_note else where
-                copied.meta["dtcompile_annotation"] = note
+                copied.meta[Meta.ANNOTATION] = note
                 env[inner] = copied
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:

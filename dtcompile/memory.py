@@ -37,6 +37,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from dtcompile.channels import GraphKind
 from dtcompile.collectives import is_collective
 from dtcompile.sizes import hint
 
@@ -187,7 +188,7 @@ def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.N
     return nodes, list(owner.values()), held
 
 
-def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: str = "forward", held_bytes: int = 0) -> MemoryEstimate:
+def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: GraphKind = GraphKind.FORWARD, held_bytes: int = 0) -> MemoryEstimate:
     """The live bytes of ``gm`` along its schedule (see the module docstring)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     nodes, storages, held = _storages(graph)

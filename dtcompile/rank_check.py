@@ -58,6 +58,7 @@ import torch
 from torch import fx
 
 from dtcompile.beside_cache import load_beside_cache, save_beside_cache
+from dtcompile.channels import Beside
 from dtcompile.collectives import CollectiveInfo, axis_name, group_names_in
 
 __all__ = [
@@ -429,17 +430,14 @@ def decided_from(
     }
 
 
-_SCHEDULES = "dtcompile_schedules"
-
-
 def save_schedule(key: str, collectives: Sequence[str]) -> None:
     """Writes a compiled graph's collectives beside torch's compile cache, for a run the cache serves."""
-    save_beside_cache(_SCHEDULES, key, list(collectives))
+    save_beside_cache(Beside.SCHEDULES, key, list(collectives))
 
 
 def load_schedule(key: str) -> tuple[str, ...] | None:
     """The collectives :func:`save_schedule` wrote for ``key``, or ``None``."""
-    saved = load_beside_cache(_SCHEDULES, key)
+    saved = load_beside_cache(Beside.SCHEDULES, key)
     return tuple(saved) if isinstance(saved, list) else None
 
 

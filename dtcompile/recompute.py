@@ -32,6 +32,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from dtcompile.channels import GraphKind
 from dtcompile.memory import MemoryEstimate, budget_below_peak, estimate_memory, format_bytes, held_during_backward
 from dtcompile.records import Action, Outcome, PassRecord
 
@@ -60,8 +61,8 @@ class _Split:
 
     def __post_init__(self) -> None:
         self.memory = (
-            estimate_memory(self.forward, "forward"),
-            estimate_memory(self.backward, "backward", self.held),
+            estimate_memory(self.forward, GraphKind.FORWARD),
+            estimate_memory(self.backward, GraphKind.BACKWARD, self.held),
         )
 
     @property

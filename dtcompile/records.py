@@ -16,6 +16,7 @@ from typing import Any
 from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
+from dtcompile.channels import GraphKind
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.memory import MemoryEstimate, format_bytes
 from dtcompile.regions import RegionInfo
@@ -122,8 +123,8 @@ class CompiledGraph:
 
     compile_id: str
     """Dynamo's compile id, e.g. ``"0/0"`` (frame 0, first compile)."""
-    kind: str
-    """``forward``, ``backward`` or ``inference``."""
+    kind: GraphKind
+    """Which AOT graph: forward, backward or inference."""
     graph: fx.GraphModule
     """The graph after the passes and with its regions inlined, as handed to lowering."""
     collectives: tuple[CollectiveInfo, ...]

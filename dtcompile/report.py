@@ -27,8 +27,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dtcompile.artifacts import collective_table, memory_lines, pass_lines, region_lines
-from dtcompile.compiler import backend as make_backend
 from dtcompile.records import CompiledGraph
+from dtcompile.registry import backend as make_backend
 
 __all__ = ["Report", "backward_from_sum", "explain"]
 

@@ -54,6 +54,7 @@ from torch._ops import HigherOrderOperator
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_tensor_tree
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from dtcompile.channels import Meta
 from hops.joint import Joint, call_body, joint_graphs
 from hops.spec import (
     LocalMapError,
@@ -74,7 +75,7 @@ __all__ = [
     "regions_kept",
 ]
 
-REGION_CALL = "dtcompile_region_call"
+REGION_CALL = Meta.REGION_CALL
 """The key, in a region node's ``meta["custom"]``, of the id that pairs a forward region with its backward."""
 
 

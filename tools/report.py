@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtcompile.channels import Artifact, GraphKind, parse_artifact
 from dtcompile.progress import track
+from dtcompile_tools.pictures import measured_events, memory_svg, mib, timeline_svg
 
 __all__ = ["Trace", "TraceError", "main", "perfetto_trace", "read_trace", "render_html"]
 
@@ -171,17 +173,18 @@ def read_trace(trace_dir: str | Path) -> Trace:
             if not artifact:
                 continue
             name, cid = artifact.get("name", ""), _compile_id(meta)
-            if name == "dtcompile_auto_parallel_solution":
+            what, kind = parse_artifact(name) or (name, None)
+            if what == "auto_parallel_solution":
                 trace.plans.append(payload)
-            elif name == "dtcompile_eager_fallback":
+            elif what == "eager_fallback":
                 trace.fallbacks.append(payload)
-            elif name == "dtcompile_cached_compile":
+            elif what == "cached_compile":
                 trace.cached.append(payload)
-            elif name == "dtcompile_placements":
+            elif what == "placements":
                 trace.compiles[cid].placements = payload
-            elif name.startswith("dtcompile_") and name.endswith("_graph"):
-                trace.compiles[cid].graphs[name.removeprefix("dtcompile_").removesuffix("_graph")] = payload
-            elif name.startswith("dtcompile_") and name.endswith("_collectives"):
+            elif what == "graph":
+                trace.compiles[cid].graphs[str(kind)] = payload
+            elif what == "collectives":
                 data = _json_payload(file, number, name, payload)
                 trace.compiles[cid].collectives[data["kind"]] = data
             elif name == "dynamo_graph_break_reason":
@@ -252,96 +255,6 @@ def _table(header: list[str], rows: list[list[Any]], left: int = 1) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _mib(num: float) -> str:
-    return f"{num / (1 << 20):.3g} MiB" if num >= 1 << 20 else f"{num / 1024:.3g} KiB" if num >= 1024 else f"{num:.0f} B"
-
-
-def _memory_svg(kind: str, memory: dict[str, Any], width: int = 640, height: int = 160) -> str:
-    """One graph's estimated live bytes over its estimated compute time, as an inline SVG:
-    the curve, its peak marked and named, the peak before the passes (dotted) and the
-    budget the passes kept to (dashed)."""
-    curve = memory.get("curve") or []
-    if not curve:
-        return ""
-    top = max([b for _, b in curve] + [memory.get("budget_bytes") or 0, memory.get("traced_peak_bytes") or 0]) or 1
-    end = curve[-1][0] or 1
-    pad = 4
-
-    def x(us: float) -> float:
-        return pad + (width - 2 * pad) * us / end
-
-    def y(num: float) -> float:
-        return height - pad - (height - 2 * pad) * num / top
-
-    points = " ".join(f"{x(us):.1f},{y(b):.1f}" for us, b in curve)
-    lines = [f'<polyline fill="none" stroke="#0969da" stroke-width="1.5" points="{points}"/>']
-    for value, style, label in (
-        (memory.get("budget_bytes"), "6,3", "budget"),
-        (memory.get("traced_peak_bytes"), "2,2", "before the passes"),
-    ):
-        if value:
-            lines.append(
-                f'<line x1="{pad}" x2="{width - pad}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#888" '
-                f'stroke-dasharray="{style}"><title>{label}: {_mib(value)}</title></line>'
-            )
-    px, py = x(memory["peak_us"]), y(memory["peak_bytes"])
-    peak = f"peak {_mib(memory['peak_bytes'])} at {memory['peak_node']}"
-    lines.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="#cf222e"><title>{html.escape(peak)}</title></circle>')
-    anchor = "end" if px > width / 2 else "start"
-    lines.append(f'<text x="{px:.1f}" y="{max(py - 6, 12):.1f}" font-size="11" text-anchor="{anchor}">{html.escape(peak)}</text>')
-    return (
-        f'<figure><svg class="memory" width="{width}" height="{height}" role="img" '
-        f'aria-label="{html.escape(kind)} memory">{"".join(lines)}</svg>'
-        f"<figcaption>{html.escape(kind)}: live bytes (estimated) over estimated compute time, "
-        f"0 to {end:.0f} us; dashed: budget, dotted: peak before the passes</figcaption></figure>"
-    )
-
-
-_LANE_COLOURS = {"compute": "#2da44e", "comm": "#0969da", "exposed": "#cf222e"}
-
-
-def _timeline_svg(kind: str, timeline: dict[str, Any], width: int = 640) -> str:
-    """One graph's simulated run as an inline SVG, before the passes (when logged) above after
-    them, on one time scale: per run a compute lane (compute green, the compute stream
-    waiting for communication red) and a communication lane (each collective a blue bar)."""
-    runs = [(when, timeline[when]) for when in ("before", "after") if when in timeline]
-    if not runs:
-        return ""
-    end = max(run["total_us"] for _, run in runs) or 1.0
-    label, lane_h, gap, pad = 150, 14, 4, 4
-    run_h = 2 * (lane_h + gap) + 10
-    height = len(runs) * run_h + 16
-
-    def x(us: float) -> float:
-        return label + (width - label - pad) * us / end
-
-    items = []
-    for i, (when, run) in enumerate(runs):
-        top = i * run_h + 4
-        title = f"{when} the passes: {run['total_us']:.1f} us, {run['exposed_us']:.1f} exposed"
-        items.append(f'<text x="0" y="{top + lane_h - 3}" font-size="11">{html.escape(when)} the passes</text>')
-        items.append(f'<text x="0" y="{top + 2 * lane_h + gap - 3}" font-size="10" fill="#555">{run["total_us"]:.3g} us, {run["exposed_us"]:.3g} exposed</text>')
-        for lane, name, start, stop, nodes in run["spans"]:
-            row = top if lane != "comm" else top + lane_h + gap
-            w = max(x(stop) - x(start), 0.5)
-            what = {"compute": f"compute, {nodes} node(s)", "comm": "collective", "exposed": "waiting for communication"}[lane]
-            tip = f"{name}: {what}, {start:.1f} to {stop:.1f} us"
-            items.append(
-                f'<rect class="{lane}" x="{x(start):.1f}" y="{row}" width="{w:.1f}" height="{lane_h}" '
-                f'fill="{_LANE_COLOURS[lane]}"><title>{html.escape(tip)}</title></rect>'
-            )
-        items.append(f"<title>{html.escape(title)}</title>")
-    axis_y = len(runs) * run_h + 12
-    items.append(f'<text x="{label}" y="{axis_y}" font-size="10" fill="#555">0 us</text>')
-    items.append(f'<text x="{width - pad}" y="{axis_y}" font-size="10" fill="#555" text-anchor="end">{end:.3g} us</text>')
-    return (
-        f'<figure><svg class="timeline" width="{width}" height="{height}" role="img" '
-        f'aria-label="{html.escape(kind)} timeline">{"".join(items)}</svg>'
-        f"<figcaption>{html.escape(kind)}: simulated on the graph's cost profile; per run, top lane compute "
-        "(green; red where it waits for communication), bottom lane the collectives (blue)</figcaption></figure>"
-    )
-
-
 def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list[str] | None = None) -> str:
     """The report as one HTML document (rank 0's graphs; every rank in the checks and totals)."""
     ranks = sorted(trace.ranks)
@@ -370,8 +283,8 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
 
     parts.append('<section id="memory-summary"><h2>Memory per step (estimated peak per graph)</h2>')
     rows = [
-        [f"rank {rank}", f"{cid} {kind}", _mib(data["memory"]["peak_bytes"]), data["memory"]["peak_node"],
-         _mib(data["memory"]["traced_peak_bytes"] or 0), _mib(data["memory"]["budget_bytes"] or 0)]
+        [f"rank {rank}", f"{cid} {kind}", mib(data["memory"]["peak_bytes"]), data["memory"]["peak_node"],
+         mib(data["memory"]["traced_peak_bytes"] or 0), mib(data["memory"]["budget_bytes"] or 0)]
         for rank in ranks
         for cid, record in sorted(trace.ranks[rank].compiles.items())
         for kind, data in record.collectives.items()
@@ -443,13 +356,13 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
         timelines = [(kind, data["timeline"]) for kind, data in record.collectives.items() if data.get("timeline")]
         if timelines:
             parts.append("<h3>Timeline (simulated)</h3>")
-            parts += [_timeline_svg(kind, timeline) for kind, timeline in timelines]
+            parts += [timeline_svg(kind, timeline) for kind, timeline in timelines]
         memories = [(kind, data["memory"]) for kind, data in record.collectives.items() if data.get("memory")]
         if memories:
             parts.append("<h3>Memory</h3>")
             for kind, memory in memories:
-                parts.append(_memory_svg(kind, memory))
-                alive = [[a["name"], a["kind"], _mib(a["bytes"])] for a in memory.get("at_peak", [])]
+                parts.append(memory_svg(kind, memory))
+                alive = [[a["name"], a["kind"], mib(a["bytes"])] for a in memory.get("at_peak", [])]
                 parts.append(f"<p>{html.escape(kind)}: alive at the peak (largest first)</p>" + _table(["tensor", "kind", "bytes"], alive, left=2))
         parts.append("</section>")
 
@@ -505,34 +418,11 @@ def perfetto_trace(trace: Trace, measured: dict[str, Any] | None = None) -> dict
                             "args": {"nodes": nodes},
                         })
     if measured is not None:
-        events += _measured_events(measured, first_pid=pid + 1)
+        try:
+            events += measured_events(measured, first_pid=pid + 1)
+        except ValueError as err:
+            raise TraceError(str(err)) from None
     return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"source": "dtcompile-report"}}
-
-
-def _measured_events(measured: dict[str, Any] | list[Any], first_pid: int) -> list[dict[str, Any]]:
-    """A torch.profiler Chrome trace's events, its processes renumbered after ours and named
-    ``measured: ...``; a file that is not a trace-event file is a TraceError."""
-    raw = measured.get("traceEvents") if isinstance(measured, dict) else measured
-    if not isinstance(raw, list):
-        raise TraceError("--measured: not a Chrome trace-event file (no traceEvents list); write one with prof.export_chrome_trace(PATH)")
-    pids: dict[Any, int] = {}
-    named: set[int] = set()
-    out = []
-    for event in raw:
-        if not isinstance(event, dict) or "ph" not in event:
-            continue
-        event = dict(event)
-        pid = pids.setdefault(event.get("pid", 0), first_pid + len(pids))
-        original = event.get("pid", 0)
-        event["pid"] = pid
-        if event.get("ph") == "M" and event.get("name") == "process_name":
-            event["args"] = {"name": f"measured: {event.get('args', {}).get('name', original)}"}
-            named.add(pid)
-        out.append(event)
-    for original, pid in pids.items():
-        if pid not in named:
-            out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"measured: process {original}"}})
-    return out
 
 
 def _depyf_files(dump_dir: str) -> list[str]:
@@ -594,9 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dtcompile-report: warning: {warning}", file=sys.stderr)
     if not any(rank.compiles or rank.plans or rank.fallbacks or rank.cached for rank in trace.ranks.values()):
         print(
-            f"dtcompile-report: {args.trace_dir}: no dtcompile artifacts (dtcompile_placements, "
-            "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution, "
-            "dtcompile_eager_fallback, dtcompile_cached_compile) "
+            f"dtcompile-report: {args.trace_dir}: no dtcompile artifacts ({Artifact.PLACEMENTS}, "
+            f"{Artifact.graph(GraphKind.FORWARD)}, {Artifact.collectives(GraphKind.FORWARD)}, "
+            f"{Artifact.AUTO_PARALLEL_SOLUTION}, {Artifact.EAGER_FALLBACK}, {Artifact.CACHED_COMPILE}...) "
             "in the trace: the program was not "
             'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
             "and run it again with TORCH_TRACE set",

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dtcompile._testing import models
+from dtcompile.channels import GraphKind
 
 __all__ = [
     "CASES",
@@ -166,7 +167,7 @@ def reference_step(case_name: str, world_size: int) -> StepResult:
     return run_step(reference, reference, x)
 
 
-def pass_context(config: Any = None, kind: str = "forward", profile: Any = None) -> Any:
+def pass_context(config: Any = None, kind: GraphKind = GraphKind.FORWARD, profile: Any = None) -> Any:
     """A :class:`~dtcompile.passes.PassContext` for a hand-built graph: ``config`` (default
     options), priced with ``profile`` (a name or profile; default what ``config.cost_profile``
     picks for a CPU graph in the fake world: ``h100`` under ``auto``)."""

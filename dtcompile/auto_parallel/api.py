@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from dtcompile.auto_parallel.placements import Layout
+from dtcompile.channels import Artifact
 from dtcompile.collectives import profile_for_groups
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.progress import Progress
@@ -166,7 +167,7 @@ def plan(
     # tlparse shows it beside the compiles' artifacts (TORCH_TRACE=DIR).
     torch._logging.trace_structured(
         "artifact",
-        metadata_fn=lambda: {"name": "dtcompile_auto_parallel_solution", "encoding": "string"},
+        metadata_fn=lambda: {"name": Artifact.AUTO_PARALLEL_SOLUTION, "encoding": "string"},
         payload_fn=solution.explain,
     )
     return solution

@@ -33,6 +33,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, is_shard, local_numel
+from dtcompile.channels import GraphKind
 from dtcompile.collectives import collective_info, flattened_axes
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.simulate import node_time_us
@@ -119,13 +120,13 @@ def _read_graph(graph: fx.Graph, boundary: int, mesh: Any, profile: HardwareProf
     forward = backward = 0.0
     found = []
     for index, node in enumerate(graph.nodes):
-        direction = "forward" if index < boundary else "backward"
+        direction = GraphKind.FORWARD if index < boundary else GraphKind.BACKWARD
         info = collective_info(node, axes)
         if info is not None:
             found.append(PlannedCollective(direction, info.op, info.axis, info.group_size, info.bytes, info.group_span))
             continue
         cost = node_time_us(node, profile)
-        if direction == "forward":
+        if direction == GraphKind.FORWARD:
             forward += cost
         else:
             backward += cost
@@ -380,7 +381,7 @@ def _plan_cached(
 
 
 def plan_redistribution(
-    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: str = "forward"
+    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: GraphKind = GraphKind.FORWARD
 ) -> tuple[PlannedCollective, ...]:
     """The collectives of redistributing a ``shape`` tensor from ``src`` to ``dst``, as
     DTensor's planner orders them (one per mesh axis that changes, or one over a
@@ -395,7 +396,7 @@ def result_read_at_once(shape: Sequence[int], dtype: torch.dtype, src: Layout, d
     its result is read as soon as it arrives (dtcompile's bucketing cannot wait for others)."""
     if tuple(src) == tuple(dst):
         return False
-    return _plan(shape, dtype, src, dst, mesh, "forward")[2]
+    return _plan(shape, dtype, src, dst, mesh, GraphKind.FORWARD)[2]
 
 
 def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> int:
@@ -403,7 +404,7 @@ def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Lay
     gathered dim other than 0 back together, a cloned chunk), for the roofline."""
     if tuple(src) == tuple(dst):
         return 0
-    return _plan(shape, dtype, src, dst, mesh, "forward")[1]
+    return _plan(shape, dtype, src, dst, mesh, GraphKind.FORWARD)[1]
 
 
 def trace_redistribution(

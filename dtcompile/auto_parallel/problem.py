@@ -72,6 +72,7 @@ from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
+from dtcompile.channels import GraphKind
 from dtcompile.cost_model import HardwareProfile
 from dtcompile.progress import track
 from dtcompile.simulate import node_time_us
@@ -395,7 +396,7 @@ class _Builder:
                         continue
                     # DTensor ran the strategy as chosen: nothing moved before the op, same outputs.
                     same = all(o is None or g == o for g, o in zip(m.out_layouts, outs)) and not any(
-                        c.direction == "forward" for c in m.collectives
+                        c.direction == GraphKind.FORWARD for c in m.collectives
                     )
                     # An output autograd does not differentiate takes no gradient.
                     grads_back = tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))

@@ -28,13 +28,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from dtcompile.channels import Meta
 from hops import RegionSpec, format_placements, local_map_call, local_map_region
 
 __all__ = ["REGION", "REGION_ARGS", "Region", "keep_regions", "region_of"]
 
-REGION = "dtcompile_autoparallel_region"
+REGION = Meta.AUTOPARALLEL_REGION
 """The key, in a traced region node's ``meta``, of its index in :func:`keep_regions`' regions."""
-REGION_ARGS = "dtcompile_autoparallel_region_args"
+REGION_ARGS = Meta.AUTOPARALLEL_REGION_ARGS
 """The key of the pytree spec of the region call's arguments (its operands are their leaves)."""
 
 

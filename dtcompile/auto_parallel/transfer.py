@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial
 
 from dtcompile.auto_parallel.measure import plan_redistribution, redistribution_copy_bytes, result_read_at_once
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, grad_layout
+from dtcompile.channels import GraphKind
 from dtcompile.cost_model import HardwareProfile, collective_time_us
 
 __all__ = ["BucketKey", "Transfer", "bucket_key", "bucketed_time_us", "launch_latency_us", "transfer"]
@@ -76,17 +77,17 @@ def transfer(
     elif grad is not None and grad_layout(grad, out) != want:
         result = None
     else:
-        found = plan_redistribution(shape, dtype, out, read, mesh, "forward")
+        found = plan_redistribution(shape, dtype, out, read, mesh, GraphKind.FORWARD)
         copied = redistribution_copy_bytes(shape, dtype, out, read, mesh)
         # Forward, only the first collective reads the parameter itself; a later one reads
         # what the one before made, ready only as the graph reaches it.
         bucketable = tuple(i == 0 for i in range(len(found)))
         if regather and found and all(c.op == "all_gather" for c in found):
-            again = tuple(dataclasses.replace(c, direction="backward") for c in found)
+            again = tuple(dataclasses.replace(c, direction=GraphKind.BACKWARD) for c in found)
             copied *= 2
             found, bucketable = found + again, bucketable + bucketable
         if grad is not None:
-            backward = plan_redistribution(shape, dtype, grad, want, mesh, "backward")
+            backward = plan_redistribution(shape, dtype, grad, want, mesh, GraphKind.BACKWARD)
             found += backward
             copied += redistribution_copy_bytes(shape, dtype, grad, want, mesh)
             # Backward, only the last collective makes the gradient itself, read at the end,

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from dtcompile.channels import Artifact
 from dtcompile.collectives import is_collective
 from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
@@ -185,7 +186,7 @@ def _trace_graph(ctx: PassContext, when: str, name: str, gm: fx.GraphModule) -> 
 
     trace_structured(
         "artifact",
-        metadata_fn=lambda: {"name": f"dtcompile_{ctx.kind}_{when}_{name}", "encoding": "string"},
+        metadata_fn=lambda: {"name": Artifact.pass_graph(ctx.kind, when, name), "encoding": "string"},
         payload_fn=lambda: gm.print_readable(print_output=False),
     )
 

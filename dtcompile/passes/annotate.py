@@ -9,6 +9,7 @@ from typing import Any
 from torch import fx
 
 from dtcompile.annotations import annotate_aot_graph
+from dtcompile.channels import Meta
 from dtcompile.passes.context import PassContext
 from dtcompile.sizes import UNBACKED_HINT
 
@@ -22,7 +23,7 @@ def annotate(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext
     ``data-dependent`` and costed from its estimated size, which it records."""
     count = annotate_aot_graph(gm, ctx.kind, ctx.info)
     for node in gm.graph.nodes:
-        collective = node.meta.get("dtcompile_collective")
+        collective = node.meta.get(Meta.COLLECTIVE)
         if collective is not None and collective.data_dependent:
             ctx.skipped(
                 node.name,

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from dtcompile.channels import Meta
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost_model import collective_time_us
 from dtcompile.memory import PeakTracker, format_bytes
@@ -286,7 +287,7 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
     # stands for the bucket's first member (its DTensor op) and names the bucket.
     first = bucket.members[0].node
     provenance = {key: first.meta[key] for key in ("from_node", "seq_nr") if first.meta.get(key)}
-    provenance["dtcompile_bucket"] = tuple(m.node.name for m in bucket.members)
+    provenance[Meta.BUCKET] = tuple(m.node.name for m in bucket.members)
     cursor = _Cursor(graph, after, provenance)
     if kind == "reduce_scatter":
         # [n, numel / n] per input, concatenated on dim 1: rank r's chunk holds its piece of each.

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
+from dtcompile.channels import GraphKind
 from dtcompile.collectives import largest_collective
 from dtcompile.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
 from dtcompile.records import Action, Outcome, Price
@@ -30,7 +31,7 @@ class PassContext:
     from ``gm.meta``, and reports each decision with :meth:`record`.
     """
 
-    kind: str
+    kind: GraphKind
     """``forward``, ``backward`` or ``inference``."""
     config: DTCompileConfig
     info: DynamoGraphInfo

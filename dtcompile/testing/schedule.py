@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dtcompile.channels import GraphKind
 from dtcompile.collectives import CollectiveInfo
 
 __all__ = ["CollectiveSchedule", "ScheduledCollective", "collective_schedule"]
@@ -48,10 +49,10 @@ class CollectiveSchedule:
     def __str__(self) -> str:
         lines = []
         for kind, graph in self.graphs:
-            items = [c for c in (self.backward if kind == "backward" else self.forward) if c.graph == graph]
+            items = [c for c in (self.backward if kind == GraphKind.BACKWARD else self.forward) if c.graph == graph]
             lines.append(f"{kind} {graph}:" + ("" if items else " (no collectives)"))
             lines += [f"  {c}" for c in items]
-        for kind, items in (("forward", self.forward), ("backward", self.backward)):
+        for kind, items in ((GraphKind.FORWARD, self.forward), (GraphKind.BACKWARD, self.backward)):
             known = sum(c.bytes for c in items if not c.data_dependent)
             unknown = sum(c.data_dependent for c in items)
             more = f" and {unknown} data-dependent" if unknown else ""
@@ -108,9 +109,9 @@ def collective_schedule(
         )
     forward, backward_items = [], []
     for record in records:
-        items = backward_items if record.kind == "backward" else forward
+        items = backward_items if record.kind == GraphKind.BACKWARD else forward
         items += [ScheduledCollective(**_fields(c), graph=record.compile_id) for c in record.collectives]
-    graphs = tuple(("backward" if r.kind == "backward" else "forward", r.compile_id) for r in records)
+    graphs = tuple((GraphKind.BACKWARD if r.kind == GraphKind.BACKWARD else GraphKind.FORWARD, r.compile_id) for r in records)
     return CollectiveSchedule(tuple(forward), tuple(backward_items), graphs)
 
 

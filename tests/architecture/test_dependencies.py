@@ -7,8 +7,9 @@ import ast
 import importlib.metadata
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("dtcompile", "dynamo_vars", "hops", "tools")

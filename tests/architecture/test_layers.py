@@ -3,7 +3,7 @@
 The layer order (docs/layout.md says the same), bottom first;
 a module may import modules of its own layer or below, never above:
 
-0. base -- ``dtcompile.beside_cache``, ``dtcompile.notation``, ``dtcompile.progress``, ``dtcompile.sharding_cache``, ``dtcompile.sizes``, ``dtcompile.torch_compat``, ``dtcompile.torch_contract``
+0. base -- ``dtcompile.beside_cache``, ``dtcompile.channels``, ``dtcompile.notation``, ``dtcompile.progress``, ``dtcompile.sharding_cache``, ``dtcompile.sizes``, ``dtcompile.torch_compat``, ``dtcompile.torch_contract``
 1. ``hops`` -- the ``local_map`` region op
 2. ``dynamo_vars`` -- Dynamo support
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
@@ -11,7 +11,7 @@ a module may import modules of its own layer or below, never above:
 4. ``dtcompile.records``, ``dtcompile.pass_names``
 5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``, ``recompute``, ``reshard``,
    ``cache_keys``, ``dynamo_output``, ``rank_check``
-6. the backend -- ``dtcompile.compiler``
+6. the backend -- ``dtcompile.compiler``, ``dtcompile.registry``
 7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver), ``dtcompile.calibration``
 8. the package face -- ``dtcompile`` (``__init__``)
 9. ``dtcompile.testing``
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "dtcompile.beside_cache",
+        "dtcompile.channels",
         "dtcompile.notation",
         "dtcompile.progress",
         "dtcompile.scoped_patch",
@@ -54,7 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("dtcompile.records", "dtcompile.pass_names"),
     ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.recompute", "dtcompile.reshard", "dtcompile.cache_keys", "dtcompile.dynamo_output", "dtcompile.rank_check"),
-    ("dtcompile.compiler",),
+    ("dtcompile.compiler", "dtcompile.registry"),
     ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.calibration"),
     ("dtcompile",),
     ("dtcompile.testing",),

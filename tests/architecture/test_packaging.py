@@ -24,7 +24,7 @@ def test_the_distribution_installs_no_package_called_tools():
 
 def test_entry_points_and_script_name_our_modules():
     eps = importlib.metadata.entry_points()
-    assert {e.value for e in eps.select(group="torch_dynamo_backends", name="dtcompile")} == {"dtcompile.compiler:dtcompile"}
+    assert {e.value for e in eps.select(group="torch_dynamo_backends", name="dtcompile")} == {"dtcompile.registry:dtcompile"}
     assert {e.value for e in eps.select(group="pytest11", name="dtcompile")} == {"dtcompile_tools.pytest_plugin"}
     assert {e.value for e in eps.select(group="console_scripts", name="dtcompile-report")} == {"dtcompile_tools.report:main"}
 

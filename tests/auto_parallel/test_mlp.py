@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import dtcompile
 from dtcompile._testing.models import build_mlp
+from dtcompile.channels import Artifact
 
 R = (Replicate(),)
 
@@ -155,7 +156,7 @@ def test_the_solution_is_logged_for_tlparse(mlp, monkeypatch):
         lambda kind, metadata_fn, payload_fn: logged.append((kind, metadata_fn()["name"], payload_fn())),
     )
     _, solution = _plan(mlp)
-    assert logged == [("artifact", "dtcompile_auto_parallel_solution", solution.explain())]
+    assert logged == [("artifact", Artifact.AUTO_PARALLEL_SOLUTION, solution.explain())]
 
 
 def test_explain_of_the_applied_model_starts_with_its_solution(mlp):

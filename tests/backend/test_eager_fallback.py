@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 import dtcompile
+from dtcompile.channels import Artifact, parse_artifact
 from dtcompile.compiler import _raised_on_purpose
 from dtcompile.testing import run_threaded
 from hops.spec import LocalMapError
@@ -81,7 +82,7 @@ def test_fallback_says_why_and_is_logged_as_an_artifact(fake_world, monkeypatch,
 
     def capture(kind, metadata_fn=None, payload_fn=None, **kwargs):
         meta = metadata_fn() if metadata_fn is not None else {}
-        if kind == "artifact" and meta.get("name", "").startswith("dtcompile_"):
+        if kind == "artifact" and parse_artifact(meta.get("name", "")) is not None:
             traced.append((meta["name"], payload_fn()))
 
     monkeypatch.setattr("torch._logging.trace_structured", capture)
@@ -96,7 +97,7 @@ def test_fallback_says_why_and_is_logged_as_an_artifact(fake_world, monkeypatch,
     )
     assert warning.endswith("dtcompile.backend(eager_fallback=False) raises the error instead")
     ((name, payload),) = traced
-    assert name == "dtcompile_eager_fallback"
+    assert name == Artifact.EAGER_FALLBACK
     assert "tensor subclass inputs" in payload
     assert "torch.ops.aten" not in payload and "permute" in payload, "the Dynamo graph, as it runs"
 

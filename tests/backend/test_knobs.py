@@ -10,6 +10,7 @@ from torch import fx
 
 import dtcompile
 from dtcompile._testing.cases import pass_context
+from dtcompile.channels import Artifact, GraphKind
 from dtcompile.config import DTCompileConfig
 from dtcompile.passes import GraphPass, run_passes
 
@@ -142,7 +143,8 @@ def test_run_passes_times_each_pass_and_traces_its_graphs(monkeypatch):
     identity = GraphPass("identity", lambda gm, inputs, ctx: gm)
     _, records = run_passes(_graph(), [], _context(trace_pass_graphs=True), passes=[identity])
     assert records[0].ran and records[0].seconds >= 0
-    assert [name for name, _ in traced] == ["dtcompile_forward_before_identity", "dtcompile_forward_after_identity"]
+    forward = GraphKind.FORWARD
+    assert [name for name, _ in traced] == [Artifact.pass_graph(forward, "before", "identity"), Artifact.pass_graph(forward, "after", "identity")]
     assert "torch.ops.aten.sin.default" in traced[0][1]
     traced.clear()
     run_passes(_graph(), [], _context(), passes=[identity])

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dtcompile
 from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, reference_step, run_step
+from dtcompile.channels import Beside
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.cost_model import get_profile
 from dtcompile.rank_check import RanksDisagree, Schedule, collective_lines, disagreement_message
@@ -162,7 +163,7 @@ def _rank_env_steps(rank: int, world_size: int, options: list[dict[str, Any]], e
 def _rank_cached_steps(rank: int, world_size: int, cache_dirs: str, forget_schedules: bool, caps: list[int]) -> RankRun:
     cache = cache_dirs.format(rank=rank)
     if forget_schedules:
-        shutil.rmtree(Path(cache) / "dtcompile_schedules", ignore_errors=True)
+        shutil.rmtree(Path(cache) / Beside.SCHEDULES, ignore_errors=True)
     options = [{"inductor": True, "bucket_cap_bytes": cap} for cap in caps]
     return _rank_steps(rank, world_size, options, TORCHINDUCTOR_CACHE_DIR=cache)
 

@@ -18,6 +18,7 @@ from expecttest import assert_expected_inline
 
 import dtcompile
 from dtcompile._testing.cases import CASES
+from dtcompile.channels import Artifact, GraphKind, Meta
 from dtcompile.cost_model import (
     PROFILES,
     HardwareProfile,
@@ -88,8 +89,8 @@ def test_every_aot_call_node_is_annotated_and_bytes_follow_from_shapes(fake_worl
             if node.op != "call_function":
                 continue
             num_nodes += 1
-            note = node.meta["dtcompile_annotation"]
-            info = node.meta.get("dtcompile_collective")
+            note = node.meta[Meta.ANNOTATION]
+            info = node.meta.get(Meta.COLLECTIVE)
             if info is None:
                 # every other node names the Dynamo node it comes from
                 assert note.startswith(("from ", "grad of ")), (node.name, note)
@@ -102,7 +103,7 @@ def test_every_aot_call_node_is_annotated_and_bytes_follow_from_shapes(fake_worl
             else:
                 value = (node if info.op == "all_gather" else node.args[0]).meta["val"]
             assert info.bytes == math.prod(value.shape) * value.element_size()
-            assert node.meta["dtcompile_cost_us"] > 0
+            assert node.meta[Meta.COST_US] > 0
     assert num_nodes > 40
     # every collective is charged to a DTensor op of the Dynamo graph
     for graph in report.graphs:
@@ -430,7 +431,9 @@ def trace_dir(tmp_path_factory) -> Path:
 def test_artifacts_are_in_the_trace(trace_dir):
     (log,) = trace_dir.glob("dedicated_log_torch_trace_rank_0_*.log")
     names = [json.loads(line.split("] ", 1)[1])["artifact"]["name"] for line in log.read_text().splitlines() if '"artifact"' in line and not line.startswith("\t")]
-    for name in ["dtcompile_placements", "dtcompile_forward_graph", "dtcompile_forward_collectives", "dtcompile_backward_graph", "dtcompile_backward_collectives"]:
+    forward, backward = GraphKind.FORWARD, GraphKind.BACKWARD
+    expected = [Artifact.PLACEMENTS, Artifact.graph(forward), Artifact.collectives(forward), Artifact.graph(backward), Artifact.collectives(backward)]
+    for name in expected:
         assert name in names
 
 
@@ -443,12 +446,12 @@ def test_tlparse_shows_the_dtcompile_artifacts(trace_dir, tmp_path):
     assert out.returncode == 0, out.stderr
     compile_dir = tmp_path / "tl" / "-_0_0_0"
     files = {p.name.rsplit("_", 1)[0] for p in compile_dir.iterdir()}
-    assert {"dtcompile_placements", "dtcompile_forward_graph", "dtcompile_backward_graph"} <= files
-    (collectives,) = compile_dir.glob("dtcompile_forward_collectives_*.json")
+    assert {Artifact.PLACEMENTS, Artifact.graph(GraphKind.FORWARD), Artifact.graph(GraphKind.BACKWARD)} <= files
+    (collectives,) = compile_dir.glob(f"{Artifact.collectives(GraphKind.FORWARD)}_*.json")
     data = json.loads(collectives.read_text())
     assert [(c["op"], c["axis"], c["bytes"]) for c in data["collectives"]] == [("all_reduce", "tp", 256)]
     index = (compile_dir / "..").resolve() / "index.html"
-    assert "dtcompile_placements" in index.read_text()
+    assert Artifact.PLACEMENTS in index.read_text()
 
 
 def test_report_tool_writes_every_section(trace_dir, tmp_path):

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from dtcompile.channels import Artifact, Beside, GraphKind
 from dtcompile_tools import report as report_tool
 
 # Each trace comes from a fresh interpreter with TORCH_TRACE set.
 pytestmark = pytest.mark.subprocess
+
+_BACKWARD_COLLECTIVES = Artifact.collectives(GraphKind.BACKWARD)
 
 _PROGRAM = textwrap.dedent(
     """
@@ -76,7 +79,7 @@ def _cut(log: Path, into: Path, where: str) -> tuple[Path, int]:
     """``log`` copied into ``into``, cut inside its dtcompile_backward_collectives entry as a
     killed job leaves it; returns the copy and that entry's line number."""
     lines = log.read_text().split("\n")
-    number = next(i for i, line in enumerate(lines, start=1) if '"dtcompile_backward_collectives"' in line)
+    number = next(i for i, line in enumerate(lines, start=1) if f'"{_BACKWARD_COLLECTIVES}"' in line)
     kept = "\n".join(lines[: number - 1]) + "\n"
     metadata, payload = lines[number - 1], lines[number]
     assert payload.startswith('\t{"compile_id": "0/0", "kind": "backward"')
@@ -100,9 +103,9 @@ def test_report_of_a_trace_cut_off_mid_entry(dtcompile_trace, tmp_path, capsys, 
     expected = {
         "in its metadata line": f"{cut}:{number}: the log ends in the middle of this line (was the program killed?); left it out",
         "after its metadata line": f"{cut}:{number}: the log ends inside this entry's payload "
-        "(artifact dtcompile_backward_collectives; was the program killed?); left the entry out",
+        f"(artifact {_BACKWARD_COLLECTIVES}; was the program killed?); left the entry out",
         "in its payload": f"{cut}:{number}: the log ends inside this entry's payload "
-        "(artifact dtcompile_backward_collectives; was the program killed?); left the entry out",
+        f"(artifact {_BACKWARD_COLLECTIVES}; was the program killed?); left the entry out",
     }[where]
     assert err == f"dtcompile-report: warning: {expected}\n"
     page = (tmp_path / "out" / "index.html").read_text()
@@ -133,9 +136,10 @@ def test_report_refuses_a_trace_without_dtcompile_artifacts(stock_trace, tmp_pat
     out = tmp_path / "out"
     assert report_tool.main([str(stock_trace), "-o", str(out)]) == 2
     assert capsys.readouterr().err == (
-        f"dtcompile-report: {stock_trace}: no dtcompile artifacts (dtcompile_placements, "
-        "dtcompile_<kind>_graph, dtcompile_<kind>_collectives, dtcompile_auto_parallel_solution, "
-        "dtcompile_eager_fallback, dtcompile_cached_compile) in the trace: the program was not "
+        f"dtcompile-report: {stock_trace}: no dtcompile artifacts ({Artifact.PLACEMENTS}, "
+        f"{Artifact.graph(GraphKind.FORWARD)}, {Artifact.collectives(GraphKind.FORWARD)}, "
+        f"{Artifact.AUTO_PARALLEL_SOLUTION}, {Artifact.EAGER_FALLBACK}, {Artifact.CACHED_COMPILE}...) "
+        "in the trace: the program was not "
         'compiled with dtcompile; compile it with torch.compile(..., backend="dtcompile") '
         "and run it again with TORCH_TRACE set\n"
     )
@@ -178,7 +182,7 @@ def test_a_warm_cache_run_reports_what_a_cold_one_does(tmp_path):
     assert warm == cold
     assert '<svg class="timeline"' in warm["compile-0_0"] and '<svg class="memory"' in warm["compile-0_0"]
     # Without what was kept, the report says so instead of showing nothing.
-    shutil.rmtree(cache / "dtcompile_reports")
+    shutil.rmtree(cache / Beside.REPORTS)
     bare = _trace(tmp_path / "bare", "dtcompile_inductor", cache=cache)
     assert report_tool.main([str(bare), "-o", str(bare / "report")]) == 0
     sections = _sections((bare / "report" / "index.html").read_text())

@@ -15,6 +15,7 @@ from torch.distributed.tensor import (
 
 import dtcompile
 from dtcompile._testing.regions import BACKENDS, REGION_CASES, reference_step, run_case
+from dtcompile.channels import Meta
 from dtcompile.regions import format_with_regions
 from dtcompile.testing import simulated_world
 from dtcompile.torch_compat import subclass_outer_size_from_inner
@@ -70,7 +71,7 @@ def test_region_is_one_op_in_every_graph(fake_world, case_name):
     # Lowered: no region left, every body op spliced in and tagged with its region.
     for record in (forward, backward):
         assert "local_map" not in record.graph.code
-        tagged = [n for n in record.graph.graph.nodes if n.meta.get("dtcompile_region")]
+        tagged = [n for n in record.graph.graph.nodes if n.meta.get(Meta.REGION)]
         assert len(tagged) == record.regions[0].ops
 
 

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import dtcompile
 import hops.joint
+from dtcompile.channels import Meta
 from hops import local_map, local_map_region
 
 
@@ -76,7 +77,7 @@ def test_forward_and_backward_regions_are_paired_by_call_id(tp_mesh):
     bw_ids = [r.call for r in backward.regions]
     assert None not in fw_ids and len(set(fw_ids)) == 2 and sorted(fw_ids) == sorted(bw_ids)
     # The backward regions are charged to the forward region's Dynamo node.
-    notes = [n.meta["dtcompile_annotation"] for n in backward.graph.graph.nodes if n.meta.get("dtcompile_region")]
+    notes = [n.meta[Meta.ANNOTATION] for n in backward.graph.graph.nodes if n.meta.get(Meta.REGION)]
     assert notes and all(note.startswith("grad of _layer") for note in notes), notes
 
 
