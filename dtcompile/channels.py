@@ -75,22 +75,22 @@ class Artifact:
     @staticmethod
     def graph(kind: GraphKind) -> str:
         """An AOT graph, one annotated line per node."""
-        return f"dtcompile_{kind.value}_graph"
+        return f"dtcompile_{GraphKind(kind).value}_graph"
 
     @staticmethod
     def collectives(kind: GraphKind) -> str:
         """An AOT graph's collectives, passes, memory and timeline (JSON)."""
-        return f"dtcompile_{kind.value}_collectives"
+        return f"dtcompile_{GraphKind(kind).value}_collectives"
 
     @staticmethod
     def regions(kind: GraphKind) -> str:
         """An AOT graph with its ``local_map`` regions as one op each."""
-        return f"dtcompile_{kind.value}_regions"
+        return f"dtcompile_{GraphKind(kind).value}_regions"
 
     @staticmethod
     def pass_graph(kind: GraphKind, when: str, pass_name: str) -> str:
         """An AOT graph ``before`` or ``after`` one pass (``trace_pass_graphs=True``)."""
-        return f"dtcompile_{kind.value}_{when}_{pass_name}"
+        return f"dtcompile_{GraphKind(kind).value}_{when}_{pass_name}"
 
 
 # Artifact name -> (what it is, the graph kind it is of, or None).

@@ -454,7 +454,7 @@ class DTCompileBackend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.compile_fx import select_decomp_table
 
-        def compiler(kind: str) -> Callable[..., Any]:
+        def compiler(kind: GraphKind) -> Callable[..., Any]:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -476,7 +476,7 @@ class DTCompileBackend:
         self,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
-        kind: str,
+        kind: GraphKind,
         info: DynamoGraphInfo,
         config: DTCompileConfig,
         progress: _Progress,
