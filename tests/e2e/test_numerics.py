@@ -157,6 +157,9 @@ def test_gloo_two_ranks_compiled_matches_eager_and_reference():
 PASS_CONFIGS = {f"no_{name}": {"inductor": False, "disable_passes": {name}} for name in ("async_tp", "bucketing", "overlap")}
 
 
+# Soak: the same pass configurations run on threaded ranks in CI (tests/passes'
+# test_passes_keep_numerics), and every pass on over gloo just above.
+@pytest.mark.soak
 def test_gloo_two_ranks_with_each_pass_switched_off():
     """Each communication pass off in turn (the others on): still eager's and the reference's numbers."""
     _check_on_gloo(PASS_CONFIGS, timeout=900)

@@ -32,7 +32,7 @@ from dtcompile.testing import fake_world, run_threaded
 
 pytestmark = pytest.mark.fuzz
 
-CI_EXAMPLES = 100
+CI_EXAMPLES = 64
 CHUNKS = 8
 CI_SEED = 20261125
 SHARES = {"1d2": 0.4, "1d4": 0.3, "2x2": 0.3}
@@ -126,6 +126,8 @@ def test_fuzz_plans_compiled_match_the_single_process_model(chunk, fuzz_options,
         f"{time.perf_counter() - start:.0f} s: {len(cases) - infeasible} planned, compiled and equal to the "
         f"single-process model, {infeasible} infeasible for their budget; blocks drawn: {', '.join(kinds)}"
     )
+    # A batch the planner found nothing for tested nothing.
+    assert infeasible < len(cases), f"chunk {chunk}: every one of its {len(cases)} models was infeasible"
 
 
 # Finds of the fuzzer, each a bug fixed since: the case the failure named (kept as data: a seed
