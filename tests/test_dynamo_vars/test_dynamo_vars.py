@@ -14,7 +14,7 @@ import torch.distributed.tensor as dtensor
 from expecttest import assert_expected_inline
 from torch._dynamo.exc import Unsupported
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch._dynamo.utils import guard_failures
+from torch._dynamo.utils import counters, guard_failures
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import (
     DTensor,
@@ -329,10 +329,15 @@ def test_graph_break_outside_fullgraph_still_runs_correctly(world4):
         group = dist.new_group([0, 1, 2, 3])
         return t + group.size()
 
+    counters.clear()
     counter = CompileCounterWithBackend(BACKEND)
     out = torch.compile(fn, backend=counter)(torch.ones(2))
     torch.testing.assert_close(out, torch.full((2,), 6.0))
-    assert counter.frame_count >= 1
+    # One break, at new_group, with dtcompile's reason: the code before it and the code after
+    # it are the two frames compiled.
+    (reason,) = counters["graph_break"]
+    assert reason.startswith("dtcompile: torch.distributed.distributed_c10d.new_group inside a compiled region"), reason
+    assert counter.frame_count == 2
 
 
 def test_factory_placements_must_match_the_mesh(world8):

@@ -782,6 +782,9 @@ def test_redistribute_inputs_redistributes_in_the_graph(tp_mesh):
     reason="torch >= 2.14 specializes a Replicate DTensor's dynamic shard mid-trace "
     "(dtcompile.torch_compat.subclass_outer_size_from_inner); the recompile's graph fails at run time",
     strict=True,
+    # The recompile's run raises 'expected between 3 and 4 wrapped outputs, got 2' where the
+    # test expects the recompile reason: pytest.raises(match=...) fails with an AssertionError.
+    raises=AssertionError,
 )
 def test_same_placements_do_not_recompile_other_placements_do(tp_mesh):
     from dtcompile.testing import assert_no_recompiles
