@@ -9,7 +9,10 @@ import re
 import sys
 from pathlib import Path
 
-import tomllib
+import pytest
+
+# pyproject.toml is read with the standard library's TOML reader (Python 3.11+).
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("dtcompile", "dynamo_vars", "hops", "tools")
