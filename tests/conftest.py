@@ -3,12 +3,14 @@
 ``fake_world`` and ``simulated_world`` come from ``dtcompile_tools.pytest_plugin``
 (the same fixtures users get); the ones here only name the meshes the tests use.
 
-Tiers (markers, registered in pyproject.toml): a test whose name says ``gloo``
-runs real gloo ranks and gets the ``gloo`` marker; one whose id says
-``inductor`` lowers with Inductor and gets ``inductor``; tests that start a
-fresh interpreter carry ``subprocess`` themselves (or get it from the fixture
-that starts one, ``trace_dir``), and those that compile a
-whole shared model on threaded ranks (or pin one whole) ``models``.  The fast
+Tiers (markers, registered in pyproject.toml), each carried by the test itself, never
+read from its name: ``gloo`` where it runs real gloo ranks, ``inductor`` where it (or
+one of its parameters, ``pytest.param(..., marks=...)``) lowers with Inductor,
+``subprocess`` where it starts a fresh interpreter (or uses the fixture that starts
+one, ``trace_dir``, which adds it here), ``models`` where it compiles a whole shared
+model on threaded ranks (or pins one whole).  A name once put pure checks in the slow
+tiers: the torch contract's Inductor names, the option validation, the pricing of
+gloo, which then never ran on the older releases.  The fast
 tier is ``pytest -n 2 -m "not gloo and not inductor and not subprocess and not models and not fuzz"``
 (``fuzz``: the differential fuzzer's batch and its pinned finds, tests/fuzz; ``--fuzz-examples N`` and
 ``--fuzz-seed S`` run it longer or elsewhere).
@@ -45,10 +47,6 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "gloo" in item.name:
-            item.add_marker(pytest.mark.gloo)
-        if "inductor" in item.nodeid.split("::", 1)[-1]:
-            item.add_marker(pytest.mark.inductor)
         if "trace_dir" in getattr(item, "fixturenames", ()):
             # tests/inspection's TORCH_TRACE comes from a fresh interpreter.
             item.add_marker(pytest.mark.subprocess)

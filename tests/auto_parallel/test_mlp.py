@@ -206,6 +206,7 @@ def test_a_buffer_is_replicated_and_the_model_runs_eagerly(tp_mesh):
     assert isinstance(out, DTensor) and out.placements == R and out.shape == (4, 16)
 
 
+@pytest.mark.inductor
 def test_the_planned_mlp_compiles_with_inductor(mlp):
     import torch
 

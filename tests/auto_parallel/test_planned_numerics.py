@@ -22,6 +22,7 @@ def test_tp_mlp_on_4_threaded_ranks():
     assert results[0][5]["w1.weight"] != R
 
 
+@pytest.mark.gloo
 def test_tp_mlp_on_2_gloo_ranks():
     budget = (16 * 32 * 2 + 32 + 16) * 4 // 2
     assert_matches_reference(run_gloo(2, rank_step, "mlp", (2,), ("tp",), [R], [R], budget))

@@ -71,7 +71,7 @@ class Plain(torch.nn.Module):
         return torch.relu(self.lin(x)).sum(-1)
 
 
-@pytest.mark.parametrize("inductor", [False, True], ids=["aot", "inductor"])
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=pytest.mark.inductor)], ids=["aot", "inductor"])
 def test_plain_model_compiles_and_matches_eager(inductor):
     torch.manual_seed(0)
     model = Plain()

@@ -137,6 +137,7 @@ def _gloo_cached_step(rank: int, world_size: int, cache_dir: str) -> tuple[StepR
 # case, this one's tp_sp_block among them, against eager and one process.
 @pytest.mark.soak
 @pytest.mark.inductor
+@pytest.mark.gloo
 def test_gloo_ranks_restarted_from_the_cache_equal_eager_and_one_process(tmp_path):
     """Real collectives: each rank's second process gets every graph from the caches,
     and its output and gradients equal eager's and the single-process model's."""

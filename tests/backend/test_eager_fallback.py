@@ -76,7 +76,7 @@ def test_graph_torch_cannot_trace_runs_eagerly_with_a_warning():
         assert error == "AssertionError: torch.compile is currently being used with tensor subclass inputs."
 
 
-@pytest.mark.parametrize("inductor", [False, True], ids=["aot", "inductor"])
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=pytest.mark.inductor)], ids=["aot", "inductor"])
 def test_fallback_says_why_and_is_logged_as_an_artifact(fake_world, monkeypatch, inductor):
     traced = []
 

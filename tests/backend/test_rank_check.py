@@ -99,6 +99,7 @@ def _assert_every_rank_stops(runs: list[RankRun], *, names: list[str]) -> None:
 # Per-rank options: the two cases of issue #32, on gloo.
 
 
+@pytest.mark.gloo
 def test_gloo_ranks_with_other_bucket_caps_stop_naming_the_option():
     """Without the check gloo kills both processes ('Received data size doesn't match')."""
     options = [{"bucket_cap_bytes": 1 << 30}, {"bucket_cap_bytes": 64}]
@@ -109,12 +110,14 @@ def test_gloo_ranks_with_other_bucket_caps_stop_naming_the_option():
     assert "ranks [0]" in runs[0].error and "ranks [1]" in runs[0].error
 
 
+@pytest.mark.gloo
 def test_gloo_ranks_with_passes_off_on_one_rank_stop_naming_the_option():
     options = [{}, {"disable_passes": sorted(NO_PASSES)}]
     runs = run_gloo(2, _rank_steps, 2, options, timeout=120)
     _assert_every_rank_stops(runs, names=["disable_passes: {} on rank 0, {'async_tp', 'bucketing', 'overlap'} on rank 1"])
 
 
+@pytest.mark.gloo
 def test_gloo_ranks_with_equal_options_equal_eager_and_check_once():
     runs = run_gloo(2, _rank_steps, 2, [{"bucket_cap_bytes": 64}] * 2, timeout=120)
     _assert_equal_eager_and_one_process(runs)
@@ -122,6 +125,7 @@ def test_gloo_ranks_with_equal_options_equal_eager_and_check_once():
         assert run.checks == ["agreed"], "one check, at the first call; none after"
 
 
+@pytest.mark.gloo
 def test_gloo_ranks_whose_options_differ_where_it_changes_nothing_agree():
     """What is compared is the collectives, not the options: an overlap budget that moves
     nothing here differs harmlessly."""
@@ -146,6 +150,7 @@ def _profile_dirs(tmp_path: Path) -> str:
     return str(tmp_path / "profiles{rank}")
 
 
+@pytest.mark.gloo
 def test_gloo_profile_calibrated_on_one_rank_only_stops_naming_the_profile(tmp_path):
     profiles = _profile_dirs(tmp_path)
     runs = run_gloo(2, _rank_env_steps, 2, [{}, {}], {"DTCOMPILE_PROFILE_DIR": profiles}, timeout=120)
@@ -169,6 +174,7 @@ def _rank_cached_steps(rank: int, world_size: int, cache_dirs: str, forget_sched
 
 
 @pytest.mark.inductor
+@pytest.mark.gloo
 def test_gloo_cache_warm_on_one_rank_and_cold_on_the_other(tmp_path):
     """Rank 0's folder is warmed by an earlier run; rank 1's is empty.  Rank 0 is served
     from the cache (nothing traced) and reads back the collectives the earlier run saved:
@@ -210,6 +216,7 @@ def _rank_falls_back(rank: int, world_size: int) -> RankRun:
         return _rank_steps(rank, world_size, [{}, {}])
 
 
+@pytest.mark.gloo
 def test_gloo_eager_fallback_on_one_rank_runs_eagerly_on_every_rank():
     runs = run_gloo(2, _rank_falls_back, 2, timeout=120)
     _assert_equal_eager_and_one_process(runs)

@@ -215,7 +215,7 @@ def _train_single_process(model_name: str, weights: dict[str, torch.Tensor], bat
     return run
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["aot", pytest.param("inductor", marks=pytest.mark.inductor)])
 @pytest.mark.parametrize("model_name", MODELS)
 def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model_name, mode, torchtitan_spmd_types):
     weights = initial_weights(MODELS[model_name]())

@@ -220,6 +220,7 @@ def test_the_symm_mem_kernels_run_when_symmetric_memory_is_enabled(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.inductor
 def test_fused_ops_compiled_by_inductor_equal_matmul(group_name, dtype):
     """Inductor plans the ops' outputs with their fakes' strides (and checks them)."""
     a_shard = _randn(4, 64, 256, dtype=dtype, seed=9)

@@ -74,7 +74,7 @@ def _builder(case_name: str):
     return build
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["aot", pytest.param("inductor", marks=pytest.mark.inductor)])
 @pytest.mark.parametrize("case_name", CASES)
 @pytest.mark.models
 def test_threaded_ranks_compiled_matches_eager(case_name, mode):
@@ -151,6 +151,7 @@ def _check_on_gloo(configs: dict, timeout: float) -> None:
             _check_ranks(case_name, world_size, results, lambda r, c=case_name: _RankMesh(c, world_size, r))
 
 
+@pytest.mark.gloo
 def test_gloo_two_ranks_compiled_matches_eager_and_reference():
     _check_on_gloo(MODES, timeout=600)
 
@@ -161,6 +162,7 @@ PASS_CONFIGS = {f"no_{name}": {"inductor": False, "disable_passes": {name}} for 
 # Soak: the same pass configurations run on threaded ranks in CI (tests/passes'
 # test_passes_keep_numerics), and every pass on over gloo just above.
 @pytest.mark.soak
+@pytest.mark.gloo
 def test_gloo_two_ranks_with_each_pass_switched_off():
     """Each communication pass off in turn (the others on): still eager's and the reference's numbers."""
     _check_on_gloo(PASS_CONFIGS, timeout=900)

@@ -69,6 +69,7 @@ def _rank_profile(rank: int) -> tuple[str, str]:
     return backend.records[0].info.profile.name, backend.records[0].info.profile_why
 
 
+@pytest.mark.gloo
 def test_a_gloo_graph_is_priced_with_the_cpu_gloo_profile(fake_world, monkeypatch, tmp_path):
     monkeypatch.setenv("DTCOMPILE_PROFILE_DIR", str(tmp_path))  # nothing calibrated here
     assert run_gloo(2, _rank_profile) == [("cpu_gloo", "auto: cpu tensors on gloo")] * 2

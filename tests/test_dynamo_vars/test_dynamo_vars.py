@@ -392,6 +392,7 @@ def test_installing_does_not_change_graphs_that_already_traced(name):
 
 
 @pytest.mark.parametrize("name", ["factory_zeros", "distribute_tensor_2d", "implicit_replication_context"])
+@pytest.mark.inductor
 def test_idioms_lower_through_inductor(name):
     item = next(i for i in IDIOMS if i.name == name)
     result = check_idiom(item, dtcompile.backend())

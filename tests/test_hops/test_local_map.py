@@ -398,7 +398,9 @@ def _assert_close(got, want, what):
             )
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=pytest.mark.inductor) if b in ("inductor", "dtcompile_inductor") else b for b in BACKENDS]
+)
 @pytest.mark.parametrize("case_name", list(REGION_CASES))
 def test_simulated_ranks_match_reference(case_name, backend):
     """On LocalTensorMode (4 ranks; the attention case on a 2x2 mesh): output and
@@ -411,6 +413,7 @@ def test_simulated_ranks_match_reference(case_name, backend):
         _assert_close(got, want, f"{case_name} ({backend})")
 
 
+@pytest.mark.gloo
 def test_gloo_two_ranks_match_reference():
     """Real ranks (gloo, 127.0.0.1): every case under every backend equals eager and the reference."""
     from dtcompile._testing.regions import gloo_rank

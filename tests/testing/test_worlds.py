@@ -109,10 +109,12 @@ def test_threaded_failure_names_the_rank():
     assert "ValueError: rank one is broken" in str(err.value)
 
 
+@pytest.mark.gloo
 def test_gloo_ranks_have_real_collectives():
     assert run_gloo(2, _all_reduce_rank, timeout=120) == [3.0, 3.0]
 
 
+@pytest.mark.gloo
 def test_gloo_failure_reports_the_traceback_without_hanging():
     start = time.monotonic()
     with pytest.raises(RankFailure) as err:
@@ -123,6 +125,7 @@ def test_gloo_failure_reports_the_traceback_without_hanging():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.gloo
 def test_gloo_rank_that_dies_is_reported_without_hanging():
     start = time.monotonic()
     with pytest.raises(RankFailure, match="exited with code 3 before returning a result"):
@@ -130,6 +133,7 @@ def test_gloo_rank_that_dies_is_reported_without_hanging():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.gloo
 def test_gloo_failure_is_reported_while_a_peer_is_busy_outside_a_collective():
     """Rank 1's report arrives, then rank 1 exits cleanly while rank 0 computes:
     the run ends after the grace period with rank 1's traceback, rank 0 stopped."""

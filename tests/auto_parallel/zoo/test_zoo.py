@@ -92,6 +92,7 @@ def _gloo_rank_step(rank, name):
 
 
 @pytest.mark.parametrize("name", ["multihead_attention", "small_lm"])
+@pytest.mark.gloo
 def test_zoo_model_on_2_gloo_ranks_equals_the_single_process_model(name):
     results = run_gloo(2, _gloo_rank_step, name)
     assert_matches_reference([r[:7] for r in results], rtol=1e-4, atol=1e-5)
