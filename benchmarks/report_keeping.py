@@ -36,7 +36,7 @@ def main() -> None:
 
     import dtcompile
     from dtcompile._testing.models import build_norm_mlp_stack
-    from dtcompile.artifacts import saved_artifacts
+    from dtcompile.artifacts import keep_artifacts
     from dtcompile.simulate import simulate
     from dtcompile.testing import fake_world
 
@@ -58,10 +58,10 @@ def main() -> None:
             simulate_ms = (time.perf_counter() - start) * 1e3
             with tempfile.TemporaryDirectory() as folder:
                 start = time.perf_counter()
-                kept = []
+                kept: dict[str, list[str]] = {}
                 for record in records:
-                    kept += saved_artifacts([record])
-                    (Path(folder) / "kept.json").write_text(json.dumps(kept))
+                    keep_artifacts(record, kept)
+                    (Path(folder) / "kept.json").write_text(json.dumps(list(kept.values())))
                 kept_ms = (time.perf_counter() - start) * 1e3
                 size = (Path(folder) / "kept.json").stat().st_size
         nodes = sum(len(r.graph.graph.nodes) for r in records)

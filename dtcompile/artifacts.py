@@ -22,7 +22,7 @@ from dtcompile.channels import Artifact, Meta
 from dtcompile.memory import format_bytes
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
-__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "emit_saved_artifacts", "format_compiled_graph", "memory_json", "memory_lines", "pass_lines", "region_lines", "saved_artifacts", "timeline_json", "timeline_lines"]
+__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "emit_saved_artifacts", "format_compiled_graph", "keep_artifacts", "memory_json", "memory_lines", "pass_lines", "region_lines", "timeline_json", "timeline_lines"]
 
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
@@ -196,19 +196,17 @@ def emit_artifacts(record: CompiledGraph) -> None:
         _artifact(name, encoding, payload)
 
 
-def saved_artifacts(records: Sequence[CompiledGraph]) -> list[list[str]]:
-    """The artifacts of a Dynamo graph's AOT graphs as ``[name, encoding, payload]`` data, to keep
-    beside the compile cache (:mod:`dtcompile.beside_cache`) for :func:`emit_saved_artifacts`;
-    the placements, the same for every AOT graph of one Dynamo graph, once."""
-    saved: dict[str, list[str]] = {}
-    for record in records:
-        for name, encoding, payload in _artifacts(record):
-            saved.setdefault(name, [name, encoding, payload()])
-    return list(saved.values())
+def keep_artifacts(record: CompiledGraph, kept: dict[str, list[str]]) -> None:
+    """Adds one AOT graph's artifacts, made now, to ``kept`` (name -> ``[name, encoding, payload]``),
+    what a Dynamo graph keeps beside the compile cache (:mod:`dtcompile.beside_cache`) for
+    :func:`emit_saved_artifacts`; the placements, the same for each of its AOT graphs, once."""
+    for name, encoding, payload in _artifacts(record):
+        if name not in kept:
+            kept[name] = [name, encoding, payload()]
 
 
 def emit_saved_artifacts(saved: Sequence[Sequence[str]]) -> None:
-    """Log again what :func:`saved_artifacts` kept, for a graph the compile cache served."""
+    """Log again what :func:`keep_artifacts` kept, for a graph the compile cache served."""
     for name, encoding, payload in saved:
         _artifact(name, encoding, functools.partial(str, payload))
 

@@ -59,7 +59,7 @@ from dtcompile.artifacts import (
     emit_fallback_artifact,
     emit_saved_artifacts,
     format_compiled_graph,
-    saved_artifacts,
+    keep_artifacts,
 )
 from dtcompile.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.cache_keys import (
@@ -148,8 +148,7 @@ class _Progress:
         self.graphs.append(record)
         if self.kept_as is not None:
             # Made now: lowering rewrites the graph in place (Inductor's reinplacing).
-            for name, encoding, payload in saved_artifacts([record]):
-                self._kept.setdefault(name, [name, encoding, payload])
+            keep_artifacts(record, self._kept)
             save_beside_cache(Beside.REPORTS, self.kept_as, list(self._kept.values()))
 
     def trace_finished(self) -> None:
@@ -269,9 +268,10 @@ class DTCompileBackend:
         views = split_input_views(gm)
         # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
         key = compile_key(config, priced.profile, rank_position(gm, example_inputs))
-        # What is kept beside the compile cache for this graph is found again by this.
-        entry = f"{key}\n{gm.code}\n{inputs_text(example_inputs)}"
-        progress = _Progress(kept_as=entry if config.inductor and config.aot_cache else None)
+        # Where a compile cache can serve this graph, what is kept beside it for the graph
+        # (its artifacts, its schedule) is found again by this; None where none can.
+        entry = f"{key}\n{gm.code}\n{inputs_text(example_inputs)}" if config.inductor and config.aot_cache else None
+        progress = _Progress(kept_as=entry)
         checking = config.check_ranks and world_can_disagree()
         partitioner = Partitioner(
             bool(info.uneven),
@@ -336,7 +336,7 @@ class DTCompileBackend:
         config: DTCompileConfig,
         priced: ProfileChoice,
         key: str,
-        entry: str,
+        entry: str | None,
         how: str,
         graphs: Sequence[CompiledGraph],
     ) -> Schedule:
@@ -345,9 +345,9 @@ class DTCompileBackend:
         collectives: tuple[str, ...] | None = None
         if graphs:
             collectives = collective_lines((g.kind, g.collectives) for g in graphs)
-            if config.inductor and config.aot_cache:
+            if entry is not None:
                 save_schedule(entry, collectives)
-        elif how.startswith("served"):
+        elif how.startswith("served") and entry is not None:
             collectives = load_schedule(entry)
         profile = f"{priced}, numbers {profile_text(priced.profile)}"
         decided = decided_from(key_fields(config), profile, source_digest(), gm, example_inputs)
@@ -386,10 +386,10 @@ class DTCompileBackend:
             stacklevel=3,
         )
 
-    def _loaded_from_cache(self, gm: fx.GraphModule, info: DynamoGraphInfo, entry: str) -> None:
+    def _loaded_from_cache(self, gm: fx.GraphModule, info: DynamoGraphInfo, entry: str | None) -> None:
         """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log,
         and logs again the artifacts the run that compiled it kept beside the cache."""
-        saved = load_beside_cache(Beside.REPORTS, entry)
+        saved = load_beside_cache(Beside.REPORTS, entry) if entry is not None else None
         cached = CachedCompile(compile_id=info.compile_id, graph=gm, reported=bool(saved))
         self.cached.append(cached)
         log.info("%s", cached)
