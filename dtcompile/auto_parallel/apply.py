@@ -113,6 +113,10 @@ def _build_graph(solution: Solution, mesh: Any) -> tuple[fx.Graph, dict[str, Any
         return read[(edge_end, edge_slot)]
 
     for node in traced.gm.graph.nodes:
+        if node.op == "get_attr" and node.name in problem.nodes:  # a tensor the trace lifted from forward
+            consts[f"const_{node.name}"] = getattr(traced.gm, node.target)
+            values[(node.name, 0)] = graph.get_attr(f"const_{node.name}")
+            continue
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         pnode = problem.nodes[node.name]

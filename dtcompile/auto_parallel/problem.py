@@ -70,7 +70,7 @@ from dtcompile.auto_parallel.placements import (
 )
 from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
-from dtcompile.auto_parallel.trace import TracedModel
+from dtcompile.auto_parallel.trace import TracedModel, source_of
 from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
 from dtcompile.channels import GraphKind
 from dtcompile.cost_model import HardwareProfile
@@ -277,6 +277,22 @@ class _Builder:
                 target=label, fx_node=node, group=node.name,
             )
 
+    def tensor_constant(self, node: fx.Node) -> None:
+        """A tensor the trace lifted from the model's ``forward`` (an empty tensor or a mask
+        built there, a Python scalar made a tensor): the same value on every rank, replicated,
+        with no gradient and nothing to decide."""
+        value = getattr(self.traced.gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"auto_parallel: node {node.name} reads {node.target} (a {type(value).__name__}{source_of(node)}); "
+                "only tensors, parameters and buffers are supported"
+            )
+        rep = tuple([Replicate()] * self.mesh.ndim)
+        self.nodes[node.name] = PNode(
+            node.name, "constant", [], [(tuple(value.shape), value.dtype)], [False], [Candidate((), (rep,))],
+            target=f"constant {tuple(value.shape)}", fx_node=node, group=node.name,
+        )
+
     def is_constant(self, node: fx.Node) -> bool:
         ins = [_resolve(a)[0] for a in node.all_input_nodes]
         return all(self.nodes[a.name].kind == "constant" for a in ins if a.name in self.nodes)
@@ -284,7 +300,7 @@ class _Builder:
     def call(self, node: fx.Node) -> None:
         metas = _out_metas(node)
         if all(m is None for m in metas):
-            raise ValueError(f"auto_parallel: node {node.name} ({node.target}) makes no tensor; not supported")
+            raise ValueError(f"auto_parallel: node {node.name} ({node.target}{source_of(node)}) makes no tensor; not supported")
         index = region_of(node)
         if index is not None:  # hops' region op: (body, spec, *operands)
             self.region(node, index, [_ref(a) for a in node.args[2:]], metas)
@@ -367,7 +383,7 @@ class _Builder:
         if not candidates:
             error = self.errors.get((signature, *fallback, REPLICATED), "")
             raise ValueError(
-                f"auto_parallel: node {node.name} ({_op_text(node.target)}) cannot be planned: no DTensor strategy "
+                f"auto_parallel: node {node.name} ({_op_text(node.target)}{source_of(node)}) cannot be planned: no DTensor strategy "
                 f"runs it on mesh {tuple(self.mesh.shape)}, and run whole on every rank it fails ({error}); "
                 "pin the parameters and inputs around it with fixed=..., or wrap the code that calls it in "
                 "dtcompile.local_map with the placements it needs"
@@ -619,7 +635,7 @@ def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
     ]
     if written:
         raise ValueError(
-            f"auto_parallel: node {node.name} ({_op_text(node.target)}) writes to {', '.join(written)} in place, "
+            f"auto_parallel: node {node.name} ({_op_text(node.target)}{source_of(node)}) writes to {', '.join(written)} in place, "
             "which the parallel model cannot carry back (it reads each parameter, buffer and input through its "
             "own redistributed copy); put modules that update running statistics in eval() mode before "
             "planning, or write the model's update out of place"
@@ -640,7 +656,8 @@ def _checked(edge: Edge, producer: PNode, consumer: PNode) -> Edge:
     if all(math.isinf(c) for row in edge.cost for c in row):
         raise ValueError(
             f"{where}: no layout {producer.name} can give ({producer.target}) is one {consumer.name} "
-            f"({consumer.target}) can read, with its gradient coming back as {producer.name} needs it; "
+            f"({consumer.target}{source_of(consumer.fx_node) if consumer.fx_node is not None else ''}) can read, "
+            f"with its gradient coming back as {producer.name} needs it; "
             "pin the parameters and inputs around it with fixed=..., or wrap the code in dtcompile.local_map"
         )
     return edge
@@ -669,7 +686,7 @@ def build_problem(
             _refuse_writes(node, traced)
             b.call(node)
         elif node.op == "get_attr" and not isinstance(getattr(traced.gm, node.target), fx.GraphModule):
-            raise ValueError(f"auto_parallel: the model reads the tensor attribute {node.target}; make it a buffer")
+            b.tensor_constant(node)
     b.outputs(dict(output_layouts or {}))
     start = time.perf_counter()
     edges, links = _edges(b)

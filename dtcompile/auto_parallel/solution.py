@@ -209,9 +209,13 @@ class Solution:
         parts = [one(a) for a in fx_node.args] + [f"{k}={one(v)}" for k, v in fx_node.kwargs.items()]
         return ", ".join(parts)
 
-    def explain(self, name: str | None = None) -> str:
+    def explain(self, name: str | None = None, *, against: Mapping[str, Any] | None = None) -> str:
         """Every node's line (see the module docstring); with ``name`` (a node, parameter or
-        ``input0``...), that node's candidates and why each lost."""
+        ``input0``...), that node's candidates and why each lost; with ``against`` (another
+        plan's placements by parameter name, e.g. a hand-written tensor-parallel plan's), a line
+        for each parameter placed differently: both placements, and why the other one lost."""
+        if against is not None:
+            return self._explain_against(against)
         if name is None:
             fanouts: dict[str, list[str]] = {}
             for n in self.problem.nodes.values():
@@ -281,23 +285,42 @@ class Solution:
                 return math.inf, f"parameters would take {over} B per rank, over the budget of {self.param_memory_budget_bytes} B"
         return total, ""
 
+    def _verdict(self, name: str, index: int) -> str:
+        """Candidate ``index`` of node ``name`` against the chosen one, the neighbours' choices kept."""
+        chosen = self.result.choice[name]
+        cost, why = self._local_cost(name, index)
+        if index == chosen:
+            return f"{cost:.3f} us  chosen"
+        if math.isinf(cost):
+            return f"impossible: {why}"
+        base, _ = self._local_cost(name, chosen)
+        if cost >= base:
+            return f"{cost:.3f} us  lost by {cost - base:.3f} us"
+        return f"{cost:.3f} us  cheaper alone, but the neighbours' best choices change with it"
+
     def _explain_node(self, name: str) -> str:
         node = self.problem.nodes[name]
-        chosen = self.result.choice[name]
-        base, _ = self._local_cost(name, chosen)
         lines = [self._line(name), f"# {len(node.candidates)} candidates; cost around it with the neighbours' choices kept:"]
         for index, cand in enumerate(node.candidates):
-            cost, why = self._local_cost(name, index)
             placement = f"({', '.join(text(i) for i in cand.inputs)}) -> {', '.join(text(o) for o in cand.outputs if o is not None)}"
-            if index == chosen:
-                verdict = f"{cost:.3f} us  chosen"
-            elif math.isinf(cost):
-                verdict = f"impossible: {why}"
-            elif cost >= base:
-                verdict = f"{cost:.3f} us  lost by {cost - base:.3f} us"
-            else:
-                verdict = f"{cost:.3f} us  cheaper alone, but the neighbours' best choices change with it"
-            lines.append(f"  {placement:<40} {verdict}")
+            lines.append(f"  {placement:<40} {self._verdict(name, index)}")
+        return "\n".join(lines)
+
+    def _explain_against(self, placements: Mapping[str, Any]) -> str:
+        lines = []
+        for display, layout in placements.items():
+            name = self._resolve(display)
+            node = self.problem.nodes[name]
+            if node.kind != "param":
+                raise ValueError(f"Solution.explain: against= names {display!r}, which is not a parameter")
+            layout = tuple(layout)
+            chosen = self.choice(name).outputs[0]
+            if layout == chosen:
+                continue
+            index = next((i for i, c in enumerate(node.candidates) if c.outputs[0] == layout), None)
+            verdict = "not a candidate (it does not shard evenly)" if index is None else self._verdict(name, index)
+            lines.append(f"{display}: {text(chosen)} here, {text(layout)} there: {verdict}")
+        lines.append(f"# {len(lines)} of {len(placements)} parameters placed differently")
         return "\n".join(lines)
 
 

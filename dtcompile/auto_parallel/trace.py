@@ -20,8 +20,11 @@ fixes what the backward does.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +58,22 @@ class TracedModel:
     """Node name -> the innermost submodule (its path) whose call produced it."""
     decomposed: dict[str, str]
     """Node name -> the op (``aten.glu``) whose decomposition it is part of (traced so: DTensor has no strategy for it)."""
+
+
+# Frames of torch and of dtcompile itself: not the model's code.
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, str(Path(__file__).resolve().parents[1]) + os.sep)
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
+
+
+def source_of(node: fx.Node) -> str:
+    """Where ``node`` came from in the model's code, to follow its op in a message:
+    ``", at FILE:LINE in FN: `CODE`"`` (the innermost frame outside torch and dtcompile, from the
+    trace's stack traces), or ``""`` when unknown."""
+    frames = [m for m in _FRAME.finditer(node.meta.get("stack_trace") or "") if not m["file"].startswith(_LIBRARIES)]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f", at {last['file']}:{last['line']} in {last['fn']}: `{last['code'].strip()}`"
 
 
 def _fake(fake_mode: Any, value: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
@@ -129,7 +148,9 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: 
     try:
         # Kept node meta records each node's ``original_aten``: the op a decomposition came from.
         with keep_regions(model) as regions, fake_mode, fx_traceback.preserve_node_meta():
-            gm = make_fx(forward, tracing_mode="real", decomposition_table=table or None)(*fake_params, *fake_buffers, *fake_inputs)
+            gm = make_fx(
+                forward, tracing_mode="real", decomposition_table=table or None, record_stack_traces=True
+            )(*fake_params, *fake_buffers, *fake_inputs)
     finally:
         for handle in handles:
             handle.remove()

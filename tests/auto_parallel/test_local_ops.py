@@ -5,6 +5,8 @@ names each such node, and what still cannot be planned is an error naming node, 
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 
 import pytest
 import torch
@@ -222,9 +224,14 @@ def test_an_in_place_write_to_a_buffer_or_input_is_refused_not_lost(tp_mesh):
         torch.manual_seed(0)
         x = torch.randn(4, 16)
         norm = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))  # training: running statistics
-    with pytest.raises(ValueError, match=r"^auto_parallel: node add_ \(aten.add_\) writes to 1.num_batches_tracked in place, "):
+    with pytest.raises(ValueError, match=r"^auto_parallel: node add_ \(aten.add_[^)]*\) writes to 1.num_batches_tracked in place, "):
         dtcompile.auto_parallel.plan(norm, tp_mesh, (x,))
-    with pytest.raises(ValueError, match=r"^auto_parallel: node mul_ \(aten.mul_\) writes to input0 in place, "):
+    # The message names the line of the model's code that wrote.
+    line = inspect.getsourcelines(InPlaceOnInput.forward)[1] + 1
+    with pytest.raises(ValueError, match=(
+        r"^auto_parallel: node mul_ \(aten.mul_, at " + re.escape(f"{__file__}:{line} in forward: ")
+        + r"`return self.proj\(x.view\(4, 16\).mul_\(2\)\)`\) writes to input0 in place, "
+    )):
         dtcompile.auto_parallel.plan(InPlaceOnInput(), tp_mesh, (x,))
     assert dtcompile.auto_parallel.plan(norm.eval(), tp_mesh, (x,)).local_nodes == {}  # reads its statistics only
 
@@ -239,3 +246,44 @@ def test_an_in_place_op_on_a_computed_value_is_planned_and_equals_the_single_pro
     assert any(n.target == "aten.relu_" for n in solution.problem.nodes.values())
     results = run_threaded(4, _rank_step, model, x, solution)
     assert_matches_reference(results)
+
+
+class ConstantsInForward(nn.Module):
+    """Tensors made in ``forward`` (traced as lifted constants): a scale and an index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x) * torch.tensor([0.5, 2.0, 1.0, 3.0] * 4)
+        return y.index_select(-1, torch.tensor([3, 2, 1, 0] * 4))
+
+
+def _eager_rank_step(rank, model, x, solution):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    parallel = dtcompile.auto_parallel.parallelize(copy.deepcopy(model), solution, mesh)
+    out = parallel(distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)).full_tensor()
+    out.pow(2).sum().backward()
+    return out.detach(), {n: p.grad.full_tensor() for n, p in parallel.named_parameters()}
+
+
+def test_tensors_made_in_forward_are_planned_replicated_and_equal_the_single_process_model():
+    # Once refused ("reads the tensor attribute _tensor_constant0; make it a buffer"): the user
+    # cannot make a buffer of a tensor a library builds inside forward (transformers' Falcon does).
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model, x = ConstantsInForward(), torch.randn(4, 16)
+    with fake_world(4, (4,), ("tp",)) as mesh:
+        solution = dtcompile.auto_parallel.plan(model, mesh, (x,))
+    constants = [n for n in solution.problem.nodes.values() if n.fx_node is not None and n.fx_node.op == "get_attr"]
+    assert len(constants) == 2 and all(n.kind == "constant" for n in constants)
+    expected = model(x)
+    expected.pow(2).sum().backward()
+    for out, grads in run_threaded(4, _eager_rank_step, model, x, solution):
+        torch.testing.assert_close(out, expected.detach())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, n=name: f"grad of {n}: {m}")

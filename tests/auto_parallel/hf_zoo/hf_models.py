@@ -1,0 +1,204 @@
+"""The HuggingFace zoo: models as people download them from ``transformers`` (pinned in the
+``hf`` test extra), tiny configs, random init, each with its example inputs.
+
+Every config is small enough to plan in seconds and shards evenly over 4 ranks (batch 4,
+4 heads, hidden 64, dims multiples of 4, vocabulary 256); one layer (DeepSeek-V3: a dense layer,
+then a routed one), since a repeated layer is planned once (tied, ``auto_parallel/tying.py``) and
+only lengthens the solve; attention is SDPA, ``use_cache=False``, and the wrapper returns
+the logits (or the image classifier's logits) as a plain tensor, so the plan's output is one
+tensor.  The first eight families are issue #35's; the rest widen it (GQA, MoE, MLA, sliding
+windows, parallel blocks, encoder-decoder, vision).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+TRANSFORMERS_VERSION = "5.24.0"
+
+BATCH, SEQ, VOCAB = 4, 8, 256
+_DECODER = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+    vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+
+class LogitsOf(nn.Module):
+    """``model(input_ids=ids, use_cache=False).logits``; the HF model is ``self.model``, so the
+    parameter names are the user's behind one ``model.`` prefix."""
+
+    def __init__(self, model: nn.Module, key: str = "input_ids", **extra: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.key = key
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.key: x}, **self.extra).logits
+
+
+def require_transformers() -> None:
+    """Fails in CI (which installs the ``hf`` test extra), skips elsewhere, without transformers
+    at the pinned version."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version == TRANSFORMERS_VERSION:
+        return
+    found = "not installed" if version is None else f"{version} installed"
+    message = f"transformers {TRANSFORMERS_VERSION} needed, {found}: pip install '.[hf]'"
+    if os.environ.get("DTCOMPILE_TEST_INSTALLED") == "1":
+        pytest.fail(message + " (the README's test command does)")
+    pytest.skip(message)
+
+
+def _config(model_type: str, **kwargs: Any) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    # No dropout: the single-process model is the reference, and random masks differ by rank.
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def _causal(model_type: str, **overrides: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return LogitsOf(AutoModelForCausalLM.from_config(_config(model_type, **{**_DECODER, **overrides})), use_cache=False)
+
+    return make
+
+
+def _t5() -> nn.Module:
+    from transformers import T5ForConditionalGeneration
+
+    config = _config(
+        "t5", d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4, vocab_size=VOCAB,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config)
+    ids = torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) % VOCAB
+    return LogitsOf(model, decoder_input_ids=ids, use_cache=False)
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTForImageClassification
+
+    config = _config(
+        "vit", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+        patch_size=4, num_channels=3, num_labels=8,
+    )
+    return LogitsOf(ViTForImageClassification(config), key="pixel_values")
+
+
+def _bert() -> nn.Module:
+    from transformers import BertForMaskedLM
+
+    config = _config(
+        "bert", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
+    return LogitsOf(BertForMaskedLM(config))
+
+
+HF_ZOO: dict[str, Callable[[], nn.Module]] = {
+    # Issue #35's eight.
+    "llama": _causal("llama"),
+    "mistral": _causal("mistral", sliding_window=4),
+    "qwen2": _causal("qwen2"),
+    "gpt2": _causal("gpt2", n_embd=64, n_layer=1, n_head=4, n_positions=64, n_inner=128),
+    "gpt_neox": _causal("gpt_neox"),
+    "phi3": _causal("phi3"),
+    "gemma": _causal("gemma", head_dim=16),
+    "bert": _bert,
+    # Wider: GQA, MoE, MLA, other norms and blocks, encoder-decoder, vision.
+    "llama3_gqa": _causal("llama", num_key_value_heads=2, rope_theta=500000.0),
+    "qwen3": _causal("qwen3", head_dim=16),
+    "qwen3_moe": _causal("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": _causal("mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": _causal(
+        "deepseek_v3", kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+        first_k_dense_replace=1, num_hidden_layers=2,  # a dense layer, then a routed one
+    ),
+    "gemma3": _causal("gemma3_text", head_dim=16, sliding_window=4),
+    "phi": _causal("phi"),
+    "olmo2": _causal("olmo2"),
+    "falcon": _causal("falcon", new_decoder_architecture=True, num_kv_heads=4),
+    "starcoder2": _causal("starcoder2"),
+    "t5": _t5,
+    "vit": _vit,
+}
+
+
+def example_input(name: str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return torch.randn(BATCH, 3, 16, 16, generator=generator)
+    return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """``(model, (input,))`` for zoo entry ``name``: the same weights on every call (seeded), in
+    training mode, without dropout (its probabilities set to 0 in the config and the modules)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = HF_ZOO[name]()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model, (example_input(name),)
+
+
+class NoTorchEquivalent(Exception):
+    """transformers' plan for the model uses a style torch's ``parallelize_module`` cannot express."""
+
+
+def hf_tp_plan(model: LogitsOf) -> dict[str, Any]:
+    """transformers' own tensor-parallel plan for ``model`` (the model class's ``_tp_plan``:
+    ``config.base_model_tp_plan`` under the base model's prefix, plus the head), as torch's
+    ``parallelize_module`` styles, for ``model.model``.
+
+    transformers' styles map one to one: ``colwise`` and ``rowwise`` are Megatron's,
+    ``colwise_gather_output`` gathers its output, ``rowwise_split_input`` splits a replicated
+    input, ``embedding_rowwise`` shards the vocabulary.  ``replicated_with_grad_allreduce``
+    (Qwen3's and Gemma 3's q/k norms) is left out: the weight stays a plain tensor, so the
+    all-reduce of its gradient is missing -- a cost the HF plan would pay, so the comparison is
+    in its favour -- and the gradient is wrong: such models are compared, never run for
+    numerics.  Raises :class:`NoTorchEquivalent` for MoE packing and expert styles, and when
+    the model has no plan.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    plan = getattr(model.model, "_tp_plan", None) or {}
+    if not getattr(model.model.config, "base_model_tp_plan", None):
+        raise NoTorchEquivalent(f"{type(model.model).__name__} has no base_model_tp_plan")
+    out = {}
+    for key, style in plan.items():
+        if style == "replicated_with_grad_allreduce":
+            continue
+        if style not in styles:
+            raise NoTorchEquivalent(f"{key}: {style!r} has no torch parallelize_module style")
+        out[key] = styles[style]()
+    return out
