@@ -22,8 +22,9 @@ solution's estimate is the estimate of the graphs dtcompile will compile:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,25 @@ def _fake_local(fake_mode: Any, shape: Sequence[int], dtype: torch.dtype, layout
         return torch.empty(_local_shape(shape, layout, mesh.shape), dtype=dtype, device=mesh.device_type, requires_grad=requires_grad)
 
 
+@contextlib.contextmanager
+def _releasing_masks(outs: list[Any]) -> Iterator[None]:
+    """Releases, on the way out, the index masks the ``outs`` hold.
+
+    A row-sharded embedding's partial output (DTensor's ``_MaskPartial``) keeps the mask of
+    the indices it came from in the placement object until the value is reduced, and
+    DTensor's sharding cache hands that same object to the next identical op.  A measurement
+    never reduces its outputs: its fake mask would stay there, and the user's next real
+    embedding would fail (``Mixing fake modes``) or use it."""
+    try:
+        yield
+    finally:
+        for out in outs:
+            for placement in getattr(out, "placements", ()):
+                buffer = getattr(placement, "mask_buffer", None)
+                if buffer is not None and buffer.refcount:
+                    buffer.data, buffer.refcount = None, 0
+
+
 def measure_op(
     target: Any,
     args: tuple[Any, ...],
@@ -187,14 +207,15 @@ def measure_op(
     grads_local = [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
     recorder = _Recorder()
     recorder.known(flat + grads_local)
-    with recorder:
+    outs: list[Any] = []
+    with recorder, _releasing_masks(outs):
         dts = [
             DTensor.from_local(local, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
             for (shape, _, _), layout, local in zip(tensors, in_layouts, flat)
         ]
         call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
         out = target(*call_args, **call_kwargs)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        outs += list(out) if isinstance(out, (tuple, list)) else [out]
         out_layouts = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
         out_rg = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
         boundary = len(recorder.graph.nodes)

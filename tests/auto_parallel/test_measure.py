@@ -121,3 +121,22 @@ def test_a_partial_gradient_passes_through_a_transpose(tp_mesh):
     assert m.out_layouts == ((Replicate(),),)
     assert m.grad_layouts == ((Partial(),),)
     assert m.collectives == () and m.forward_us == m.backward_us == 0.0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_planning_an_embedding_leaves_no_fake_mask_for_the_users_next_embedding(tp_mesh, compiled):
+    # A measured row-sharded embedding's partial output kept its fake index mask in DTensor's
+    # cached _MaskPartial: the user's next row-parallel embedding on the mesh, eager or
+    # compiled, then failed with "Mixing fake modes" (transformers' TP plan after a plan).
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    import dtcompile
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        ids = torch.randint(0, 16, (4, 8))
+    dtcompile.auto_parallel.plan(torch.nn.Embedding(16, 8), tp_mesh, (ids,))
+    parallel = parallelize_module(torch.nn.Embedding(16, 8), tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    run = torch.compile(parallel, backend="eager", fullgraph=True) if compiled else parallel
+    out = run(ids)
+    assert out.shape == (4, 8, 8) and not isinstance(out, torch._subclasses.FakeTensor)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -202,3 +203,79 @@ def hf_tp_plan(model: LogitsOf) -> dict[str, Any]:
             raise NoTorchEquivalent(f"{key}: {style!r} has no torch parallelize_module style")
         out[key] = styles[style]()
     return out
+
+
+def _budget(model: nn.Module) -> int:
+    """Half the replicated parameter bytes: the solver must shard."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) // 2
+
+
+def plan_hf(model: nn.Module, args: tuple[Any, ...], mesh: Any, **options: Any) -> Any:
+    """``dtcompile.auto_parallel.plan`` as the zoo plans: gathered weights kept (the zoo's
+    compile config), under half the replicated parameter bytes unless ``options`` say otherwise."""
+    from ap_cases import KEPT_GATHERED
+
+    import dtcompile
+
+    options.setdefault("param_memory_budget_bytes", _budget(model))
+    return dtcompile.auto_parallel.plan(model, mesh, args, config=KEPT_GATHERED, **options)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+@dataclass
+class AgainstHF:
+    """dtcompile's plan against transformers' own, both compiled (see :func:`against_hf_plan`)."""
+
+    hf_us: float
+    auto_us: float
+    solution: Any
+    hf_placements: dict[str, Any]
+    """The HF plan's placements, by the user's parameter names."""
+    hf_collectives: int
+    auto_collectives: int
+    """Collectives in the compiled graphs (forward and backward, bucketing off)."""
+
+
+def against_hf_plan(name: str) -> AgainstHF:
+    """On a fake 1-D mesh of 4: transformers' own TP plan (:func:`hf_tp_plan`) applied with
+    ``parallelize_module``, and dtcompile's plan under the same parameter bytes per rank, input
+    and logits replicated as the HF plan has them; each compiled with dtcompile, its forward
+    and backward played under the h100 profile."""
+    import copy
+
+    from ap_cases import KEEP_COLLECTIVES, compiled_records, step_us
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import dtcompile
+    from dtcompile.testing import fake_world
+
+    model, args = build(name)
+    plan = hf_tp_plan(model)
+    with fake_world(4, (4,), ("tp",)) as mesh:
+        hand = copy.deepcopy(model)
+        parallelize_module(hand.model, mesh, plan)
+        # parallelize_module gives a tied weight (the embedding and the head) one parameter per
+        # module: counted once, under the name the user's model gives it.
+        names = {n for n, _ in model.named_parameters()}
+        hand_params = {n: p for n, p in hand.named_parameters(remove_duplicate=False) if n in names}
+        hand_bytes = sum(_local(p).numel() * p.element_size() for p in hand_params.values())
+        placements = {n: p.placements if isinstance(p, DTensor) else (Replicate(),) for n, p in hand_params.items()}
+        solution = plan_hf(
+            model, args, mesh, param_memory_budget_bytes=hand_bytes,
+            input_placements=[(Replicate(),)], output_placements=[(Replicate(),)],
+        )
+        auto = dtcompile.auto_parallel.parallelize(model, solution)
+        auto_args = (distribute_tensor(args[0], mesh, [Replicate()], src_data_rank=None),)
+        us = [step_us(compiled_records(m, *a)) for m, a in ((hand, args), (auto, auto_args))]
+        counts = [
+            sum(len(r.collectives) for r in compiled_records(m, *a, disable_passes=KEEP_COLLECTIVES))
+            for m, a in ((hand, args), (auto, auto_args))
+        ]
+    assert solution.param_bytes_per_rank() <= hand_bytes
+    return AgainstHF(us[0], us[1], solution, placements, counts[0], counts[1])
