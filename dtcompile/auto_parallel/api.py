@@ -10,10 +10,12 @@ logs its ``explain()`` as the ``dtcompile_auto_parallel_solution`` artifact.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +32,32 @@ from dtcompile.reshard import resharded
 __all__ = ["auto_parallel", "plan"]
 
 log = logging.getLogger(__name__)
+
+
+class _OtherThreads(logging.Filter):
+    """Lets through only records logged by other threads than the one that made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
+@contextlib.contextmanager
+def _without_redistribution_advice() -> Iterator[None]:
+    """DTensor warns, on its logger, about every redistribution it must split into several
+    collectives (``While redistributing from ... 2 sequential all_gather operations``); the
+    planner tries thousands of layouts, and prices each transfer it keeps, so the advice is
+    dropped while this thread plans (other threads' warnings still show)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    quiet = _OtherThreads()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _layout(what: str, value: Any, mesh: Any) -> Layout:
@@ -143,7 +171,7 @@ def plan(
         if value is not None:
             outs[i] = _layout(f"output_placements[{i}]", value, mesh)
 
-    with Progress("auto_parallel", 4, unit="stage") as progress:
+    with Progress("auto_parallel", 4, unit="stage") as progress, _without_redistribution_advice():
         start = time.perf_counter()
         traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
         traced_s = time.perf_counter() - start
