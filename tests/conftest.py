@@ -41,7 +41,7 @@ def pytest_addoption(parser):
     # Here, not in tests/fuzz/conftest.py: pytest reads options only from the
     # conftests it loads at startup, and `pytest tests --fuzz-examples N` would not.
     group = parser.getgroup("dtcompile fuzzer (tests/fuzz)")
-    group.addoption("--fuzz-examples", type=int, default=None, help="programs the fuzzer runs (default 200 programs, 64 plan-fuzzer models: the CI budget)")
+    group.addoption("--fuzz-examples", type=int, default=None, help="programs the fuzzer runs (default 200 programs, 48 plan-fuzzer models: the CI budget)")
     group.addoption("--fuzz-seed", type=int, default=None, help="the fuzzer's seed (default: the fixed CI seed)")
 
 

@@ -165,7 +165,8 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 
 class NoTorchEquivalent(Exception):
-    """transformers' plan for the model uses a style torch's ``parallelize_module`` cannot express."""
+    """transformers' plan for the model cannot be run with torch's ``parallelize_module``: there
+    is none, it uses a style torch cannot express, or, applied, it fails in eager."""
 
 
 def hf_tp_plan(model: LogitsOf) -> dict[str, Any]:
@@ -266,6 +267,10 @@ def against_hf_plan(name: str) -> AgainstHF:
         hand_params = {n: p for n, p in hand.named_parameters(remove_duplicate=False) if n in names}
         hand_bytes = sum(_local(p).numel() * p.element_size() for p in hand_params.values())
         placements = {n: p.placements if isinstance(p, DTensor) else (Replicate(),) for n, p in hand_params.items()}
+        try:
+            hand(*args)
+        except Exception as e:  # e.g. Llama 3's 2 KV heads cannot be split over 4 ranks
+            raise NoTorchEquivalent(f"the HF plan fails in eager: {type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
         solution = plan_hf(
             model, args, mesh, param_memory_budget_bytes=hand_bytes,
             input_placements=[(Replicate(),)], output_placements=[(Replicate(),)],

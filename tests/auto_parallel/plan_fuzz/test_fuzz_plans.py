@@ -32,7 +32,9 @@ from dtcompile.testing import fake_world, run_threaded
 
 pytestmark = pytest.mark.fuzz
 
-CI_EXAMPLES = 64
+# The CI batch: 48 models (64 before the HF zoo, tests/auto_parallel/hf_zoo, took over part of
+# checking the planner on models nobody here wrote; benchmarks/RESULTS.md, "CI at issue #35's code").
+CI_EXAMPLES = 48
 CHUNKS = 8
 CI_SEED = 20261125
 SHARES = {"1d2": 0.4, "1d4": 0.3, "2x2": 0.3}
