@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "auto_parallel"), str(ROOT / "tests" / "auto_parallel" / "hf_zoo")]
+sys.path[:0] = [str(ROOT)] + [str(ROOT / "tests" / f) for f in ("auto_parallel", "auto_parallel/hf_zoo", "clients")]
 
 from hf_models import HF_ZOO, NoTorchEquivalent, against_hf_plan, build, plan_hf  # noqa: E402
 

@@ -126,6 +126,23 @@ def step_against_reference(
     )
 
 
+def apply_and_step(
+    rank: int, reference: Any, args: Any, shape: tuple[int, ...], names: tuple[str, ...], solution: Any
+) -> tuple[Any, ...]:
+    """On this rank's CPU mesh of ``shape`` and axis ``names``: a copy of ``reference`` (each
+    rank's own: gradients accumulate on it) parallelized as ``solution`` chose, and one compiled
+    step of it against the copy (:func:`step_against_reference`), collectives unmerged and
+    gathered weights kept, as the zoos plan (``KEPT_GATHERED``)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    reference = copy.deepcopy(reference)
+    model = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
+    return step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False)
+
+
 def detached(value: Any) -> Any:
     return tuple(v.detach() for v in value) if isinstance(value, tuple) else value.detach()
 

@@ -146,7 +146,11 @@ def test_an_op_nothing_can_run_is_an_error_naming_node_op_and_fix(tp_mesh):
     with pytest.raises(ValueError) as info:
         dtcompile.auto_parallel.plan(model, tp_mesh, (x,))
     message = str(info.value)
-    assert message.startswith("auto_parallel: node no_backward (dtcompile_ap_test.no_backward) cannot be planned: ")
+    line = inspect.getsourcelines(Clipped.forward)[1] + 1  # the line of the model's code that calls it
+    assert message.startswith(
+        f"auto_parallel: node no_backward (dtcompile_ap_test.no_backward, at {__file__}:{line} in forward: "
+        "`return self.down(self.op(self.up(x)))`) cannot be planned: "
+    ), message
     assert "run whole on every rank it fails (RuntimeError: " in message
     assert message.endswith(
         "pin the parameters and inputs around it with fixed=..., or wrap the code that calls it in "

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
-import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -48,6 +47,7 @@ from typing import Any
 
 import pytest
 import torch
+from _pinned import require_pinned
 
 TORCHTITAN_VERSION = "0.3.0"
 INSTALL = "pip install --no-deps -r tests/clients/requirements.txt"
@@ -67,17 +67,7 @@ _EP_KERNELS = (
 
 def require_torchtitan() -> None:
     """Fails in CI (which installs it), skips elsewhere, when torchtitan 0.3.0 is not installed."""
-    try:
-        version = importlib.metadata.version("torchtitan")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    if version == TORCHTITAN_VERSION:
-        return
-    found = "not installed" if version is None else f"{version} installed"
-    message = f"torchtitan {TORCHTITAN_VERSION} needed, {found}: {INSTALL}"
-    if os.environ.get("DTCOMPILE_TEST_INSTALLED") == "1":
-        pytest.fail(message + " (the README's test command does)")
-    pytest.skip(message)
+    require_pinned("torchtitan", TORCHTITAN_VERSION, INSTALL)
 
 
 def _stand_in_for_ep_kernels() -> None:

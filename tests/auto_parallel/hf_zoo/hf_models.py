@@ -12,13 +12,10 @@ windows, parallel blocks, encoder-decoder, vision).
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -48,17 +45,9 @@ class LogitsOf(nn.Module):
 def require_transformers() -> None:
     """Fails in CI (which installs the ``hf`` test extra), skips elsewhere, without transformers
     at the pinned version."""
-    try:
-        version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    if version == TRANSFORMERS_VERSION:
-        return
-    found = "not installed" if version is None else f"{version} installed"
-    message = f"transformers {TRANSFORMERS_VERSION} needed, {found}: pip install '.[hf]'"
-    if os.environ.get("DTCOMPILE_TEST_INSTALLED") == "1":
-        pytest.fail(message + " (the README's test command does)")
-    pytest.skip(message)
+    from _pinned import require_pinned  # tests/clients
+
+    require_pinned("transformers", TRANSFORMERS_VERSION, "pip install '.[hf]'")
 
 
 def _config(model_type: str, **kwargs: Any) -> Any:

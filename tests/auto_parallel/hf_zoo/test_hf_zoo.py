@@ -8,14 +8,11 @@ comparison in ``benchmarks/RESULTS.md``."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from ap_cases import (
-    KEEP_COLLECTIVES,
+    apply_and_step,
     assert_matches_reference,
     predicted_collectives,
-    step_against_reference,
 )
 from hf_models import HF_ZOO, against_hf_plan, build, plan_hf, require_transformers
 from torch.distributed.tensor import Replicate
@@ -65,13 +62,7 @@ def test_constants_built_in_forward_are_planned_replicated_not_refused():
 
 
 def _rank_step(rank, reference, args, mesh_name, solution):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape, names = MESHES[mesh_name]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    reference = copy.deepcopy(reference)  # each rank's own: gradients accumulate on it
-    model = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
-    return step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False)
+    return apply_and_step(rank, reference, args, *MESHES[mesh_name], solution)
 
 
 # Compiled on 4 threaded ranks: a decoder with RoPE and SDPA, GPT-2's fused Conv1D projections on

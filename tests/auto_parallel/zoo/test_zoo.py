@@ -13,6 +13,7 @@ import torch
 from ap_cases import (
     KEEP_COLLECTIVES,
     KEPT_GATHERED,
+    apply_and_step,
     assert_matches_reference,
     predicted_collectives,
     step_against_reference,
@@ -38,13 +39,7 @@ def _plan(model, args, mesh_name, world_size=4):
 
 
 def _rank_step(rank, reference, args, mesh_name, solution):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape, names = MESHES[mesh_name]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    reference = copy.deepcopy(reference)  # each rank's own: gradients accumulate on it
-    model = dtcompile.auto_parallel.parallelize(reference, solution, mesh)
-    return step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False)
+    return apply_and_step(rank, reference, args, *MESHES[mesh_name], solution)
 
 
 def _check(solution, results):
