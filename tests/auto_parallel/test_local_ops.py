@@ -264,13 +264,14 @@ class ConstantsInForward(nn.Module):
         return y.index_select(-1, torch.tensor([3, 2, 1, 0] * 4))
 
 
-def _eager_rank_step(rank, model, x, solution):
+def _compiled_rank_step(rank, model, x, solution):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     parallel = dtcompile.auto_parallel.parallelize(copy.deepcopy(model), solution, mesh)
-    out = parallel(distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)).full_tensor()
+    compiled = torch.compile(parallel, backend=dtcompile.backend(inductor=False), fullgraph=True)
+    out = compiled(distribute_tensor(x, mesh, solution.input_placements[0], src_data_rank=None)).full_tensor()
     out.pow(2).sum().backward()
     return out.detach(), {n: p.grad.full_tensor() for n, p in parallel.named_parameters()}
 
@@ -287,7 +288,7 @@ def test_tensors_made_in_forward_are_planned_replicated_and_equal_the_single_pro
     assert len(constants) == 2 and all(n.kind == "constant" for n in constants)
     expected = model(x)
     expected.pow(2).sum().backward()
-    for out, grads in run_threaded(4, _eager_rank_step, model, x, solution):
+    for out, grads in run_threaded(4, _compiled_rank_step, model, x, solution):
         torch.testing.assert_close(out, expected.detach())
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, msg=lambda m, n=name: f"grad of {n}: {m}")
