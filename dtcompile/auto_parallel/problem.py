@@ -656,7 +656,7 @@ def _checked(edge: Edge, producer: PNode, consumer: PNode) -> Edge:
     if all(math.isinf(c) for row in edge.cost for c in row):
         raise ValueError(
             f"{where}: no layout {producer.name} can give ({producer.target}) is one {consumer.name} "
-            f"({consumer.target}{source_of(consumer.fx_node) if consumer.fx_node is not None else ''}) can read, "
+            f"({consumer.target}{source_of(consumer.fx_node)}) can read, "
             f"with its gradient coming back as {producer.name} needs it; "
             "pin the parameters and inputs around it with fixed=..., or wrap the code in dtcompile.local_map"
         )

@@ -65,11 +65,12 @@ _LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, str(Path(__file__).resol
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
 
 
-def source_of(node: fx.Node) -> str:
+def source_of(node: fx.Node | None) -> str:
     """Where ``node`` came from in the model's code, to follow its op in a message:
     ``", at FILE:LINE in FN: `CODE`"`` (the innermost frame outside torch and dtcompile, from the
-    trace's stack traces), or ``""`` when unknown."""
-    frames = [m for m in _FRAME.finditer(node.meta.get("stack_trace") or "") if not m["file"].startswith(_LIBRARIES)]
+    trace's stack traces), or ``""`` when unknown (or no node)."""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    frames = [m for m in _FRAME.finditer(trace or "") if not m["file"].startswith(_LIBRARIES)]
     if not frames:
         return ""
     last = frames[-1]

@@ -126,6 +126,11 @@ def step_against_reference(
     )
 
 
+def sharded_budget(model: Any, ways: int = 2) -> int:
+    """The model's replicated parameter bytes over ``ways``: under it the solver must shard."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) // ways
+
+
 def apply_and_step(
     rank: int, reference: Any, args: Any, shape: tuple[int, ...], names: tuple[str, ...], solution: Any
 ) -> tuple[Any, ...]:

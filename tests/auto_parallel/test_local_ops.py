@@ -10,7 +10,13 @@ import re
 
 import pytest
 import torch
-from ap_cases import KEEP_COLLECTIVES, assert_matches_reference, predicted_collectives, step_against_reference
+from ap_cases import (
+    KEEP_COLLECTIVES,
+    assert_matches_reference,
+    predicted_collectives,
+    sharded_budget,
+    step_against_reference,
+)
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
@@ -78,14 +84,10 @@ def _build(cls, *shape):
         return cls(), torch.randn(*shape)
 
 
-def _budget(model, ways):
-    return sum(p.numel() * p.element_size() for p in model.parameters()) // ways
-
-
 @pytest.mark.models
 def test_cpu_flash_attention_is_planned_with_the_efficient_attention_strategies(tp_mesh):
     model, x = _build(Attention, 4, 8, 16)
-    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x,), param_memory_budget_bytes=_budget(model, 2))
+    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x,), param_memory_budget_bytes=sharded_budget(model, 2))
     (name,) = solution.local_nodes
     assert solution.local_nodes == {name: "borrowed"}
     node = solution.problem.nodes[name]
@@ -104,7 +106,7 @@ def test_cpu_flash_attention_is_planned_with_the_efficient_attention_strategies(
 
 def test_an_op_without_any_strategy_falls_back_to_replicated(tp_mesh):
     model, x = _build(Clipped, 4, 16)
-    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x,), param_memory_budget_bytes=_budget(model, 2))
+    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x,), param_memory_budget_bytes=sharded_budget(model, 2))
     assert solution.local_nodes == {"softclip": "replicated"}
     (candidate,) = solution.problem.nodes["softclip"].candidates
     assert candidate.inputs == candidate.outputs == ((Replicate(),),)
@@ -125,7 +127,7 @@ def test_an_op_with_a_decomposition_is_planned_as_its_decomposition(tp_mesh):
     torch.manual_seed(0)
     model, x = GLUHead(), torch.randn(4, 8, 16)
     # A third of the replicated parameter bytes: up's weight must be sharded.
-    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x, x.clone()), param_memory_budget_bytes=_budget(model, 3))
+    solution = dtcompile.auto_parallel.plan(model, tp_mesh, (x, x.clone()), param_memory_budget_bytes=sharded_budget(model, 3))
     assert solution.local_nodes == {}
     decomposed = solution.decomposed
     assert set(decomposed) == {"aten.glu", "aten.hardswish", "aten._prelu_kernel", "aten.mse_loss"}
@@ -186,7 +188,7 @@ def _rank_step(rank, reference, x, solution):
 def test_ops_run_on_local_shards_equal_the_single_process_model_on_4_threaded_ranks(how):
     if how == "replicated":
         model, x = _build(Clipped, 4, 16)
-        options = {"param_memory_budget_bytes": _budget(model, 2)}
+        options = {"param_memory_budget_bytes": sharded_budget(model, 2)}
     else:  # the batch sharded, the causal mask read whole
         from zoo_models import build
 
@@ -246,7 +248,7 @@ def test_an_in_place_op_on_a_computed_value_is_planned_and_equals_the_single_pro
         torch.manual_seed(0)
         model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 16)), torch.randn(4, 16)
     with fake_world(4, (4,), ("tp",)) as mesh:
-        solution = dtcompile.auto_parallel.plan(model, mesh, (x,), param_memory_budget_bytes=_budget(model, 2))
+        solution = dtcompile.auto_parallel.plan(model, mesh, (x,), param_memory_budget_bytes=sharded_budget(model, 2))
     assert any(n.target == "aten.relu_" for n in solution.problem.nodes.values())
     results = run_threaded(4, _rank_step, model, x, solution)
     assert_matches_reference(results)

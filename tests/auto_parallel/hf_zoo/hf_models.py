@@ -195,19 +195,14 @@ def hf_tp_plan(model: LogitsOf) -> dict[str, Any]:
     return out
 
 
-def _budget(model: nn.Module) -> int:
-    """Half the replicated parameter bytes: the solver must shard."""
-    return sum(p.numel() * p.element_size() for p in model.parameters()) // 2
-
-
 def plan_hf(model: nn.Module, args: tuple[Any, ...], mesh: Any, **options: Any) -> Any:
     """``dtcompile.auto_parallel.plan`` as the zoo plans: gathered weights kept (the zoo's
     compile config), under half the replicated parameter bytes unless ``options`` say otherwise."""
-    from ap_cases import KEPT_GATHERED
+    from ap_cases import KEPT_GATHERED, sharded_budget
 
     import dtcompile
 
-    options.setdefault("param_memory_budget_bytes", _budget(model))
+    options.setdefault("param_memory_budget_bytes", sharded_budget(model))
     return dtcompile.auto_parallel.plan(model, mesh, args, config=KEPT_GATHERED, **options)
 
 

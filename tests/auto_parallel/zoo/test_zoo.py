@@ -16,6 +16,7 @@ from ap_cases import (
     apply_and_step,
     assert_matches_reference,
     predicted_collectives,
+    sharded_budget,
     step_against_reference,
 )
 from torch.distributed.tensor import Replicate
@@ -27,15 +28,10 @@ from dtcompile.testing import fake_world, run_gloo, run_threaded
 MESHES = {"1d": ((4,), ("tp",)), "2x2": ((2, 2), ("dp", "tp"))}
 
 
-def _budget(model):
-    """Half the replicated parameter bytes: the solver must shard."""
-    return sum(p.numel() * p.element_size() for p in model.parameters()) // 2
-
-
 def _plan(model, args, mesh_name, world_size=4):
     shape, names = MESHES[mesh_name] if world_size == 4 else ((world_size,), ("tp",))
     with fake_world(world_size, shape, names) as mesh:
-        return dtcompile.auto_parallel.plan(model, mesh, args, param_memory_budget_bytes=_budget(model), config=KEPT_GATHERED)
+        return dtcompile.auto_parallel.plan(model, mesh, args, param_memory_budget_bytes=sharded_budget(model), config=KEPT_GATHERED)
 
 
 def _rank_step(rank, reference, args, mesh_name, solution):
@@ -70,7 +66,7 @@ def test_the_issues_norm_blocks_plan_where_the_solver_raised_index_error(mesh_na
         norm = solution.problem.nodes["native_layer_norm"]
         assert norm.requires_grad == [True, False, False]
         assert len(norm.candidates) > 1
-        assert solution.param_bytes_per_rank() <= _budget(model)
+        assert solution.param_bytes_per_rank() <= sharded_budget(model)
 
 
 def _gloo_rank_step(rank, name):
@@ -79,7 +75,7 @@ def _gloo_rank_step(rank, name):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     reference, args = build(name)
     solution = dtcompile.auto_parallel.plan(
-        reference, mesh, args, param_memory_budget_bytes=_budget(reference), config=KEPT_GATHERED
+        reference, mesh, args, param_memory_budget_bytes=sharded_budget(reference), config=KEPT_GATHERED
     )
     model = dtcompile.auto_parallel.parallelize(copy.deepcopy(reference), solution, mesh)
     result = step_against_reference(rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False)
