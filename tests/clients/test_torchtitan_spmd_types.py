@@ -84,6 +84,9 @@ pytestmark = [
 
 WORLD_SIZE = 2
 NUM_STEPS = 2
+# name -> (world size, tensor parallel degree): TP + SP on 2 ranks; FSDP2 x TP + SP on 4
+# (data parallel over the rest of the world, 2 x 2).
+PLANS = {"tp_sp": (2, 2), "fsdp_tp": (4, 2)}
 DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, HIDDEN_DIM = 64, 4, 2, 2, 128
 VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH = 128, 16, 4
 # Adam's first update, lr * g / (|g| + 1e-8), turns a rounding difference in a
@@ -124,9 +127,17 @@ MODES = {"aot": {"inductor": False}, "inductor": {"aot_cache": False}}
 # all-reduced per token.  spmd_types' collectives run on the default process group
 # (the tensor-parallel group is the whole world of 2); dtcompile names it by the axis
 # of torchtitan's current SPMD mesh with the same ranks, ``tp``.
-_SP = ("all_gather[tp] x2 16384 B", "reduce_scatter[tp] x2 16384 B") * 2
-_LOSS = ("all_reduce[tp] x2 256 B",) * 3
-GRAPHS = sorted([("forward", _SP), ("backward", _SP), ("forward", _LOSS), ("backward", ())])
+# Under FSDP2 x TP each data parallel rank holds half the batch: half the bytes.
+
+
+def _graphs(batch_per_rank: int) -> list[tuple[str, tuple[str, ...]]]:
+    tokens = batch_per_rank * SEQ_LEN
+    sp = (f"all_gather[tp] x2 {tokens * DIM * 4} B", f"reduce_scatter[tp] x2 {tokens * DIM * 4} B") * 2
+    loss = (f"all_reduce[tp] x2 {tokens * 4} B",) * 3
+    return sorted([("forward", sp), ("backward", sp), ("forward", loss), ("backward", ())])
+
+
+GRAPHS = _graphs(GLOBAL_BATCH)  # float32[4, 16, 64] gathered
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +153,10 @@ def _train_on_rank(
     options: dict[str, Any] | None,
     weights: dict[str, torch.Tensor],
     batches: Batches,
+    plan: str = "tp_sp",
 ) -> Run:
-    """torchtitan's parallelize (spmd_types) and training steps on this rank; compiled with dtcompile(**options) unless None."""
+    """torchtitan's parallelize (spmd_types) and training steps on this rank of ``plan``'s world;
+    compiled with dtcompile(**options) unless None."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig
@@ -151,9 +164,10 @@ def _train_on_rank(
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
     from torchtitan.distributed.utils import clip_grad_norm_
 
-    parallelism = ParallelismConfig(tensor_parallel_degree=WORLD_SIZE, enable_sequence_parallel=True)
+    world_size, tensor_parallel_degree = PLANS[plan]
+    parallelism = ParallelismConfig(tensor_parallel_degree=tensor_parallel_degree, enable_sequence_parallel=True)
     assert parallelism.spmd_backend == "spmd_types", "torchtitan's default SPMD backend"
-    parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
+    parallel_dims = ParallelDims.from_config(parallelism, world_size)
     parallel_dims.build_mesh()
     config = MODELS[model_name]()
     if model_name == "llama3":
@@ -185,8 +199,9 @@ def _train_on_rank(
             loss_fn,
             optimizer(model, LR),
             batches,
-            num_slices=1,
-            data_parallel_rank=0,
+            # Ranks are laid out (data parallel, tensor parallel): this rank reads its data parallel slice.
+            num_slices=world_size // tensor_parallel_degree,
+            data_parallel_rank=rank // tensor_parallel_degree,
             clip_grad_norm=lambda params: clip_grad_norm_(params, MAX_NORM),
             counter=counter,
         )
@@ -195,8 +210,9 @@ def _train_on_rank(
     return run
 
 
-def _train_single_process(model_name: str, weights: dict[str, torch.Tensor], batches: Batches) -> Run:
-    """The unsharded model on the whole global batch (no SPMD mesh: torchtitan's plain loss)."""
+def _train_single_process(model_name: str, weights: dict[str, torch.Tensor], batches: Batches, num_slices: int = 1) -> list[Run]:
+    """The unsharded model on the whole global batch (no SPMD mesh: torchtitan's plain loss),
+    losses split as ``num_slices`` data parallel ranks see them."""
     from torchtitan.components.loss import CrossEntropyLoss
 
     model = MODELS[model_name]().build()
@@ -204,15 +220,14 @@ def _train_single_process(model_name: str, weights: dict[str, torch.Tensor], bat
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(weights[name])
-    (run,) = train_single_process(
+    return train_single_process(
         model,
         CrossEntropyLoss(CrossEntropyLoss.Config()),
         optimizer(model, LR),
         batches,
-        num_slices=1,
+        num_slices=num_slices,
         clip_grad_norm=lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
     )
-    return run
 
 
 @pytest.mark.parametrize("mode", ["aot", pytest.param("inductor", marks=pytest.mark.inductor)])
@@ -223,7 +238,7 @@ def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model
 
     eager = run_threaded(WORLD_SIZE, _train_on_rank, model_name, None, weights, batches)
     compiled = run_threaded(WORLD_SIZE, _train_on_rank, model_name, MODES[mode], weights, batches)
-    one_process = _train_single_process(model_name, weights, batches)
+    (one_process,) = _train_single_process(model_name, weights, batches)
 
     problems = []
     for rank in range(WORLD_SIZE):
@@ -235,3 +250,29 @@ def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model
         # The block once for both blocks, the loss once; nothing more in step 2.
         assert run.num_frames == [2] * NUM_STEPS, f"rank {rank}: frames compiled after each step {run.num_frames}"
         assert run.graphs == GRAPHS, f"rank {rank}: {run.graphs}"
+
+
+def test_torchtitan_spmd_types_fsdp2_x_tp_on_4_ranks_compiled_matches_eager_and_one_process(torchtitan_spmd_types):
+    """FSDP2 x TP + SP under spmd_types, 2 x 2 ranks: FSDP2 keeps the parameters as DTensors on
+    the (dp_shard, tp) mesh and gathers them in its hooks (outside the graphs); the blocks, plain
+    tensors typed on tp, are compiled with dtcompile as on 2 ranks."""
+    world_size, tensor_parallel_degree = PLANS["fsdp_tp"]
+    num_slices = world_size // tensor_parallel_degree
+    weights = initial_weights(MODELS["llama3"]())
+    batches = global_batches(NUM_STEPS, VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH)
+
+    eager = run_threaded(world_size, _train_on_rank, "llama3", None, weights, batches, "fsdp_tp")
+    compiled = run_threaded(world_size, _train_on_rank, "llama3", MODES["aot"], weights, batches, "fsdp_tp")
+    one_process = _train_single_process("llama3", weights, batches, num_slices)
+
+    problems = []
+    for rank in range(world_size):
+        problems += mismatches(compiled[rank], eager[rank], f"rank {rank} compiled vs eager", **TOL)
+        want = one_process[rank // tensor_parallel_degree]
+        problems += mismatches(eager[rank], want, f"rank {rank} eager vs one process", **TOL)
+    raise_mismatches(problems)
+    for rank, run in enumerate(compiled):
+        assert run.num_frames == [2] * NUM_STEPS, f"rank {rank}: frames compiled after each step {run.num_frames}"
+        # The tensor-parallel collectives of the 2-rank run on each tp pair, for half the batch;
+        # FSDP's run in its hooks, outside the graphs.
+        assert run.graphs == _graphs(GLOBAL_BATCH // num_slices), f"rank {rank}: {run.graphs}"
