@@ -29,6 +29,7 @@ from dtcompile.channels import GraphKind, Meta
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost_model import HardwareProfile, collective_time_us
 from dtcompile.notation import describe_mesh, real_object
+from dtcompile.spmd_typing import format_types, type_graph
 from hops.region_op import region_call_id
 
 __all__ = [
@@ -88,6 +89,11 @@ class DynamoGraphInfo:
     region_calls: dict[int, str] = field(default_factory=dict)
     """A forward ``local_map`` region's call id -> its Dynamo node (its backward region has the same id)."""
     communication: dict[str, list[Communication]] = field(default_factory=lambda: defaultdict(list))
+    spmd_inputs: tuple[dict[str, str] | None, ...] = ()
+    """Each graph input's SPMD type per mesh axis (:func:`dtcompile.spmd_typing.input_types`); ``()`` if none is typed."""
+    spmd_forward: dict[str, dict[str, str]] = field(default_factory=dict)
+    """The forward graph's nodes' SPMD types by name, and its outputs' (the backward starts from them)."""
+    spmd_forward_outputs: list[dict[str, str] | None] = field(default_factory=list)
     uneven: tuple[str, ...] = ()
     """DTensors sharded unevenly (or over a symbolic size): ranks hold shards of other
     shapes, so their AOT graphs can differ (padding on some ranks, empty shards)."""
@@ -232,6 +238,10 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: GraphKind, info: DynamoGraphInf
     """Annotates every call node of an AOT graph (see the module docstring); returns how many."""
     count = 0
     known: dict[fx.Node, str] = {}
+    if info.spmd_inputs:
+        typed, outputs = type_graph(gm, kind, info.spmd_inputs, info.axes, info.spmd_forward, info.spmd_forward_outputs)
+        if kind == GraphKind.FORWARD:
+            info.spmd_forward, info.spmd_forward_outputs = typed, outputs
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -252,6 +262,9 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: GraphKind, info: DynamoGraphInf
             note = f"{role} {source}" + (f": {placement.output}" if placement is not None and placement.output else "")
         else:
             note = "local: no DTensor op (AOTAutograd bookkeeping)"
+        types = format_types(node.meta.get(Meta.SPMD_TYPE))
+        if types:
+            note += f"; {types}"
         bucket = node.meta.get(Meta.BUCKET)
         if bucket:
             note += f"; bucket of {len(bucket)}: {', '.join(bucket)}"

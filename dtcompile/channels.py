@@ -48,6 +48,8 @@ class Meta:
     """The DTensor op of the Dynamo graph an AOT node comes from (``annotate``)."""
     ANNOTATION = "dtcompile_annotation"
     """The node's one-line annotation, as the reports print it (``annotate``; lowering keeps it)."""
+    SPMD_TYPE = "dtcompile_spmd_type"
+    """A plain tensor's SPMD type per mesh axis name, ``{"tp": "S(0)"}`` (:mod:`dtcompile.spmd_typing`)."""
     BUCKET = "dtcompile_bucket"
     """The collectives a bucket's copies stand for (``bucketing``)."""
     REGION = "dtcompile_region"

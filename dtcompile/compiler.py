@@ -98,6 +98,7 @@ from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
 from dtcompile.sharding_cache import fresh_sharding_caches
 from dtcompile.simulate import simulate
+from dtcompile.spmd_typing import input_types
 from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dynamo_vars.dtensor_state import loss_parallel_backward
 from hops import keep_regions
@@ -263,6 +264,7 @@ class DTCompileBackend:
         info = describe_dynamo_graph(
             gm, str(compile_id) if compile_id is not None else "?", axes, priced.profile, priced.why
         )
+        info.spmd_inputs = input_types(gm, example_inputs, axes)
         log.info("%s: cost profile %s", info.compile_id, priced)
         constants = split_constant_outputs(gm)
         views = split_input_views(gm)

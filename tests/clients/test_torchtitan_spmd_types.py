@@ -276,3 +276,106 @@ def test_torchtitan_spmd_types_fsdp2_x_tp_on_4_ranks_compiled_matches_eager_and_
         # The tensor-parallel collectives of the 2-rank run on each tp pair, for half the batch;
         # FSDP's run in its hooks, outside the graphs.
         assert run.graphs == _graphs(GLOBAL_BATCH // num_slices), f"rank {rank}: {run.graphs}"
+
+
+# ---- SPMD types in the compiled graphs (dtcompile.spmd_typing)
+
+
+def _typed_block_on_rank(rank: int, sequence_parallel: bool, plant: bool) -> dict[str, Any]:
+    """torchtitan's Llama3 (spmd_types, TP on 2 ranks) and its first block, its input typed as
+    torchtitan's trainer types the model's inputs (``spmd_types.assert_type``: the residual stream
+    is ``S(1)`` on tp under sequence parallel, ``R`` without); ``plant`` drops the FFN's output
+    all-reduce (its ``w2`` leaves its output partial).  Returns the explain report of the block,
+    or the compile error, and the block's output compiled and eager."""
+    import dataclasses
+
+    import spmd_types as spmd
+    from torchtitan.config import CompileConfig, ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    parallelism = ParallelismConfig(tensor_parallel_degree=WORLD_SIZE, enable_sequence_parallel=sequence_parallel)
+    parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
+    parallel_dims.build_mesh()
+    config = MODELS["llama3"]()
+    set_llama3_sharding_config(config, enable_sp=sequence_parallel)
+    with torch.device("meta"):
+        model = config.build()
+    model = parallelize(parallelize_llama, model, parallel_dims, parallelism, CompileConfig(enable=False))
+    load_weights(model, initial_weights(MODELS["llama3"]()))
+    block = model.layers["0"]
+    if plant:
+        w2 = block.feed_forward.w2
+        w2._sharding_config = dataclasses.replace(w2._sharding_config, out_dst_shardings=w2._sharding_config.out_src_shardings)
+    torch.manual_seed(0)  # the same activations on both ranks: the residual stream is replicated
+    x = torch.randn(2, SEQ_LEN, DIM)
+    if sequence_parallel:
+        x = x.chunk(WORLD_SIZE, dim=1)[rank].contiguous()
+    result: dict[str, Any] = {}
+    with set_current_spmd_mesh(parallel_dims.spmd_dense_mesh()):
+        spmd.assert_type(x, {"tp": spmd.S(1) if sequence_parallel else spmd.R})
+        result["eager"] = block(x, None).detach()
+        try:
+            result["report"] = dtcompile.explain(block)(x, None)
+        except Exception as exc:
+            result["error"] = exc
+        else:
+            result["compiled"] = torch.compile(block, backend=dtcompile.backend(inductor=False))(x, None).detach()
+    return result
+
+
+def _tensor_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if " = " in line and "  # " in line]
+
+
+def test_explain_types_every_tensor_node_per_axis_and_names_every_collectives_axis(torchtitan_spmd_types):
+    """``dtcompile.explain`` on torchtitan's Llama3 block under spmd_types, TP + SP on 2 ranks:
+    every tensor node of the forward and backward graphs carries its type on ``tp``, every
+    collective names ``tp``; the row-parallel matmuls are partial sums, reduce-scattered."""
+    (report, *_) = [r["report"] for r in run_threaded(WORLD_SIZE, _typed_block_on_rank, True, False)]
+    for record in report.graphs:
+        text = record.annotated()
+        lines = _tensor_lines(text)
+        assert lines, text
+        untyped = [line for line in lines if " tp:" not in line and "getitem" not in line.split(" = ")[1][:20]
+                   and not line.split(" = ")[1].startswith(("aten._scaled_dot", "aten.split", "aten._scaled"))]
+        assert not untyped, f"{record.kind} graph: nodes without a type on tp:\n" + "\n".join(untyped)
+        unknown = [line for line in lines if "tp:?" in line]
+        assert not unknown, f"{record.kind} graph: nodes of unknown type:\n" + "\n".join(unknown)
+        collectives = [line for line in lines if "_c10d_functional." in line and "wait_tensor" not in line]
+        assert collectives and all("[tp]" in line for line in collectives), collectives
+    forward = next(r for r in report.graphs if r.kind == "forward").annotated()
+    # The snapshot: the sequence gathered (S(1) -> R), wo and w2 contract the sharded dim (P),
+    # reduce-scattered back to the sequence shard.
+    def types_of(op: str) -> list[str]:
+        return [line.rsplit("tp:", 1)[1] for line in _tensor_lines(forward) if f"= {op}(" in line]
+
+    assert types_of("_c10d_functional.all_gather_into_tensor.default") == ["R", "R"], forward
+    assert types_of("_c10d_functional.reduce_scatter_tensor.default") == ["S(0)", "S(0)"], forward
+    assert [t for t in types_of("aten.mm.default")] == ["S(1)", "P", "S(1)", "S(1)", "P"], forward
+    assert types_of("aten.pow.Tensor_Scalar")[0] == "S(1)", forward
+
+
+def test_a_planted_missing_reduction_is_a_compile_error_naming_the_node(torchtitan_spmd_types):
+    """TP without sequence parallel: the FFN's ``w2`` output is a partial sum that torchtitan
+    all-reduces before the residual add.  Planted: that all-reduce dropped (eager runs, and
+    silently adds a partial sum to the residual on each rank).  dtcompile refuses at compile time,
+    naming the add, the partial operand and the matmul it comes from; without the plant the same
+    block compiles, types check, and its output equals eager."""
+    planted = run_threaded(WORLD_SIZE, _typed_block_on_rank, False, True)
+    for rank, result in enumerate(planted):
+        error = result.get("error")
+        assert error is not None, f"rank {rank}: the planted block compiled"
+        text = str(error)
+        assert "SpmdTypeCheckError" in text and "mesh axis 'tp'" in text, text
+        assert "aten.add.Tensor" in text and "partial since mm_" in text and "aten.mm.default" in text, text
+        assert "return x + self.feed_forward" in text or "feed_forward" in text, text
+
+    clean = run_threaded(WORLD_SIZE, _typed_block_on_rank, False, False)
+    for rank, result in enumerate(clean):
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        torch.testing.assert_close(result["compiled"], result["eager"], **TOL)
+        # The eager planted output differs: the plant is a wrong result eager runs silently.
+        assert not torch.allclose(planted[rank]["eager"], result["eager"], **TOL)

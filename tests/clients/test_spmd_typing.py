@@ -1,0 +1,113 @@
+"""SPMD types in compiled graphs (dtcompile.spmd_typing) on small plain-tensor programs.
+
+Two ranks as threads; tensors typed with ``spmd_types.assert_type`` on the world's
+axis, collectives from ``torch.distributed._functional_collectives``.  Each
+program is compiled with dtcompile (no Inductor): the types it prints, the
+refusals of the check, and, where it compiles, its outputs against eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from _pinned import require_pinned
+
+import dtcompile
+from dtcompile.spmd_typing import SpmdTypeCheckError
+from dtcompile.testing import run_threaded
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(autouse=True)
+def _spmd_types_installed() -> None:
+    require_pinned("spmd_types", "0.2.3", "pip install --no-deps -r tests/clients/requirements.txt")
+
+
+def _row_parallel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, *, reduce: int = 1) -> torch.Tensor:
+    """x (sequence, hidden/2) @ w.t() (hidden/2 of the contraction) -> partial sums, all-reduced
+    ``reduce`` times, plus a replicated bias."""
+    y = x @ w.t()
+    for _ in range(reduce):
+        y = funcol.all_reduce(y, "sum", dist.group.WORLD)
+    return torch.relu(y + b)
+
+
+def _on_rank(rank: int, fn: Callable[..., torch.Tensor], typed: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
+    import spmd_types as spmd
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8)
+    x, w = x.chunk(WORLD_SIZE, 1)[rank].contiguous(), w.chunk(WORLD_SIZE, 1)[rank].contiguous()
+    w.requires_grad_(True)
+    axis = dist.group.WORLD
+    if typed:
+        spmd.assert_type(x, {axis: spmd.S(1)})
+        spmd.assert_type(w, {axis: spmd.S(1)})
+        spmd.assert_type(b, {axis: spmd.R})
+
+    def call(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fn(x, w, b, **kwargs)
+
+    result: dict[str, Any] = {"eager": call(x, w, b).detach()}
+    try:
+        result["report"] = dtcompile.explain(call)(x, w, b)
+    except Exception as exc:
+        result["error"] = exc
+        return result
+    torch._dynamo.reset()
+    result["compiled"] = torch.compile(call, backend=dtcompile.backend(inductor=False))(x, w, b).detach()
+    return result
+
+
+def _forward_types(report: Any) -> dict[str, str]:
+    """Forward graph: node target -> its types, first node of each target."""
+    forward = next(r for r in report.graphs if r.kind == "forward")
+    found: dict[str, str] = {}
+    for line in forward.annotated().splitlines():
+        target = line.split(" = ", 1)[1].split("(", 1)[0]
+        found.setdefault(target, line.rsplit("; ", 1)[-1] if "world:" in line else "")
+    return found
+
+
+def test_a_row_parallel_matmul_is_partial_until_reduced_and_compiles_equal_to_eager():
+    for result in run_threaded(WORLD_SIZE, _on_rank, _row_parallel, True, {}):
+        assert "error" not in result, result.get("error")
+        torch.testing.assert_close(result["compiled"], result["eager"])
+        types = _forward_types(result["report"])
+        assert types["aten.mm.default"] == "world:P", types  # contracting a dim both sides shard
+        assert types["_c10d_functional.all_reduce.default"] == "world:R", types
+        assert types["aten.add.Tensor"] == "world:R", types
+        assert types["aten.permute.default"] == "world:S(0)", types  # w.t(): the shard moves
+
+
+def test_a_missing_all_reduce_is_a_compile_error_naming_the_add_and_the_matmul():
+    for result in run_threaded(WORLD_SIZE, _on_rank, _row_parallel, True, {"reduce": 0}):
+        error = result.get("error")
+        assert error is not None, "the partial sum added to a replicated bias compiled"
+        assert isinstance(error, SpmdTypeCheckError) or "SpmdTypeCheckError" in str(error), error
+        text = str(error)
+        assert "node add (aten.add.Tensor)" in text and "mesh axis 'world'" in text, text
+        assert "partial since mm (aten.mm.default)" in text, text
+        assert "return torch.relu(y + b)" in text, text  # the model's own line
+
+
+def test_a_value_reduced_twice_is_a_compile_error():
+    for result in run_threaded(WORLD_SIZE, _on_rank, _row_parallel, True, {"reduce": 2}):
+        text = str(result.get("error"))
+        assert "already replicated on 'world'" in text and "reduced twice" in text, text
+
+
+def test_untyped_inputs_are_unknown_and_nothing_is_refused():
+    for result in run_threaded(WORLD_SIZE, _on_rank, _row_parallel, False, {"reduce": 0}):
+        # No type anywhere: no typing, no check (the program is wrong, but nothing says so).
+        assert "error" not in result, result.get("error")
+        assert "world:" not in result["report"].graphs[0].annotated()
+        torch.testing.assert_close(result["compiled"], result["eager"])
