@@ -87,10 +87,13 @@ def _axis_names(group_names: Sequence[str], axes: Mapping[str, str]) -> dict[Any
     for group_name in [*axes, *group_names]:
         try:
             names.setdefault(spmd.MeshAxis.of(_resolve_process_group(group_name)), axis_name(group_name, axes))
-        except (RuntimeError, ValueError, KeyError):
+        except Exception:  # a group spmd_types cannot lay out (a fake one): its axes keep their own names
             continue
     if torch.distributed.is_initialized():  # as the default group's collectives are named
-        names.setdefault(spmd.MeshAxis.of(torch.distributed.group.WORLD), "world")
+        try:
+            names.setdefault(spmd.MeshAxis.of(torch.distributed.group.WORLD), "world")
+        except Exception:  # a group spmd_types cannot lay out (a fake one): its axes keep their own names
+            pass
     return names
 
 
@@ -133,20 +136,17 @@ def input_types(gm: fx.GraphModule, example_inputs: Sequence[Any], axes: Mapping
     from dtcompile.collectives import group_names_in
 
     fsdp = _fsdp_compute_types()
-    names = _axis_names(group_names_in(gm), axes)
-    found: list[AxisTypes | None] = []
+    raw: list[tuple[Any, Any] | None] = []
     for value in example_inputs:
-        if not isinstance(value, torch.Tensor):
-            found.append(None)
-            continue
-        local_type = spmd.get_local_type(value)
+        local_type = spmd.get_local_type(value) if isinstance(value, torch.Tensor) else None
         if local_type:
-            found.append(_types_from(local_type, get_partition_spec(value), names))
-        elif id(value) in fsdp:
-            found.append(_types_from(*fsdp[id(value)], names))
+            raw.append((local_type, get_partition_spec(value)))
         else:
-            found.append(None)
-    return tuple(found) if any(t is not None for t in found) else ()
+            raw.append(fsdp.get(id(value)) if isinstance(value, torch.Tensor) else None)
+    if all(r is None for r in raw):
+        return ()
+    names = _axis_names(group_names_in(gm), axes)
+    return tuple(_types_from(*r, names) if r is not None else None for r in raw)
 
 
 # ---- the rules

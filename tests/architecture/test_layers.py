@@ -7,7 +7,7 @@ a module may import modules of its own layer or below, never above:
 1. ``hops`` -- the ``local_map`` region op
 2. ``dynamo_vars`` -- Dynamo support
 3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
-   ``annotations``, ``ops``, ``memory``
+   ``spmd_typing``, ``annotations``, ``ops``, ``memory``
 4. ``dtcompile.records``, ``dtcompile.pass_names``
 5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``, ``recompute``, ``reshard``,
    ``cache_keys``, ``dynamo_output``, ``rank_check``
@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.cost_model",
         "dtcompile.regions",
         "dtcompile.simulate",
+        "dtcompile.spmd_typing",
         "dtcompile.annotations",
         "dtcompile.ops",
         "dtcompile.memory",
