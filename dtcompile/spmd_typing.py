@@ -105,8 +105,9 @@ def _fsdp_compute_types() -> dict[int, tuple[Any, Any]]:
     found: dict[int, tuple[Any, Any]] = {}
     for ref in list(getattr(_composable_state, "_module_state_mapping", {}).values()):
         state = ref()
-        group = getattr(state, "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", None) or ():
+        # The list: the singular property refuses a module with several groups (per-param meshes, MoE).
+        groups = getattr(state, "_fsdp_param_groups", None) or ()
+        for fsdp_param in (p for group in groups for p in getattr(group, "fsdp_params", None) or ()):
             restore = getattr(fsdp_param, "_spmd_restore_type", None)
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if restore and unsharded is not None:

@@ -471,6 +471,17 @@ def mismatches(
     return problems
 
 
+def check_runs(compiled: list[Run], eager: list[Run], one_process: list[Run], tensor_parallel_degree: int, **tol: float) -> None:
+    """Every rank's compiled run equals its eager run, and its eager run the single-process
+    run of its data parallel slice (``one_process[rank // tensor_parallel_degree]``)."""
+    problems = []
+    for rank in range(len(compiled)):
+        problems += mismatches(compiled[rank], eager[rank], f"rank {rank} compiled vs eager", **tol)
+        want = one_process[rank // tensor_parallel_degree]
+        problems += mismatches(eager[rank], want, f"rank {rank} eager vs one process", **tol)
+    raise_mismatches(problems)
+
+
 def raise_mismatches(problems: list[str]) -> None:
     """Fails with the first 20 of ``problems``, if any."""
     if problems:

@@ -35,6 +35,7 @@ import torch
 from _titan import (
     Batches,
     Run,
+    check_runs,
     collective_text,
     force_sum_reduction,
     global_batches,
@@ -42,10 +43,8 @@ from _titan import (
     llama3_config,
     llama3_on_meta,
     load_weights,
-    mismatches,
     optimizer,
     parallelize,
-    raise_mismatches,
     train,
     train_reference,
 )
@@ -168,12 +167,7 @@ def test_torchtitan_llama3_blocks_compiled_match_eager_and_one_process(plan, mod
     compiled = run_threaded(WORLD_SIZE, _train_on_rank, tensor_parallel_degree, MODES[mode], weights, batches)
     one_process = train_reference(_llama3_config(), weights, batches, num_slices, LR, MAX_NORM)
 
-    problems = []
-    for rank in range(WORLD_SIZE):
-        problems += mismatches(compiled[rank], eager[rank], f"rank {rank} compiled vs eager", **TOL)
-        want = one_process[rank // tensor_parallel_degree]
-        problems += mismatches(eager[rank], want, f"rank {rank} eager vs one process", **TOL)
-    raise_mismatches(problems)
+    check_runs(compiled, eager, one_process, tensor_parallel_degree, **TOL)
 
     for rank, run in enumerate(compiled):
         frames = run.num_frames

@@ -38,17 +38,16 @@ import torch
 from _titan import (
     Batches,
     Run,
+    check_runs,
     collective_text,
     force_sum_reduction,
     global_batches,
     initial_weights,
     llama3_config,
     load_weights,
-    mismatches,
     optimizer,
     parallelize,
     qwen3_dense_config,
-    raise_mismatches,
     torchtitan_on_cpu,
     train,
     train_single_process,
@@ -238,13 +237,8 @@ def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model
 
     eager = run_threaded(WORLD_SIZE, _train_on_rank, model_name, None, weights, batches)
     compiled = run_threaded(WORLD_SIZE, _train_on_rank, model_name, MODES[mode], weights, batches)
-    (one_process,) = _train_single_process(model_name, weights, batches)
-
-    problems = []
-    for rank in range(WORLD_SIZE):
-        problems += mismatches(compiled[rank], eager[rank], f"rank {rank} compiled vs eager", **TOL)
-        problems += mismatches(eager[rank], one_process, f"rank {rank} eager vs one process", **TOL)
-    raise_mismatches(problems)
+    one_process = _train_single_process(model_name, weights, batches)
+    check_runs(compiled, eager, one_process, WORLD_SIZE, **TOL)
 
     for rank, run in enumerate(compiled):
         # The block once for both blocks, the loss once; nothing more in step 2.
@@ -265,12 +259,7 @@ def test_torchtitan_spmd_types_fsdp2_x_tp_on_4_ranks_compiled_matches_eager_and_
     compiled = run_threaded(world_size, _train_on_rank, "llama3", MODES["aot"], weights, batches, "fsdp_tp")
     one_process = _train_single_process("llama3", weights, batches, num_slices)
 
-    problems = []
-    for rank in range(world_size):
-        problems += mismatches(compiled[rank], eager[rank], f"rank {rank} compiled vs eager", **TOL)
-        want = one_process[rank // tensor_parallel_degree]
-        problems += mismatches(eager[rank], want, f"rank {rank} eager vs one process", **TOL)
-    raise_mismatches(problems)
+    check_runs(compiled, eager, one_process, tensor_parallel_degree, **TOL)
     for rank, run in enumerate(compiled):
         assert run.num_frames == [2] * NUM_STEPS, f"rank {rank}: frames compiled after each step {run.num_frames}"
         # The tensor-parallel collectives of the 2-rank run on each tp pair, for half the batch;
