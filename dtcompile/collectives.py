@@ -39,6 +39,7 @@ __all__ = [
     "group_backends",
     "spmd_axes",
     "profile_for_groups",
+    "collective_kind",
     "is_collective",
     "largest_collective",
     "mesh_axes",
@@ -203,6 +204,13 @@ def group_names_in(gm: fx.GraphModule) -> list[str]:
         if (namespace, name) in _COLLECTIVES:
             names.append(node.args[_COLLECTIVES[namespace, name][1]])
     return list(dict.fromkeys(names))
+
+
+def collective_kind(node: fx.Node) -> tuple[str, Any] | None:
+    """``(kind, group name)`` of a collective node (kind as :attr:`CollectiveInfo.op`: ``all_gather``,
+    ``reduce_scatter``...; a fused collective-matmul counts as its collective), else None."""
+    entry = _COLLECTIVES.get(_functional_op_name(node))
+    return (entry[0], node.args[entry[1]]) if entry is not None else None
 
 
 def is_collective(node: fx.Node) -> bool:

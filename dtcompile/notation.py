@@ -1,16 +1,41 @@
-"""How a mesh is named in every message and report: the bottom of the house.
+"""How a mesh, and a traced node's place in the model's code, are named in every message and
+report: the bottom of the house.
 
 ``describe_mesh`` gives ``DeviceMesh((dp=2, tp=4))``; ``real_object`` reaches the
-real object behind the ``FakeScriptObject`` a trace sees.  hops, dynamo_vars
-and the backend all print meshes this one way, so this module imports nothing
-of theirs (and nothing heavy: torch is imported inside the functions).
+real object behind the ``FakeScriptObject`` a trace sees; ``source_of`` gives the
+model's line a traced node came from.  hops, dynamo_vars and the backend all
+print these one way, so this module imports nothing of theirs (and nothing heavy:
+torch is imported inside the functions).
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
 from typing import Any
 
-__all__ = ["describe_mesh", "real_object"]
+__all__ = ["describe_mesh", "real_object", "source_of"]
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
+_DTCOMPILE = str(Path(__file__).resolve().parent) + os.sep
+
+
+def source_of(node: Any) -> str:
+    """Where fx node ``node`` came from in the model's code, to follow its op in a message:
+    ``", at FILE:LINE in FN: `CODE`"`` (the innermost frame outside torch and dtcompile, from the
+    trace's stack traces: ``make_fx(record_stack_traces=True)``, or Dynamo's), or ``""`` when
+    unknown (or no node)."""
+    import torch
+
+    libraries = (os.path.dirname(torch.__file__) + os.sep, _DTCOMPILE)
+    trace = node.meta.get("stack_trace") if node is not None else None
+    frames = [m for m in _FRAME.finditer(trace or "") if not m["file"].startswith(libraries)]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f", at {last['file']}:{last['line']} in {last['fn']}: `{last['code'].strip()}`"
+
 
 
 def real_object(obj: Any) -> Any:

@@ -44,6 +44,7 @@ import torch
 from torch import fx
 
 from dtcompile.channels import GraphKind, Meta
+from dtcompile.notation import source_of
 
 __all__ = ["AxisTypes", "SpmdTypeCheckError", "format_types", "input_types", "type_graph"]
 
@@ -69,6 +70,11 @@ def _local(t: str) -> str:
     return "V" if t.startswith("S(") else t
 
 
+def _op_name(target: Any) -> str:
+    """``mm`` for ``aten.mm.default``; ``""`` for what is not an op overload."""
+    return target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else ""
+
+
 # ---- reading the inputs' types
 
 
@@ -84,16 +90,13 @@ def _axis_names(group_names: Sequence[str], axes: Mapping[str, str]) -> dict[Any
     names: dict[Any, str] = {}
     for name, axis in (spmd.current_mesh_all_names() or {}).items():
         names.setdefault(axis, name)
-    for group_name in [*axes, *group_names]:
+    # Last, the default group, named as its collectives are ("world").
+    world = [torch.distributed.group.WORLD.group_name] if torch.distributed.is_initialized() else []
+    for group_name in [*axes, *group_names, *world]:
         try:
             names.setdefault(spmd.MeshAxis.of(_resolve_process_group(group_name)), axis_name(group_name, axes))
         except Exception:  # a group spmd_types cannot lay out (a fake one): its axes keep their own names
             continue
-    if torch.distributed.is_initialized():  # as the default group's collectives are named
-        try:
-            names.setdefault(spmd.MeshAxis.of(torch.distributed.group.WORLD), "world")
-        except Exception:  # a group spmd_types cannot lay out (a fake one): its axes keep their own names
-            pass
     return names
 
 
@@ -157,7 +160,7 @@ def _op_spec(target: Any) -> Any:
     """spmd_types' registered spec (linearity) for the torch function an aten op implements."""
     from spmd_types._checker import _OP_REGISTRY
 
-    name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else ""
+    name = _op_name(target)
     name = {"_unsafe_view": "view", "alias": "view_as", "_to_copy": "clone", "expand_copy": "expand"}.get(name, name)
     for owner in (torch, torch.Tensor):
         fn = getattr(owner, name, None)
@@ -231,7 +234,7 @@ _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, str]], local: str) -> str:
     """Refines local type ``local`` (``V`` or ``P``) with shard dims where the op's inputs
     are ``S(d)``: views and transposes move the dim, matmuls contract it into ``P``."""
-    name = node.target.overloadpacket.__name__ if isinstance(node.target, torch._ops.OpOverload) else ""
+    name = _op_name(node.target)
     out_shape = _first_shape(node.meta.get("val"))
     dims = [_shard_dim(t) for _, _, t in typed]
     if local != "V" or out_shape is None:
@@ -292,24 +295,24 @@ class _Collective:
     what: str
 
 
-def _collective(node: fx.Node, axes: Mapping[str, str]) -> _Collective | None:
-    from dtcompile.collectives import axis_name
+# A collective's contract, by kind (:func:`dtcompile.collectives.collective_kind`): the local types
+# it takes, the type it gives on its axis, and how a message says what it does.
+_CONTRACTS = {
+    "all_reduce": (("P", "V"), "R", "all-reduces"),
+    "reduce_scatter": (("P", "V"), "S(0)", "reduce-scatters"),
+    "all_gather": (("V", "R", "I"), "R", "all-gathers"),
+    "all_to_all": (("V",), "V", "all-to-alls"),
+}
 
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+
+def _collective(node: fx.Node, axes: Mapping[str, str]) -> _Collective | None:
+    from dtcompile.collectives import axis_name, collective_kind
+
+    found = collective_kind(node)
+    if found is None or found[0] not in _CONTRACTS:
         return None
-    name = target.overloadpacket.__name__
-    group = node.args[-1] if name != "all_reduce" else node.args[2]
-    axis = axis_name(group, axes) if isinstance(group, str) else "?"
-    if name == "all_reduce":
-        return _Collective(axis, ("P", "V"), "R", "all-reduces")
-    if name == "reduce_scatter_tensor":
-        return _Collective(axis, ("P", "V"), "S(0)", "reduce-scatters")
-    if name == "all_gather_into_tensor":
-        return _Collective(axis, ("V", "R", "I"), "R", "all-gathers")
-    if name == "all_to_all_single":
-        return _Collective(axis, ("V",), "V", "all-to-alls")
-    return None
+    kind, group = found
+    return _Collective(axis_name(group, axes) if isinstance(group, str) else UNKNOWN, *_CONTRACTS[kind])
 
 
 def _misused(c: _Collective, t: str) -> str | None:
@@ -322,12 +325,6 @@ def _misused(c: _Collective, t: str) -> str | None:
 
 
 # ---- the graph
-
-
-def _source_line(node: fx.Node) -> str:
-    stack = node.meta.get("stack_trace") or ""
-    lines = [line.strip() for line in stack.strip().splitlines() if line.strip()]
-    return f"\n  at {lines[-2]}\n    {lines[-1]}" if len(lines) >= 2 else ""
 
 
 def _producer(node: fx.Node, axis: str) -> str:
@@ -388,17 +385,18 @@ def type_graph(gm: fx.GraphModule, kind: GraphKind, inputs: Sequence[AxisTypes |
     return {n.name: t for n, t in of.items() if t is not None}, outs
 
 
+_HOLDS = {"wait_tensor": 0, "copy": 1, "copy_": 1}
+
+
 def _node_types(node: fx.Node, axis_set: list[str], of: Mapping[fx.Node, AxisTypes | None], axes: Mapping[str, str],
                 check: bool, spmd: Any) -> AxisTypes:
     import operator
 
-    if node.target is operator.getitem:
-        return dict(of.get(node.args[0]) or dict.fromkeys(axis_set, UNKNOWN))
-    name = node.target.overloadpacket.__name__ if isinstance(node.target, torch._ops.OpOverload) else ""
-    if name == "wait_tensor":
-        return dict(of.get(node.args[0]) or dict.fromkeys(axis_set, UNKNOWN))
-    if name in ("copy", "copy_"):  # the result holds the source's value
-        return dict(of.get(node.args[1]) or dict.fromkeys(axis_set, UNKNOWN))
+    # Ops whose result holds one argument's value: an output of a multi-output op, a collective's
+    # result once waited for, a copy's source.
+    held = 0 if node.target is operator.getitem else _HOLDS.get(_op_name(node.target))
+    if held is not None:
+        return dict(of.get(node.args[held]) or dict.fromkeys(axis_set, UNKNOWN))
     tensors = [(i, a) for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
     tensors += [(i, a) for i, arg in enumerate(node.args) if isinstance(arg, (list, tuple)) for a in arg if isinstance(a, fx.Node)]
     scalars = any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in node.args[:2])
@@ -438,7 +436,7 @@ def _node_types(node: fx.Node, axis_set: list[str], of: Mapping[fx.Node, AxisTyp
 def _message(node: fx.Node, axis: str, what: str) -> str:
     return (
         f"dtcompile: the SPMD types of this graph do not add up on mesh axis {axis!r}: node {node.name} "
-        f"({node.target}) {what}.{_source_line(node)}\n"
+        f"({node.target}{source_of(node)}) {what}.\n"
         "A partial sum (P) must be reduced (all_reduce to R, reduce_scatter to S(d)) before it meets a "
         "replicated value or a non-linear op; a replicated value must not be reduced again.  Types are read "
         "from the inputs' spmd_types annotations (spmd_types.assert_type) and FSDP2's saved parameter types."

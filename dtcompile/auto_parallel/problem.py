@@ -70,10 +70,11 @@ from dtcompile.auto_parallel.placements import (
 )
 from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
-from dtcompile.auto_parallel.trace import TracedModel, source_of
+from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
 from dtcompile.channels import GraphKind
 from dtcompile.cost_model import HardwareProfile
+from dtcompile.notation import source_of
 from dtcompile.progress import track
 from dtcompile.simulate import node_time_us
 

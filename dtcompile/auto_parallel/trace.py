@@ -20,11 +20,8 @@ fixes what the backward does.
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,22 +58,6 @@ class TracedModel:
 
 
 # Frames of torch and of dtcompile itself: not the model's code.
-_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, str(Path(__file__).resolve().parents[1]) + os.sep)
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
-
-
-def source_of(node: fx.Node | None) -> str:
-    """Where ``node`` came from in the model's code, to follow its op in a message:
-    ``", at FILE:LINE in FN: `CODE`"`` (the innermost frame outside torch and dtcompile, from the
-    trace's stack traces), or ``""`` when unknown (or no node)."""
-    trace = node.meta.get("stack_trace") if node is not None else None
-    frames = [m for m in _FRAME.finditer(trace or "") if not m["file"].startswith(_LIBRARIES)]
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f", at {last['file']}:{last['line']} in {last['fn']}: `{last['code'].strip()}`"
-
-
 def _fake(fake_mode: Any, value: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
     with fake_mode:
         return torch.empty_strided(

@@ -50,7 +50,7 @@ from _titan import (
     qwen3_dense_config,
     torchtitan_on_cpu,
     train,
-    train_single_process,
+    train_reference,
 )
 
 import dtcompile
@@ -209,26 +209,6 @@ def _train_on_rank(
     return run
 
 
-def _train_single_process(model_name: str, weights: dict[str, torch.Tensor], batches: Batches, num_slices: int = 1) -> list[Run]:
-    """The unsharded model on the whole global batch (no SPMD mesh: torchtitan's plain loss),
-    losses split as ``num_slices`` data parallel ranks see them."""
-    from torchtitan.components.loss import CrossEntropyLoss
-
-    model = MODELS[model_name]().build()
-    model.init_states()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(weights[name])
-    return train_single_process(
-        model,
-        CrossEntropyLoss(CrossEntropyLoss.Config()),
-        optimizer(model, LR),
-        batches,
-        num_slices=num_slices,
-        clip_grad_norm=lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
-    )
-
-
 @pytest.mark.parametrize("mode", ["aot", pytest.param("inductor", marks=pytest.mark.inductor)])
 @pytest.mark.parametrize("model_name", MODELS)
 def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model_name, mode, torchtitan_spmd_types):
@@ -237,7 +217,7 @@ def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model
 
     eager = run_threaded(WORLD_SIZE, _train_on_rank, model_name, None, weights, batches)
     compiled = run_threaded(WORLD_SIZE, _train_on_rank, model_name, MODES[mode], weights, batches)
-    one_process = _train_single_process(model_name, weights, batches)
+    one_process = train_reference(MODELS[model_name](), weights, batches, 1, LR, MAX_NORM)
     check_runs(compiled, eager, one_process, WORLD_SIZE, **TOL)
 
     for rank, run in enumerate(compiled):
@@ -257,7 +237,7 @@ def test_torchtitan_spmd_types_fsdp2_x_tp_on_4_ranks_compiled_matches_eager_and_
 
     eager = run_threaded(world_size, _train_on_rank, "llama3", None, weights, batches, "fsdp_tp")
     compiled = run_threaded(world_size, _train_on_rank, "llama3", MODES["aot"], weights, batches, "fsdp_tp")
-    one_process = _train_single_process("llama3", weights, batches, num_slices)
+    one_process = train_reference(MODELS["llama3"](), weights, batches, num_slices, LR, MAX_NORM)
 
     check_runs(compiled, eager, one_process, tensor_parallel_degree, **TOL)
     for rank, run in enumerate(compiled):
@@ -360,7 +340,7 @@ def test_a_planted_missing_reduction_is_a_compile_error_naming_the_node(torchtit
         text = str(error)
         assert "SpmdTypeCheckError" in text and "mesh axis 'tp'" in text, text
         assert "aten.add.Tensor" in text and "partial since mm_" in text and "aten.mm.default" in text, text
-        assert "return x + self.feed_forward" in text or "feed_forward" in text, text
+        assert "llama3/model.py" in text and "in forward: `out = h + self.feed_forward(self.ffn_norm(h))`" in text, text
 
     clean = run_threaded(WORLD_SIZE, _typed_block_on_rank, False, False)
     for rank, result in enumerate(clean):
