@@ -26,7 +26,7 @@ the same cost model; the model is too big to compile on this machine.
 ``--shared`` plans the shared models of ``dtcompile._testing`` under their hand
 plans' parameter memory on the fake process group, compiles the solution and
 the hand plan with dtcompile (no Inductor), and compares the step estimated on
-the compiled graphs (``dtcompile.simulate``, h100) with the solver's estimate.
+the compiled graphs (``dtcompile.cost.simulate``, h100) with the solver's estimate.
 """
 
 from __future__ import annotations
@@ -134,9 +134,9 @@ def shared_models() -> None:
 
     import dtcompile
     from dtcompile._testing.cases import CASES
-    from dtcompile.cost_model import get_profile
+    from dtcompile.cost import get_profile
+    from dtcompile.cost.simulate import simulate
     from dtcompile.report import backward_from_sum
-    from dtcompile.simulate import simulate
     from dtcompile.testing import fake_world
 
     h100 = get_profile("h100")

@@ -3,7 +3,7 @@
 Prints the measured profile (rank 0's numbers, which every rank gets) and,
 per size, the collectives' measured time beside the fitted model's, so that
 the fit's error shows.  The built-in ``cpu_gloo`` profile in
-``dtcompile/cost_model.py`` carries these numbers, rounded; ``--save`` also
+``dtcompile/cost/`` carries these numbers, rounded; ``--save`` also
 writes the profile to ``$DTCOMPILE_PROFILE_DIR`` (default
 ``~/.cache/dtcompile/profiles``), where ``cost_profile="auto"`` then finds it.
 
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dtcompile.calibration import _collectives, calibrate  # noqa: E402
-from dtcompile.cost_model import collective_time_us  # noqa: E402
+from dtcompile.cost import collective_time_us  # noqa: E402
+from dtcompile.cost.calibrate import _collectives, calibrate  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
 

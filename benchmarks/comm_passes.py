@@ -7,7 +7,7 @@ graphs with dtcompile's passes switched off (what stock Inductor receives) and
 with each configuration of passes, the table gives the collectives (count,
 bytes per rank) and, under the ``h100`` cost profile, the estimated compute,
 communication and *exposed* communication (what the compute stream waits for;
-:func:`dtcompile.simulate.simulate`).
+:func:`dtcompile.cost.simulate.simulate`).
 
 Part 2 (2 gloo ranks, real collectives): the block at dim 256 (batch 4, seq
 128), median step time of stock Inductor and of dtcompile (all passes on),
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dtcompile
 from dtcompile._testing.cases import run_step
 from dtcompile._testing.models import BlockArgs, build_block
-from dtcompile.cost_model import get_profile
-from dtcompile.simulate import simulate
+from dtcompile.cost import get_profile
+from dtcompile.cost.simulate import simulate
 from dtcompile.testing import fake_world, run_gloo
 
 LLAMA_8B = BlockArgs(dim=4096, n_heads=32, hidden=14336)

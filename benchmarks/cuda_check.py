@@ -22,7 +22,7 @@ per step from ``torch.profiler`` (``--profile`` steps).
 Part 3 (``--parts calibrate``; same world and block): every compute node of
 the forward and backward graphs stock Inductor receives, run alone on the GPU
 (one aten op on random inputs of the node's shapes, strides and dtypes), against
-the roofline of ``dtcompile.simulate.node_time_us`` under the ``h100``
+the roofline of ``dtcompile.cost.simulate.node_time_us`` under the ``h100``
 profile; the matmul TFLOP/s and memory GB/s the measurements imply.
 
 Part 4 (``--parts memory``; the fake process group at world 8, cuda mesh; issue
@@ -106,8 +106,8 @@ COMPAT = _compat_older_torch()
 import dtcompile
 from dtcompile import ops
 from dtcompile._testing.models import BlockArgs, SequenceParallelMLP, build_block
-from dtcompile.cost_model import get_profile
-from dtcompile.simulate import node_time_us, simulate
+from dtcompile.cost import get_profile
+from dtcompile.cost.simulate import node_time_us, simulate
 
 LLAMA_8B = BlockArgs(dim=4096, n_heads=32, hidden=14336)
 WORLD = 8

@@ -22,7 +22,7 @@ on the fake process group, whose collectives return at once) and ``comm``
 (the collectives of dtcompile's graphs without passes, replayed alone on the
 same gloo ranks), so that each row shows its bound ``max(compute, comm)`` and
 its serial sum.  ``predicted``: dtcompile's step over the no-passes step as
-:func:`dtcompile.simulate.simulate` plays their graphs under the profile
+:func:`dtcompile.cost.simulate.simulate` plays their graphs under the profile
 (what the passes decided from); ``measured``: the same ratio on the clock.
 
 Each rank computes with the machine's cores shared out (``torch.set_num_threads``:
@@ -56,8 +56,8 @@ from schedule_owner import train_step  # noqa: E402  (this folder is on the path
 import dtcompile  # noqa: E402
 from dtcompile._testing.models import MLP, Block, BlockArgs, _data_parallel, parallelize_block  # noqa: E402
 from dtcompile.collectives import collective_info  # noqa: E402
+from dtcompile.cost.simulate import simulate  # noqa: E402
 from dtcompile.pass_names import COMMUNICATION_PASSES  # noqa: E402
-from dtcompile.simulate import simulate  # noqa: E402
 from dtcompile.testing.worlds import run_gloo  # noqa: E402
 
 DEFAULT_ROWS = "fsdp:256x1024x2048,fsdp:512x2048x512,fsdp:1024x4096x256,tp_sp:128x512x256,tp_sp:256x1024x128"

@@ -10,7 +10,7 @@ families, tiny configs, random init), on the fake process group:
   (``base_model_tp_plan`` and the head's, as torch ``parallelize_module`` styles) and
   dtcompile's plan under the same parameter bytes per rank, input and logits replicated as
   in the HF plan; each compiled with dtcompile (no Inductor), forward and backward played
-  by ``dtcompile.simulate`` under the ``h100`` profile; with the number of collectives in the
+  by ``dtcompile.cost.simulate`` under the ``h100`` profile; with the number of collectives in the
   compiled graphs (bucketing off).  ``-`` where transformers has no plan, or one torch's
   styles cannot express (MoE expert packing), or that fails in eager (GQA: 2 KV heads over 4 ranks);
 - **peak RSS**: the process's peak resident memory so far (``ru_maxrss``; it only grows).

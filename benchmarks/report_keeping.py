@@ -1,9 +1,9 @@
 """What the report's new pieces cost a compile: the timelines and the artifacts kept beside the cache.
 
-Every compiled graph is now played twice more (:func:`dtcompile.simulate.simulate`,
+Every compiled graph is now played twice more (:func:`dtcompile.cost.simulate.simulate`,
 before and after the passes) and, where a compile cache can serve it, its
 ``TORCH_TRACE`` artifacts are made and written beside the cache
-(:mod:`dtcompile.beside_cache`) whether or not the run is traced.  This
+(:mod:`dtcompile.base.beside_cache`) whether or not the run is traced.  This
 compiles SimpleFSDP's norm-MLP stack (dim 256, hidden 1024) with ``layers``
 layers on a fake world of 4 (``inductor=False``: the compile without Inductor's
 codegen, so the share printed is an upper bound), then times, for its forward and
@@ -37,7 +37,7 @@ def main() -> None:
     import dtcompile
     from dtcompile._testing.models import build_norm_mlp_stack
     from dtcompile.artifacts import keep_artifacts
-    from dtcompile.simulate import simulate
+    from dtcompile.cost.simulate import simulate
     from dtcompile.testing import fake_world
 
     print("| layers | AOT nodes (fw + bw) | compile s | 2 simulations ms | artifacts made + written ms | share of the compile | artifact bytes | peak RSS MiB |")

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import dtcompile  # noqa: E402
 from dtcompile._testing.models import MLP, _data_parallel  # noqa: E402
+from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives  # noqa: E402
 from dtcompile.testing.worlds import run_gloo  # noqa: E402
-from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives  # noqa: E402
 
 COMM_PASSES = frozenset({"async_tp", "bucketing", "overlap"})
 

@@ -17,10 +17,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
-    from dtcompile.calibration import calibrate
     from dtcompile.collectives import CollectiveInfo
     from dtcompile.compiler import DTCompileBackend
     from dtcompile.config import DTCompileConfig
+    from dtcompile.cost.calibrate import calibrate
     from dtcompile.rank_check import RanksDisagree
     from dtcompile.records import CompiledGraph
     from dtcompile.registry import backend
@@ -50,7 +50,7 @@ _WHERE = {
     "Report": "dtcompile.report",
     "auto_parallel": "dtcompile.auto_parallel",
     "backend": "dtcompile.registry",
-    "calibrate": "dtcompile.calibration",
+    "calibrate": "dtcompile.cost.calibrate",
     "explain": "dtcompile.report",
     "local_map": "hops.local_map",
 }

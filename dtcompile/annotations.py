@@ -25,10 +25,10 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from dtcompile.channels import GraphKind, Meta
+from dtcompile.base.channels import GraphKind, Meta
+from dtcompile.base.notation import describe_mesh, real_object
 from dtcompile.collectives import CollectiveInfo, collective_info
-from dtcompile.cost_model import HardwareProfile, collective_time_us
-from dtcompile.notation import describe_mesh, real_object
+from dtcompile.cost import HardwareProfile, collective_time_us
 from dtcompile.spmd_typing import format_types, type_graph
 from hops.region_op import region_call_id
 
@@ -79,7 +79,7 @@ class DynamoGraphInfo:
     axes: dict[str, str]
     profile: HardwareProfile
     profile_why: str = "given"
-    """Why this profile (:class:`dtcompile.cost_model.ProfileChoice`): given, or what ``auto`` read."""
+    """Why this profile (:class:`dtcompile.cost.ProfileChoice`): given, or what ``auto`` read."""
     nodes: dict[str, NodePlacement] = field(default_factory=dict)
     """The DTensor nodes (a DTensor in or out), by name, in graph order."""
     node_names: frozenset[str] = frozenset()

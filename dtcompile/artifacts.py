@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtcompile.channels import Artifact, Meta
+from dtcompile.base.channels import Artifact, Meta
 from dtcompile.memory import format_bytes
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
@@ -97,7 +97,7 @@ def memory_json(record: CompiledGraph) -> dict[str, Any] | None:
     """One graph's estimated memory (:mod:`dtcompile.memory`) as JSON data: its peak, what is
     alive there, the peak before the passes, the budget they kept to, and the curve of
     live bytes over the schedule's estimated compute time (``[us, bytes]`` points)."""
-    from dtcompile.simulate import node_time_us
+    from dtcompile.cost.simulate import node_time_us
 
     estimate = record.memory
     if estimate is None:
@@ -127,7 +127,7 @@ def memory_json(record: CompiledGraph) -> dict[str, Any] | None:
 
 
 def timeline_json(record: CompiledGraph) -> dict[str, Any] | None:
-    """One graph's simulated run (:func:`dtcompile.simulate.simulate`) as JSON data, after the
+    """One graph's simulated run (:func:`dtcompile.cost.simulate.simulate`) as JSON data, after the
     passes and before them: per run its total, compute and exposed communication time, and
     its bars as ``[lane, name, start_us, end_us, nodes]`` (lanes ``compute``, ``comm``,
     ``exposed``; back-to-back compute is one bar)."""
@@ -198,7 +198,7 @@ def emit_artifacts(record: CompiledGraph) -> None:
 
 def keep_artifacts(record: CompiledGraph, kept: dict[str, list[str]]) -> None:
     """Adds one AOT graph's artifacts, made now, to ``kept`` (name -> ``[name, encoding, payload]``),
-    what a Dynamo graph keeps beside the compile cache (:mod:`dtcompile.beside_cache`) for
+    what a Dynamo graph keeps beside the compile cache (:mod:`dtcompile.base.beside_cache`) for
     :func:`emit_saved_artifacts`; the placements, the same for each of its AOT graphs, once."""
     for name, encoding, payload in _artifacts(record):
         if name not in kept:

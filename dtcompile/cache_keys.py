@@ -51,9 +51,9 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch import fx
 
+from dtcompile.base.scoped_patch import ScopedPatch
 from dtcompile.config import DTCompileConfig
-from dtcompile.cost_model import HardwareProfile
-from dtcompile.scoped_patch import ScopedPatch
+from dtcompile.cost import HardwareProfile
 
 __all__ = ["compile_key", "key_fields", "meshes_held", "profile_text", "rank_position", "source_digest", "stable_mesh_keys"]
 
@@ -113,7 +113,7 @@ def meshes_held(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    from dtcompile.notation import real_object
+    from dtcompile.base.notation import real_object
 
     values: list[Any] = list(example_inputs)
     for node in gm.graph.nodes:
@@ -134,7 +134,7 @@ def rank_position(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
     (its entry is then shared by every rank)."""
     import torch.distributed as dist
 
-    from dtcompile.notation import describe_mesh
+    from dtcompile.base.notation import describe_mesh
 
     meshes = meshes_held(gm, example_inputs)
     if not meshes:

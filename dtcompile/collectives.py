@@ -12,7 +12,7 @@ reduce-scatter, all-reduce or all-to-all.
 A collective whose sizes depend on data (an ``all_to_all_single`` with split
 sizes read from a tensor, as a MoE's token dispatch and combine are) is
 ``data_dependent``: its shape and bytes are estimates
-(:data:`dtcompile.sizes.UNBACKED_HINT` per unknown size) and its text says
+(:data:`dtcompile.base.sizes.UNBACKED_HINT` per unknown size) and its text says
 ``data-dependent`` where the bytes would be.
 """
 
@@ -27,8 +27,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from dtcompile.cost_model import HardwareProfile, ProfileChoice, choose_profile
-from dtcompile.sizes import has_unbacked, nbytes_hint, shape_hint
+from dtcompile.base.sizes import has_unbacked, nbytes_hint, shape_hint
+from dtcompile.cost import HardwareProfile, ProfileChoice, choose_profile
 
 __all__ = [
     "CollectiveInfo",
@@ -299,7 +299,7 @@ def group_backends(group_names: Sequence[str]) -> set[str]:
 
 def profile_for_groups(choice: str | HardwareProfile, devices: Set[str], group_names: Sequence[str]) -> ProfileChoice:
     """The cost profile for work on ``devices`` (device types) whose collectives run on the
-    named groups (the default group's when none is named): :func:`~dtcompile.cost_model.choose_profile`
+    named groups (the default group's when none is named): :func:`~dtcompile.cost.choose_profile`
     given those groups' backends and, on CUDA, this process's GPU.  The backend reads a
     graph so, ``auto_parallel`` a mesh, and ``calibrate`` its group."""
     gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None

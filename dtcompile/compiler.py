@@ -61,7 +61,10 @@ from dtcompile.artifacts import (
     format_compiled_graph,
     keep_artifacts,
 )
-from dtcompile.beside_cache import load_beside_cache, save_beside_cache
+from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
+from dtcompile.base.channels import Beside, GraphKind
+from dtcompile.base.sharding_cache import fresh_sharding_caches
+from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dtcompile.cache_keys import (
     compile_key,
     key_fields,
@@ -71,10 +74,10 @@ from dtcompile.cache_keys import (
     source_digest,
     stable_mesh_keys,
 )
-from dtcompile.channels import Beside, GraphKind
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig, config_for
-from dtcompile.cost_model import ProfileChoice
+from dtcompile.cost import ProfileChoice
+from dtcompile.cost.simulate import simulate
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views, with_outputs_put_back
 from dtcompile.lowering import inline_regions
 from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
@@ -96,10 +99,7 @@ from dtcompile.rank_check import (
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord, RankCheck
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
-from dtcompile.sharding_cache import fresh_sharding_caches
-from dtcompile.simulate import simulate
 from dtcompile.spmd_typing import input_types
-from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dynamo_vars.dtensor_state import loss_parallel_backward
 from hops import keep_regions
 
@@ -161,7 +161,7 @@ def _schedule_owned_by_dtcompile(config: DTCompileConfig, passes: Sequence[PassR
     given what they did to this graph.
 
     From torch 2.14 Inductor reorders collectives itself (``simple_overlap``, on by
-    default; :func:`dtcompile.torch_compat.inductor_reorders_collectives`).  Where
+    default; :func:`dtcompile.base.torch_compat.inductor_reorders_collectives`).  Where
     dtcompile's ``overlap`` pass has placed the collectives and waits, or its
     ``async_tp`` pass has put collectives inside fused ops, dtcompile owns the
     schedule and Inductor's pass is switched off for this compile: it would

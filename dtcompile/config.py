@@ -14,7 +14,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtcompile.cost_model import AUTO, HardwareProfile, get_profile
+from dtcompile.cost import AUTO, HardwareProfile, get_profile
 from dtcompile.pass_names import PASS_NAMES
 
 __all__ = ["DTCompileConfig", "config_for", "inductor_settings"]
@@ -80,8 +80,8 @@ class DTCompileConfig:
     reports estimate times on: ``"auto"`` (the profile that follows each graph's
     devices and process groups' backend: ``cpu_gloo`` for CPU on gloo, the GPU's
     over NCCL, ``h100`` for the fake and threaded test worlds), a profile's name
-    (``dtcompile.cost_model.PROFILES``, or one ``dtcompile.calibrate()`` saved), or a
-    :class:`~dtcompile.cost_model.HardwareProfile`.  See :func:`dtcompile.cost_model.choose_profile`."""
+    (``dtcompile.cost.PROFILES``, or one ``dtcompile.calibrate()`` saved), or a
+    :class:`~dtcompile.cost.HardwareProfile`.  See :func:`dtcompile.cost.choose_profile`."""
 
     report: bool = False
     """Print the text report (see :func:`dtcompile.explain`) of every graph this
@@ -145,7 +145,7 @@ class DTCompileConfig:
         if not isinstance(self.cost_profile, str):
             raise TypeError(
                 f"dtcompile: cost_profile must be a profile name (str), {AUTO!r} or a "
-                f"dtcompile.cost_model.HardwareProfile, got {type(self.cost_profile).__name__} {self.cost_profile!r}"
+                f"dtcompile.cost.HardwareProfile, got {type(self.cost_profile).__name__} {self.cost_profile!r}"
             )
         if self.cost_profile != AUTO:
             get_profile(self.cost_profile)

@@ -12,7 +12,7 @@ import operator
 from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo, charge_collective
-from dtcompile.channels import GraphKind, Meta
+from dtcompile.base.channels import GraphKind, Meta
 from dtcompile.collectives import collective_info
 from dtcompile.regions import RegionInfo, is_region, region_body
 from hops.region_op import region_call_id

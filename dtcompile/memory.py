@@ -37,9 +37,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from dtcompile.channels import GraphKind
+from dtcompile.base.channels import GraphKind
+from dtcompile.base.sizes import hint
 from dtcompile.collectives import is_collective
-from dtcompile.sizes import hint
 
 __all__ = [
     "LiveTensor",

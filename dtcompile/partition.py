@@ -36,13 +36,13 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from dtcompile.base.scoped_patch import ScopedPatch
 from dtcompile.collectives import is_collective
 from dtcompile.memory import held_during_backward
 from dtcompile.passes import padded_collective
 from dtcompile.recompute import ActivationChoice, fit_activation_budget
 from dtcompile.records import PassRecord
 from dtcompile.reshard import ParamNames, Resharding, tag_reshard_after_forward
-from dtcompile.scoped_patch import ScopedPatch
 
 __all__ = ["Partitioner", "partition_keeping_collectives"]
 

@@ -57,8 +57,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from dtcompile.beside_cache import load_beside_cache, save_beside_cache
-from dtcompile.channels import Beside
+from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
+from dtcompile.base.channels import Beside
 from dtcompile.collectives import CollectiveInfo, axis_name, group_names_in
 
 __all__ = [

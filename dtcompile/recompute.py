@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from dtcompile.channels import GraphKind
+from dtcompile.base.channels import GraphKind
 from dtcompile.memory import MemoryEstimate, budget_below_peak, estimate_memory, format_bytes, held_during_backward
 from dtcompile.records import Action, Outcome, PassRecord
 

@@ -16,11 +16,11 @@ from typing import Any
 from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
-from dtcompile.channels import GraphKind
+from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import CollectiveInfo
+from dtcompile.cost.simulate import Timeline
 from dtcompile.memory import MemoryEstimate, format_bytes
 from dtcompile.regions import RegionInfo
-from dtcompile.simulate import Timeline
 
 __all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]
 
@@ -143,7 +143,7 @@ class CompiledGraph:
     memory_budget: tuple[int, str] = (0, "")
     """The budget the passes kept to, and where it comes from (``memory_budget_bytes``)."""
     timeline: Timeline | None = None
-    """Its schedule played on its cost profile, as lowered (:func:`dtcompile.simulate.simulate`)."""
+    """Its schedule played on its cost profile, as lowered (:func:`dtcompile.cost.simulate.simulate`)."""
     timeline_traced: Timeline | None = None
     """The same before any pass: what the passes hid is the difference."""
     lowering: Mapping[str, Any] = field(default_factory=dict)
@@ -195,7 +195,7 @@ class CachedCompile:
     (:func:`dtcompile.cache_keys.compile_key`): nothing was traced, partitioned or
     passed here, so there is no :class:`CompiledGraph` to inspect for it; the
     ``TORCH_TRACE`` artifacts of the run that compiled it, kept beside the cache
-    (:mod:`dtcompile.beside_cache`), are logged again instead.
+    (:mod:`dtcompile.base.beside_cache`), are logged again instead.
     ``dtcompile.backend(report=True)`` or ``trace_pass_graphs=True`` compile
     without that cache, to show the graphs.
     """

@@ -37,8 +37,8 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from dtcompile.base.sizes import nbytes_hint
 from dtcompile.records import Action, Outcome
-from dtcompile.sizes import nbytes_hint
 
 __all__ = ["ParamNames", "Resharding", "kept_by_name", "param_names", "resharded", "tag_reshard_after_forward"]
 

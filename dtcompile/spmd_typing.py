@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from dtcompile.channels import GraphKind, Meta
-from dtcompile.notation import source_of
+from dtcompile.base.channels import GraphKind, Meta
+from dtcompile.base.notation import source_of
 
 __all__ = ["AxisTypes", "SpmdTypeCheckError", "format_types", "input_types", "type_graph"]
 

@@ -23,7 +23,7 @@ reverted here and nowhere else:
    ``(original) -> function``).
 
 Outside the torch versions dtcompile is tested on
-(:data:`dtcompile.torch_contract.TESTED_TORCH`) nothing is installed: one
+(:data:`dtcompile.base.torch_contract.TESTED_TORCH`) nothing is installed: one
 warning says so, and Dynamo stays stock.  Installing changes what Dynamo can
 trace and how guards describe themselves; it does not change a graph that
 already traced.  Callbacks given to :func:`on_uninstall` run when it is undone
@@ -70,7 +70,7 @@ def install() -> bool:
     global _warned_version
     import torch.distributed as dist
 
-    from dtcompile.torch_contract import TESTED_TORCH, torch_is_supported
+    from dtcompile.base.torch_contract import TESTED_TORCH, torch_is_supported
 
     if not dist.is_available():
         return False

@@ -78,7 +78,7 @@ def _flatten_on_the_real_mesh(original: Any) -> Any:
 
 
 def WRAPPED() -> dict[tuple[Any, str], Callable[[Any], Any]]:
-    from dtcompile.torch_compat import script_object_variable
+    from dtcompile.base.torch_compat import script_object_variable
 
     return {(script_object_variable(), "call_method"): _flatten_on_the_real_mesh}
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from dtcompile.notation import describe_mesh, real_object
+from dtcompile.base.notation import describe_mesh, real_object
 
 __all__ = ["describe_mesh", "describe_placements", "explain", "real_object", "source_label"]
 

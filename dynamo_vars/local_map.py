@@ -39,8 +39,8 @@ from torch._dynamo.variables.higher_order_ops import (
 from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable, ListVariable, TupleVariable
 
-from dtcompile.notation import real_object
-from dtcompile.torch_compat import fake_tensor_call_errors, variable_getattr
+from dtcompile.base.notation import real_object
+from dtcompile.base.torch_compat import fake_tensor_call_errors, variable_getattr
 
 __all__: list[str] = []
 

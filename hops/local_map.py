@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from dtcompile.notation import describe_mesh
+from dtcompile.base.notation import describe_mesh
 from hops.region_op import local_map_region
 from hops.spec import (
     LocalMapError,

@@ -54,7 +54,7 @@ from torch._ops import HigherOrderOperator
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_tensor_tree
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-from dtcompile.channels import Meta
+from dtcompile.base.channels import Meta
 from hops.joint import Joint, call_body, joint_graphs
 from hops.spec import (
     LocalMapError,

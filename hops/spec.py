@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from dtcompile.notation import describe_mesh
+from dtcompile.base.notation import describe_mesh
 
 __all__ = [
     "LocalMapError",

@@ -28,7 +28,7 @@ import pytest
 def _world_fixture(enter: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     import torch
 
-    from dtcompile.sharding_cache import clear_sharding_caches
+    from dtcompile.base.sharding_cache import clear_sharding_caches
 
     stack = contextlib.ExitStack()
     torch._dynamo.reset()

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtcompile.channels import Artifact, GraphKind, parse_artifact
-from dtcompile.progress import track
+from dtcompile.base.channels import Artifact, GraphKind, parse_artifact
+from dtcompile.base.progress import track
 from dtcompile_tools.pictures import measured_events, memory_svg, mib, timeline_svg
 
 __all__ = ["Trace", "TraceError", "main", "perfetto_trace", "read_trace", "render_html"]

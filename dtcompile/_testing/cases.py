@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dtcompile._testing import models
-from dtcompile.channels import GraphKind
+from dtcompile.base.channels import GraphKind
 
 __all__ = [
     "CASES",
@@ -173,7 +173,7 @@ def pass_context(config: Any = None, kind: GraphKind = GraphKind.FORWARD, profil
     picks for a CPU graph in the fake world: ``h100`` under ``auto``)."""
     from dtcompile.annotations import DynamoGraphInfo
     from dtcompile.config import DTCompileConfig
-    from dtcompile.cost_model import choose_profile
+    from dtcompile.cost import choose_profile
     from dtcompile.passes import PassContext
 
     config = config if config is not None else DTCompileConfig()

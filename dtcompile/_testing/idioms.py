@@ -775,15 +775,15 @@ def corpus_failures(backend: Any, *, stock: bool = False) -> dict[str, str]:
     program would otherwise never reach the next).  Run it in a fresh process:
     which stock runs see a fake mesh depends on what ran before.
     """
-    import dtcompile.sharding_cache
+    import dtcompile.base.sharding_cache
     import dynamo_vars
 
-    clear = dtcompile.sharding_cache.clear_sharding_caches
+    clear = dtcompile.base.sharding_cache.clear_sharding_caches
     if stock:
-        dtcompile.sharding_cache.clear_sharding_caches = lambda: None
+        dtcompile.base.sharding_cache.clear_sharding_caches = lambda: None
     try:
         with dynamo_vars.enabled(not stock):
             results = [check_idiom(item, backend) for item in IDIOMS]
     finally:
-        dtcompile.sharding_cache.clear_sharding_caches = clear
+        dtcompile.base.sharding_cache.clear_sharding_caches = clear
     return {r.name: r.error for r in results if not r.ok}

@@ -23,10 +23,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from dtcompile.auto_parallel.placements import Layout
-from dtcompile.channels import Artifact
+from dtcompile.base.channels import Artifact
+from dtcompile.base.progress import Progress
 from dtcompile.collectives import profile_for_groups
-from dtcompile.cost_model import HardwareProfile
-from dtcompile.progress import Progress
+from dtcompile.cost import HardwareProfile
 from dtcompile.reshard import resharded
 
 __all__ = ["auto_parallel", "plan"]

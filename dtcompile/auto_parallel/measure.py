@@ -7,7 +7,7 @@ solution's estimate is the estimate of the graphs dtcompile will compile:
   strategy, is run by DTensor on fake local shards *with its backward* (the
   gradient of each output arriving in a given layout), traced with
   ``make_fx`` down to the local aten ops and functional collectives DTensor
-  issues.  Each traced node is timed by :func:`dtcompile.simulate.node_time_us`
+  issues.  Each traced node is timed by :func:`dtcompile.cost.simulate.node_time_us`
   (the roofline) and each collective read by
   :func:`dtcompile.collectives.collective_info` and timed by the cost model;
   the layouts DTensor gives the inputs' gradients are read back.  The backward
@@ -34,10 +34,10 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, is_shard, local_numel
-from dtcompile.channels import GraphKind
+from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import collective_info, flattened_axes
-from dtcompile.cost_model import HardwareProfile
-from dtcompile.simulate import node_time_us
+from dtcompile.cost import HardwareProfile
+from dtcompile.cost.simulate import node_time_us
 
 __all__ = [
     "OpMeasure",

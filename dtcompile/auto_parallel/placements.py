@@ -18,7 +18,7 @@ from typing import Any
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dtcompile.cost_model import HardwareProfile, collective_time_us
+from dtcompile.cost import HardwareProfile, collective_time_us
 from hops.spec import format_placements
 
 __all__ = [

@@ -38,7 +38,7 @@ needs no ``redistribute``.  An edge is impossible where it would need to *make*
 a ``Partial`` value (``redistribute`` cannot), or where the gradient would reach
 the producer in another layout than the one its backward was measured with.
 
-Every cost is in microseconds under one :class:`~dtcompile.cost_model.HardwareProfile`.
+Every cost is in microseconds under one :class:`~dtcompile.cost.HardwareProfile`.
 """
 
 from __future__ import annotations
@@ -72,13 +72,13 @@ from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
-from dtcompile.channels import GraphKind
-from dtcompile.cost_model import HardwareProfile
-from dtcompile.notation import source_of
-from dtcompile.progress import track
-from dtcompile.simulate import node_time_us
+from dtcompile.base.channels import GraphKind
+from dtcompile.base.notation import source_of
+from dtcompile.base.progress import track
+from dtcompile.cost import HardwareProfile
+from dtcompile.cost.simulate import node_time_us
 
-__all__ = ["Candidate", "Edge", "Link", "PNode", "Problem", "build_problem"]
+__all__ = ["Candidate", "Edge", "FanoutRule", "PNode", "Problem", "build_problem"]
 
 INF = math.inf
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class Edge:
 
 
 @dataclass
-class Link:
+class FanoutRule:
     """A fan-out's choice must suit a consumer's: ``ok[f][j]`` for fan-out candidate ``f``, consumer candidate ``j``."""
 
     fanout: str
@@ -168,7 +168,7 @@ class Problem:
     profile: HardwareProfile
     nodes: dict[str, PNode]
     edges: list[Edge]
-    links: list[Link]
+    fanout_rules: list[FanoutRule]
     traced: TracedModel
     param_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Parameter node -> its bytes per rank under each candidate."""
@@ -545,9 +545,9 @@ def _param_of(nodes: Mapping[str, PNode], name: str) -> str | None:
     return node.name if node.kind == "param" else None
 
 
-def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
-    """Edges for single consumers; a fan-out node, its edge and its links for shared values."""
-    edges, links = [], []
+def _edges(b: _Builder) -> tuple[list[Edge], list[FanoutRule]]:
+    """Edges for single consumers; a fan-out node, its edge and its rules for shared values."""
+    edges, rules = [], []
     consumers = _consumers(b.nodes)
     read = _read_in_backward(b.nodes, consumers)
     for (p, k), users in consumers.items():
@@ -607,8 +607,8 @@ def _edges(b: _Builder) -> tuple[list[Edge], list[Link]]:
                  for cc in consumer.candidates]
                 for fc in fan.candidates
             ]
-            links.append(Link(name, c, slot, ok))
-    return edges, links
+            rules.append(FanoutRule(name, c, slot, ok))
+    return edges, rules
 
 
 def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
@@ -690,11 +690,11 @@ def build_problem(
             b.tensor_constant(node)
     b.outputs(dict(output_layouts or {}))
     start = time.perf_counter()
-    edges, links = _edges(b)
+    edges, fanout_rules = _edges(b)
     b.seconds["edges"] = time.perf_counter() - start
     param_bytes = {}
     for _, node in traced.params:
         pnode = b.nodes[node.name]
         shape, dtype = pnode.outputs[0]
         param_bytes[node.name] = [local_numel(shape, c.outputs[0], mesh.shape) * dtype.itemsize for c in pnode.candidates]
-    return Problem(mesh, profile, b.nodes, edges, links, traced, param_bytes, bucket_cap_bytes, b.seconds, regathered)
+    return Problem(mesh, profile, b.nodes, edges, fanout_rules, traced, param_bytes, bucket_cap_bytes, b.seconds, regathered)

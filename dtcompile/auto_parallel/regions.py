@@ -2,7 +2,7 @@
 
 On plain tensors a ``local_map`` function runs its body as it is, so tracing the
 single-device model would inline the body and lose the region.  While
-:func:`keep_regions` is active, every ``local_map`` function found on the model's
+:func:`tracing_regions` is active, every ``local_map`` function found on the model's
 modules (an attribute or class attribute that :func:`hops.local_map_call`
 recognises, such as ``RegionAttention.core``) is shadowed on its instance by a
 call of hops' own region op, :data:`hops.local_map_region`, below autograd: the
@@ -28,13 +28,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from dtcompile.channels import Meta
+from dtcompile.base.channels import Meta
 from hops import RegionSpec, format_placements, local_map_call, local_map_region
 
-__all__ = ["REGION", "REGION_ARGS", "Region", "keep_regions", "region_of"]
+__all__ = ["REGION", "REGION_ARGS", "Region", "tracing_regions", "region_of"]
 
 REGION = Meta.AUTOPARALLEL_REGION
-"""The key, in a traced region node's ``meta``, of its index in :func:`keep_regions`' regions."""
+"""The key, in a traced region node's ``meta``, of its index in :func:`tracing_regions`' regions."""
 REGION_ARGS = Meta.AUTOPARALLEL_REGION_ARGS
 """The key of the pytree spec of the region call's arguments (its operands are their leaves)."""
 
@@ -120,7 +120,7 @@ def _shadow(found: Region, index: int) -> Any:
 
 
 @contextlib.contextmanager
-def keep_regions(model: nn.Module) -> Iterator[dict[int, Region]]:
+def tracing_regions(model: nn.Module) -> Iterator[dict[int, Region]]:
     """While active, the model's ``local_map`` functions trace as one region node each;
     yields region index -> :class:`Region`."""
     shadowed: list[tuple[nn.Module, str, Any]] = []

@@ -51,7 +51,7 @@ class Solution:
         self.param_memory_budget_bytes = param_memory_budget_bytes
         self._cache: dict[Any, Transfer | None] = {}
         self._edges = {(e.consumer, e.slot): e for e in problem.edges}
-        self._fanout_of = {(link.consumer, link.slot): link.fanout for link in problem.links}
+        self._fanout_of = {(link.consumer, link.slot): link.fanout for link in problem.fanout_rules}
         self._readers: dict[str, list[tuple[str, int]]] = {}
         for e in problem.edges:
             self._readers.setdefault(e.producer, []).append((e.consumer, e.slot))

@@ -151,7 +151,7 @@ def _edge_blocks(problem: Problem, program: _Program) -> None:
 def _fanout_agreement(problem: Problem, program: _Program) -> None:
     """Family ``readers of <fan-out>``: ``x[f, a] <= sum_{j ok with a} x[c, j]`` per reader."""
     seen = set()
-    for link in problem.links:
+    for link in problem.fanout_rules:
         gf, gc = problem.nodes[link.fanout].group, problem.nodes[link.consumer].group
         key = (gf, gc, tuple(tuple(r) for r in link.ok))
         if key in seen:

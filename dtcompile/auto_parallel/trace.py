@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from dtcompile.auto_parallel.regions import keep_regions
+from dtcompile.auto_parallel.regions import tracing_regions
 
 __all__ = ["TracedModel", "trace_forward"]
 
@@ -129,7 +129,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: 
         handles.append(module.register_forward_hook(lambda *_, path=path: spans.append((path, starts.pop(), graph_len()))))
     try:
         # Kept node meta records each node's ``original_aten``: the op a decomposition came from.
-        with keep_regions(model) as regions, fake_mode, fx_traceback.preserve_node_meta():
+        with tracing_regions(model) as regions, fake_mode, fx_traceback.preserve_node_meta():
             gm = make_fx(
                 forward, tracing_mode="real", decomposition_table=table or None, record_stack_traces=True
             )(*fake_params, *fake_buffers, *fake_inputs)

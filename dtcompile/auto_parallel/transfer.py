@@ -22,8 +22,8 @@ from torch.distributed.tensor import Partial
 
 from dtcompile.auto_parallel.measure import plan_redistribution, redistribution_copy_bytes, result_read_at_once
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, grad_layout
-from dtcompile.channels import GraphKind
-from dtcompile.cost_model import HardwareProfile, collective_time_us
+from dtcompile.base.channels import GraphKind
+from dtcompile.cost import HardwareProfile, collective_time_us
 
 __all__ = ["BucketKey", "Transfer", "bucket_key", "bucketed_time_us", "launch_latency_us", "transfer"]
 

@@ -96,7 +96,7 @@ def _tie_fanouts(problem: Problem) -> None:
         if node.kind != "fanout":
             continue
         producer, index = node.inputs[0]
-        readers = tuple(sorted(problem.nodes[link.consumer].group for link in problem.links if link.fanout == node.name))
+        readers = tuple(sorted(problem.nodes[link.consumer].group for link in problem.fanout_rules if link.fanout == node.name))
         key = (problem.nodes[producer].group, index, readers, tuple(node.candidates))
         if key in by_group:
             node.group = by_group[key]

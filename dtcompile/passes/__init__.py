@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from torch import fx
 
-from dtcompile.channels import Artifact
+from dtcompile.base.channels import Artifact
+from dtcompile.base.sizes import hint
 from dtcompile.collectives import is_collective
+from dtcompile.cost.simulate import simulate
 from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
 from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.overlap import reorder_for_overlap
 from dtcompile.records import Outcome, PassRecord
-from dtcompile.simulate import simulate
-from dtcompile.sizes import hint
 
 __all__ = ["PASSES", "GraphPass", "PassContext", "padded_collective", "run_passes"]
 

@@ -9,9 +9,9 @@ from typing import Any
 from torch import fx
 
 from dtcompile.annotations import annotate_aot_graph
-from dtcompile.channels import Meta
+from dtcompile.base.channels import Meta
+from dtcompile.base.sizes import UNBACKED_HINT
 from dtcompile.passes.context import PassContext
-from dtcompile.sizes import UNBACKED_HINT
 
 log = logging.getLogger(__name__)
 

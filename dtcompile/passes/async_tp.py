@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from torch import fx
 
+from dtcompile.base.sizes import is_symbolic
 from dtcompile.collectives import collective_info
-from dtcompile.cost_model import collective_time_us
+from dtcompile.cost import collective_time_us
+from dtcompile.cost.simulate import fused_hidden_us, node_time_us
 from dtcompile.ops import decomposed_on  # importing it registers the dtcompile:: ops
 from dtcompile.passes._graph import refresh_metadata, single_wait
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome, Price
-from dtcompile.simulate import fused_hidden_us, node_time_us
-from dtcompile.sizes import is_symbolic
 
 __all__ = ["fuse_async_tp"]
 
@@ -137,8 +137,8 @@ _SYMBOLIC = "its shape is symbolic (dynamic shapes), and the fused op is built f
 
 
 def _price(ctx: PassContext, collective: fx.Node, matmuls: list[fx.Node]) -> Price:
-    """What fusing saves: :func:`~dtcompile.simulate.fused_hidden_us` (as
-    :func:`~dtcompile.simulate.simulate` plays a fused op), where the profile has
+    """What fusing saves: :func:`~dtcompile.cost.simulate.fused_hidden_us` (as
+    :func:`~dtcompile.cost.simulate.simulate` plays a fused op), where the profile has
     fused kernels; the decomposition that runs elsewhere hides nothing."""
     profile = ctx.profile
     if not profile.fused_collective_matmul:

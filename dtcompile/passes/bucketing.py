@@ -19,7 +19,7 @@ dtype, reduce op) when
   buffers (its inputs concatenated, its result) at once;
 - it pays under the graph's cost profile (:class:`~dtcompile.records.Price`):
   one collective instead of two saves a launch (``t(bucket) + t(member) -
-  t(bucket + member)``, :func:`~dtcompile.cost_model.collective_time_us`), and
+  t(bucket + member)``, :func:`~dtcompile.cost.collective_time_us`), and
   costs the copies (the member's input read and written into the bucket's
   buffer, and a gathered member's result copied out of it, at the profile's
   ``memory_gbps``; the bucket's first member's too when the second joins) and
@@ -48,9 +48,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from dtcompile.channels import Meta
+from dtcompile.base.channels import Meta
+from dtcompile.base.sizes import is_symbolic
 from dtcompile.collectives import CollectiveInfo, collective_info
-from dtcompile.cost_model import collective_time_us
+from dtcompile.cost import collective_time_us
+from dtcompile.cost.simulate import node_time_us
 from dtcompile.memory import PeakTracker, format_bytes
 from dtcompile.passes._graph import (
     first_use_index,
@@ -59,8 +61,6 @@ from dtcompile.passes._graph import (
 )
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Price
-from dtcompile.simulate import node_time_us
-from dtcompile.sizes import is_symbolic
 
 __all__ = ["bucket_collectives"]
 

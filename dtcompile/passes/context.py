@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
-from dtcompile.channels import GraphKind
+from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import largest_collective
+from dtcompile.cost.simulate import Timeline
 from dtcompile.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
 from dtcompile.records import Action, Outcome, Price
-from dtcompile.simulate import Timeline
 
 if TYPE_CHECKING:
     from dtcompile.annotations import DynamoGraphInfo
     from dtcompile.config import DTCompileConfig
-    from dtcompile.cost_model import HardwareProfile
+    from dtcompile.cost import HardwareProfile
 
 __all__ = ["PassContext"]
 
@@ -46,7 +46,7 @@ class PassContext:
     traced_memory: MemoryEstimate | None = None
     """The graph's memory before any pass, set by ``run_passes``."""
     traced_timeline: Timeline | None = None
-    """The graph before any pass played on its profile (:func:`~dtcompile.simulate.simulate`), set by ``run_passes``."""
+    """The graph before any pass played on its profile (:func:`~dtcompile.cost.simulate.simulate`), set by ``run_passes``."""
     outcomes: list[Outcome] = field(default_factory=list)
     """The current pass's decisions (``run_passes`` takes them after each pass)."""
 

@@ -26,10 +26,10 @@ its split sizes read from a tensor) is not moved either, nor compute under it:
 its buffer and its time are only estimates, so neither the budget nor the
 window can be checked; its wait still moves down to its first user.  In the
 bytes in flight that decide whether another collective moves, it counts its
-estimate (:data:`dtcompile.sizes.UNBACKED_HINT` per unknown size).  A
+estimate (:data:`dtcompile.base.sizes.UNBACKED_HINT` per unknown size).  A
 ``local_map`` region is one node here: its estimate is its body's
-(:func:`dtcompile.simulate.region_timeline`), and one that issues
-collectives is not moved, nor compute across it.  :func:`dtcompile.simulate.simulate` estimates what is
+(:func:`dtcompile.cost.simulate.region_timeline`), and one that issues
+collectives is not moved, nor compute across it.  :func:`dtcompile.cost.simulate.simulate` estimates what is
 gained; every move, and every move refused, is recorded.
 """
 
@@ -43,12 +43,12 @@ import torch
 from torch import fx
 
 from dtcompile.collectives import collective_info
-from dtcompile.cost_model import collective_time_us
+from dtcompile.cost import collective_time_us
+from dtcompile.cost.simulate import node_time_us, simulate
 from dtcompile.memory import PeakTracker, estimate_memory, format_bytes
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
 from dtcompile.regions import issues_collectives
-from dtcompile.simulate import node_time_us, simulate
 
 __all__ = ["reorder_for_overlap"]
 

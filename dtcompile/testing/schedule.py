@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dtcompile.channels import GraphKind
+from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import CollectiveInfo
 
 __all__ = ["CollectiveSchedule", "ScheduledCollective", "collective_schedule"]

@@ -94,7 +94,7 @@ def fake_world(
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dtcompile.sharding_cache import clear_sharding_caches
+    from dtcompile.base.sharding_cache import clear_sharding_caches
 
     if dist.is_initialized():
         raise RuntimeError(
@@ -203,7 +203,7 @@ def run_threaded(
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
-    from dtcompile.sharding_cache import clear_sharding_caches
+    from dtcompile.base.sharding_cache import clear_sharding_caches
 
     if dist.is_initialized():
         raise RuntimeError(

@@ -1,8 +1,8 @@
-"""The names that tie files together live in :mod:`dtcompile.channels`, and nowhere else.
+"""The names that tie files together live in :mod:`dtcompile.base.channels`, and nowhere else.
 
-No file but ``dtcompile/channels.py`` spells out a node-meta key, an artifact name or
+No file but ``dtcompile/base/channels.py`` spells out a node-meta key, an artifact name or
 a folder beside the compile cache (docstrings may name them); the library compares
-graph kinds with :class:`~dtcompile.channels.GraphKind`, never with a bare string.
+graph kinds with :class:`~dtcompile.base.channels.GraphKind`, never with a bare string.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from dtcompile.channels import Artifact, Beside, GraphKind, Meta, parse_artifact
+from dtcompile.base.channels import Artifact, Beside, GraphKind, Meta, parse_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("dtcompile", "dynamo_vars", "hops", "tools")
 EVERYWHERE = (*LIBRARY, "tests", "examples", "benchmarks")
-CHANNELS = ROOT / "dtcompile" / "channels.py"
+CHANNELS = ROOT / "dtcompile" / "base" / "channels.py"
 
 # Names that start like a channel but are none: the package dtcompile_tools, the
 # local_map HOP's name and auto-parallel's op namespace, the report's default

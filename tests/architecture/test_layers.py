@@ -1,18 +1,35 @@
-"""The house's layers only point down, and no module imports itself in a circle.
+"""The house's layers only point down, package by package and module by module, with no circles.
 
-The layer order (docs/layout.md says the same), bottom first;
-a module may import modules of its own layer or below, never above:
+Packages, bottom first (the folders; a package imports its own or a lower one):
 
-0. base -- ``dtcompile.beside_cache``, ``dtcompile.channels``, ``dtcompile.notation``, ``dtcompile.progress``, ``dtcompile.sharding_cache``, ``dtcompile.sizes``, ``dtcompile.torch_compat``, ``dtcompile.torch_contract``
+0. ``dtcompile.base`` -- the names, notation, torch contract and compatibility layer,
+   scoped patches, sizes, progress; it imports no other package of ours
 1. ``hops`` -- the ``local_map`` region op
 2. ``dynamo_vars`` -- Dynamo support
-3. graph facts -- ``dtcompile.collectives``, ``cost_model``, ``regions``, ``simulate``,
-   ``spmd_typing``, ``annotations``, ``ops``, ``memory``
+3. ``dtcompile`` -- the backend and all that is built on it
+4. ``dtcompile_tools`` (``tools/``) -- the report command, the pytest plugin
+
+``hops`` and ``dynamo_vars`` reach the base without loading the backend: the
+``dtcompile`` package's ``__init__`` imports nothing of ours when it runs (its names
+load on first use), which :func:`test_the_package_face_imports_nothing_when_it_runs`
+checks here and ``tests/architecture/test_no_side_effects.py`` checks in a fresh
+interpreter.
+
+Module layers, bottom first (docs/layout.md says the same); a module may import
+modules of its own layer or below, never above:
+
+0. base -- ``dtcompile.base``
+1. ``hops``
+2. ``dynamo_vars``
+3. graph facts -- ``dtcompile.collectives``, ``dtcompile.cost`` (formulas, profiles,
+   the ``auto`` choice, ``simulate``), ``regions``, ``spmd_typing``, ``annotations``,
+   ``ops``, ``memory``
 4. ``dtcompile.records``, ``dtcompile.pass_names``
-5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``, ``partition``, ``recompute``, ``reshard``,
-   ``cache_keys``, ``dynamo_output``, ``rank_check``
+5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``,
+   ``partition``, ``recompute``, ``reshard``, ``cache_keys``, ``dynamo_output``, ``rank_check``
 6. the backend -- ``dtcompile.compiler``, ``dtcompile.registry``
-7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver), ``dtcompile.calibration``
+7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver),
+   ``dtcompile.cost.calibrate``
 8. the package face -- ``dtcompile`` (``__init__``)
 9. ``dtcompile.testing``
 10. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile_tools``
@@ -30,34 +47,36 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+PACKAGE_LAYERS: tuple[str, ...] = ("dtcompile.base", "hops", "dynamo_vars", "dtcompile", "dtcompile_tools")
+
 LAYERS: tuple[tuple[str, ...], ...] = (
-    (
-        "dtcompile.beside_cache",
-        "dtcompile.channels",
-        "dtcompile.notation",
-        "dtcompile.progress",
-        "dtcompile.scoped_patch",
-        "dtcompile.sharding_cache",
-        "dtcompile.sizes",
-        "dtcompile.torch_compat",
-        "dtcompile.torch_contract",
-    ),
+    ("dtcompile.base",),
     ("hops",),
     ("dynamo_vars",),
     (
         "dtcompile.collectives",
-        "dtcompile.cost_model",
+        "dtcompile.cost",
         "dtcompile.regions",
-        "dtcompile.simulate",
         "dtcompile.spmd_typing",
         "dtcompile.annotations",
         "dtcompile.ops",
         "dtcompile.memory",
     ),
     ("dtcompile.records", "dtcompile.pass_names"),
-    ("dtcompile.passes", "dtcompile.config", "dtcompile.lowering", "dtcompile.artifacts", "dtcompile.partition", "dtcompile.recompute", "dtcompile.reshard", "dtcompile.cache_keys", "dtcompile.dynamo_output", "dtcompile.rank_check"),
+    (
+        "dtcompile.passes",
+        "dtcompile.config",
+        "dtcompile.lowering",
+        "dtcompile.artifacts",
+        "dtcompile.partition",
+        "dtcompile.recompute",
+        "dtcompile.reshard",
+        "dtcompile.cache_keys",
+        "dtcompile.dynamo_output",
+        "dtcompile.rank_check",
+    ),
     ("dtcompile.compiler", "dtcompile.registry"),
-    ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.calibration"),
+    ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.cost.calibrate"),
     ("dtcompile",),
     ("dtcompile.testing",),
     ("dtcompile._testing", "dtcompile.demo", "dtcompile_tools"),
@@ -78,6 +97,14 @@ def layer_of(module: str) -> int:
     if best is None:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS and to docs/layout.md")
     return best
+
+
+def package_of(module: str) -> int:
+    """The package layer of ``module``: the longest prefix in :data:`PACKAGE_LAYERS`."""
+    found = [(len(name), index) for index, name in enumerate(PACKAGE_LAYERS) if module == name or module.startswith(name + ".")]
+    if not found:
+        raise AssertionError(f"{module} is in no package: add its package to PACKAGE_LAYERS")
+    return max(found)[1]
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -130,7 +157,9 @@ def imports(module: str, source: str, known: set[str]) -> list[tuple[str, int, b
 
 
 def violations(sources: dict[str, str]) -> list[str]:
-    """Upward imports and import circles among ``sources`` (module name -> source text)."""
+    """Upward imports (between packages, then between layers) and import circles among
+    ``sources`` (module name -> source text).  A package imports only its own or lower
+    packages, so packages have no circles either."""
     known = set(sources)
     problems = []
     graph: dict[str, set[str]] = {m: set() for m in sources}
@@ -140,7 +169,12 @@ def violations(sources: dict[str, str]) -> list[str]:
                 imported = next((k for k in sorted(known, key=len, reverse=True) if imported.startswith(k + ".")), imported)
             if imported == module or imported not in known:
                 continue
-            if layer_of(imported) > layer_of(module):
+            if package_of(imported) > package_of(module):
+                problems.append(
+                    f"{module}:{line} imports {imported}: package {PACKAGE_LAYERS[package_of(module)]} "
+                    f"imports {PACKAGE_LAYERS[package_of(imported)]}, a higher one"
+                )
+            elif layer_of(imported) > layer_of(module):
                 problems.append(
                     f"{module}:{line} imports {imported}, a higher layer "
                     f"({layer_of(module)} -> {layer_of(imported)})"
@@ -183,19 +217,28 @@ def test_layers_only_point_down_and_there_are_no_import_circles():
     "sources, expected",
     [
         (
-            {"hops.spec": "from dtcompile.compiler import backend\n", "dtcompile.compiler": ""},
-            "hops.spec:1 imports dtcompile.compiler, a higher layer (1 -> 6)",
+            {"dtcompile.collectives": "from dtcompile.compiler import backend\n", "dtcompile.compiler": ""},
+            "dtcompile.collectives:1 imports dtcompile.compiler, a higher layer (3 -> 6)",
         ),
         (
-            {"dtcompile.cost_model": "def f():\n    from dtcompile.report import explain\n", "dtcompile.report": ""},
-            "dtcompile.cost_model:2 imports dtcompile.report, a higher layer (3 -> 7)",
+            {"dtcompile.cost": "def f():\n    from dtcompile.report import explain\n", "dtcompile.report": ""},
+            "dtcompile.cost:2 imports dtcompile.report, a higher layer (3 -> 7)",
         ),
         (
-            {"dtcompile.regions": "import dtcompile.simulate\n", "dtcompile.simulate": "from dtcompile import regions\n"},
-            "import circle: dtcompile.regions -> dtcompile.simulate -> dtcompile.regions",
+            {"dtcompile.regions": "import dtcompile.cost.simulate\n", "dtcompile.cost.simulate": "from dtcompile import regions\n"},
+            "import circle: dtcompile.cost.simulate -> dtcompile.regions -> dtcompile.cost.simulate",
+        ),
+        (
+            # hops back on the backend: the circle the folders had, hops -> dtcompile -> hops
+            {"hops.spec": "from dtcompile.collectives import CollectiveInfo\n", "dtcompile.collectives": ""},
+            "hops.spec:1 imports dtcompile.collectives: package hops imports dtcompile, a higher one",
+        ),
+        (
+            {"dtcompile.base.notation": "def f():\n    from hops.spec import RegionSpec\n", "hops.spec": ""},
+            "dtcompile.base.notation:2 imports hops.spec: package dtcompile.base imports hops, a higher one",
         ),
     ],
-    ids=["upward", "upward-inside-a-function", "circle"],
+    ids=["upward", "upward-inside-a-function", "circle", "package-upward", "base-imports-a-package"],
 )
 def test_the_check_fails_on_an_upward_import_and_on_a_circle(sources, expected):
     assert expected in violations(sources)
@@ -207,3 +250,16 @@ def test_type_checking_imports_are_no_circle():
         "dtcompile.config": "def f():\n    from dtcompile.passes.context import X\n",
     }
     assert violations(sources) == []
+
+
+def test_the_package_face_imports_nothing_when_it_runs():
+    """``import dtcompile.base`` (what hops and dynamo_vars do) runs ``dtcompile/__init__.py``
+    first: it must load nothing of ours, or the base would pull the backend in."""
+    path = ROOT / "dtcompile" / "__init__.py"
+    running = [(name, line) for name, line, runs in imports("dtcompile", path.read_text(), set(modules())) if runs]
+    assert running == []
+
+
+def test_the_face_check_sees_an_import_that_runs():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtcompile.compiler import X\nimport dtcompile.registry\n"
+    assert [(n, line) for n, line, runs in imports("dtcompile", source, {"dtcompile.registry"}) if runs] == [("dtcompile.registry", 4)]

@@ -59,6 +59,23 @@ def test_import_dtcompile_imports_nothing_heavy():
     assert last == "[]"
 
 
+def test_hops_and_dynamo_vars_load_the_base_and_no_backend_module():
+    """The packages below the backend reach ``dtcompile.base`` only: importing them (and
+    everything in them) loads no other module of ``dtcompile``."""
+    last = run_python(
+        """
+        import pkgutil, importlib, sys
+        import hops, dynamo_vars
+        for package in (hops, dynamo_vars):
+            for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+                importlib.import_module(info.name)
+        ours = sorted(m for m in sys.modules if m == "dtcompile" or m.startswith("dtcompile."))
+        print(len(ours) > 1, [m for m in ours if m != "dtcompile" and not m.startswith("dtcompile.base.") and m != "dtcompile.base"])
+        """
+    )
+    assert last == "True []"
+
+
 def test_lookup_by_name_installs_and_uninstall_then_lookup_installs_again():
     last = run_python(
         """

@@ -45,3 +45,13 @@ def test_test_file_names_are_unique():
     second file of the same name stops the whole run at collection ("import file mismatch")."""
     names = collections.Counter(path.name for folder in ("tests", "examples") for path in (ROOT / folder).rglob("test_*.py"))
     assert [name for name, count in names.items() if count > 1] == []
+
+
+def test_every_package_folder_is_one_the_wheel_installs():
+    """``[tool.setuptools] packages`` names each package: a folder left out is missing
+    from the wheel (an ImportError on users' machines only, not in an editable checkout)."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.10 has no tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"dtcompile_tools" if init.parent.name == "tools" else ".".join(init.parent.relative_to(ROOT).parts)
+               for top in ("dtcompile", "dynamo_vars", "hops", "tools") for init in (ROOT / top).rglob("__init__.py")}
+    assert folders == listed

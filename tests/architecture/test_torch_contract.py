@@ -3,9 +3,9 @@
 An upgrade of torch that moves or changes one fails here, in one readable line
 per name, instead of somewhere deep (a guard that no longer explains itself, a
 region whose backward is paired wrongly).  The list is
-:data:`dtcompile.torch_contract.PRIVATE_NAMES`; names that exist on some
+:data:`dtcompile.base.torch_contract.PRIVATE_NAMES`; names that exist on some
 supported releases only say which (``versions``), and
-:mod:`dtcompile.torch_compat` picks between them.  The list is complete:
+:mod:`dtcompile.base.torch_compat` picks between them.  The list is complete:
 :func:`test_every_private_torch_name_in_the_code_is_in_the_contract` reads the
 code and fails on a private name it does not list.  Every torch object that
 dynamo_vars or the backend replaces is listed in ``PATCHED`` and is restored by
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dtcompile.torch_compat import torch_version
-from dtcompile.torch_contract import PATCHED, PRIVATE_NAMES, TESTED_TORCH, applies, torch_is_supported
+from dtcompile.base.torch_compat import torch_version
+from dtcompile.base.torch_contract import PATCHED, PRIVATE_NAMES, TESTED_TORCH, applies, torch_is_supported
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("dtcompile", "dynamo_vars", "hops", "tools")

@@ -3,7 +3,7 @@
 The solution and the hand-written plans are compared the same way: each model is
 compiled with dtcompile (``inductor=False``: the same AOT graphs and passes),
 run forward and backward once, and every compiled graph is played by
-:func:`dtcompile.simulate.simulate` under one hardware profile.
+:func:`dtcompile.cost.simulate.simulate` under one hardware profile.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import dtcompile
 from dtcompile._testing import models
 from dtcompile._testing.cases import CASES
 from dtcompile.config import DTCompileConfig
-from dtcompile.cost_model import get_profile
+from dtcompile.cost import get_profile
+from dtcompile.cost.simulate import simulate
 from dtcompile.report import backward_from_sum
-from dtcompile.simulate import simulate
 
 # Passes that merge collectives: off when the compiled collectives are compared one
 # by one with the predicted ones (bucketing merges several into one).

@@ -18,7 +18,7 @@ from dtcompile.auto_parallel.measure import (
     redistribution_copy_bytes,
     trace_redistribution,
 )
-from dtcompile.cost_model import get_profile
+from dtcompile.cost import get_profile
 
 H100 = get_profile("h100")
 SHAPE = (16, 16, 8)  # every dim shards evenly over both axes: the layouts the solver offers

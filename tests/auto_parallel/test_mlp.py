@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import dtcompile
 from dtcompile._testing.models import build_mlp
-from dtcompile.channels import Artifact
+from dtcompile.base.channels import Artifact
 
 R = (Replicate(),)
 

@@ -27,7 +27,7 @@ import dtcompile
 from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, cache_counts, reference_step, run_step
 from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
 from dtcompile.config import DTCompileConfig
-from dtcompile.cost_model import get_profile
+from dtcompile.cost import get_profile
 from dtcompile.partition import Partitioner
 from dtcompile.testing import fake_world, run_gloo
 

@@ -1,7 +1,7 @@
 """Dynamic shapes: dtcompile never specializes a symbolic size, so it compiles
 exactly as often as stock AOTAutograd on the same sequence of batch sizes.
 
-Costs, byte counts and reports read sizes through :mod:`dtcompile.sizes`
+Costs, byte counts and reports read sizes through :mod:`dtcompile.base.sizes`
 (hints, no guards); ``int()`` on a batch size once added a guard per size.
 """
 

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 import dtcompile
-from dtcompile.channels import Artifact, parse_artifact
+from dtcompile.base.channels import Artifact, parse_artifact
 from dtcompile.compiler import _raised_on_purpose
 from dtcompile.testing import run_threaded
 from hops.spec import LocalMapError

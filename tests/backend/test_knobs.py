@@ -10,7 +10,7 @@ from torch import fx
 
 import dtcompile
 from dtcompile._testing.cases import pass_context
-from dtcompile.channels import Artifact, GraphKind
+from dtcompile.base.channels import Artifact, GraphKind
 from dtcompile.config import DTCompileConfig
 from dtcompile.passes import GraphPass, run_passes
 
@@ -88,7 +88,7 @@ def test_unknown_options_and_modes_name_the_valid_ones():
         ({"report": 1}, TypeError, "report must be True or False, got int 1"),
         ({"eager_fallback": "no"}, TypeError, "eager_fallback must be True or False, got str 'no'"),
         ({"aot_cache": None}, TypeError, "aot_cache must be True or False, got NoneType None"),
-        ({"cost_profile": 3}, TypeError, "cost_profile must be a profile name (str), 'auto' or a dtcompile.cost_model.HardwareProfile, got int 3"),
+        ({"cost_profile": 3}, TypeError, "cost_profile must be a profile name (str), 'auto' or a dtcompile.cost.HardwareProfile, got int 3"),
         ({"inductor_config": {"triton": {"cudagraphs": True}}}, ValueError, "inductor_config has nested mappings under ['triton']; give nested settings by dotted name"),
         ({"inductor_config": ["max_autotune"]}, TypeError, "inductor_config must be a mapping of torch._inductor.config settings"),
     ],

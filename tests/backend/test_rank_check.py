@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dtcompile
 from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, reference_step, run_step
-from dtcompile.channels import Beside
+from dtcompile.base.channels import Beside
 from dtcompile.collectives import CollectiveInfo
-from dtcompile.cost_model import get_profile
+from dtcompile.cost import get_profile
 from dtcompile.rank_check import RanksDisagree, Schedule, collective_lines, disagreement_message
 from dtcompile.testing import run_gloo, run_threaded
 from dtcompile.testing.worlds import wait_for_eager_on_every_rank

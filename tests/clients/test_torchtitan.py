@@ -50,8 +50,8 @@ from _titan import (
 )
 
 import dtcompile
+from dtcompile.base.torch_compat import compiled_blocks_recompile_for_async_outputs
 from dtcompile.testing import run_threaded
-from dtcompile.torch_compat import compiled_blocks_recompile_for_async_outputs
 
 pytestmark = [
     pytest.mark.models,
@@ -91,7 +91,7 @@ _SP = ("all_gather[tp] x2 16384 B", "reduce_scatter[tp] x2 16384 B") * 2
 _LOSS = ("all_reduce[tp] x2 256 B",) * 3
 # Frames compiled per rank: the loss, and the block, once for both blocks; with tensor
 # parallel on torch 2.13 the block once more (the second block's input arrives with an
-# AsyncCollectiveTensor shard, a type guard; dtcompile.torch_compat says when).
+# AsyncCollectiveTensor shard, a type guard; dtcompile.base.torch_compat says when).
 _TP_BLOCK_COMPILES = 2 if compiled_blocks_recompile_for_async_outputs() else 1
 GRAPHS = {
     "tp_sp": sorted(

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from fuzz_programs import MESHES, Program, make_input, namespace, placements_text
 
-from dtcompile.sharding_cache import clear_sharding_caches
+from dtcompile.base.sharding_cache import clear_sharding_caches
 from dtcompile.testing.asserts import per_rank
 from dtcompile.testing.worlds import RankFailure, _mesh, run_gloo, run_threaded, wake_ranks_waiting_for
 

@@ -18,11 +18,11 @@ from expecttest import assert_expected_inline
 
 import dtcompile
 from dtcompile._testing.cases import CASES
-from dtcompile.channels import Artifact, GraphKind, Meta
-from dtcompile.cost_model import (
+from dtcompile.base.channels import Artifact, GraphKind, Meta
+from dtcompile.cost import (
     PROFILES,
     HardwareProfile,
-    Link,
+    LinkCost,
     collective_time_us,
     get_profile,
     register_profile,
@@ -56,10 +56,10 @@ def test_profiles_can_be_added_and_are_checked_by_name():
     with pytest.raises(ValueError, match=r"unknown cost profile 'tpu'; the profiles are \['a100', 'cpu_gloo', 'h100', 'inter_node_ib'\]"):
         dtcompile.backend(cost_profile="tpu")
     with pytest.raises(ValueError, match="bandwidth must be positive"):
-        Link(bandwidth_gbps=0, hop_latency_us=1)
+        LinkCost(bandwidth_gbps=0, hop_latency_us=1)
     with pytest.raises(ValueError, match="unknown collective 'gather'"):
         collective_time_us("gather", 8, 2, PROFILES["h100"].intra_node)
-    link = Link(bandwidth_gbps=100.0, hop_latency_us=1.0, base_latency_us=0.0)
+    link = LinkCost(bandwidth_gbps=100.0, hop_latency_us=1.0, base_latency_us=0.0)
     profile = register_profile(HardwareProfile(name="test_box", description="test", intra_node=link, inter_node=link, devices_per_node=4))
     try:
         assert dtcompile.backend(cost_profile="test_box").config.cost_profile == "test_box"

@@ -8,9 +8,9 @@ import pytest
 from torch.distributed.tensor import Replicate
 
 import dtcompile
-from dtcompile import progress as progress_module
 from dtcompile._testing.models import build_mlp
-from dtcompile.progress import Progress, track
+from dtcompile.base import progress as progress_module
+from dtcompile.base.progress import Progress, track
 
 LOGGER = "dtcompile.progress"
 

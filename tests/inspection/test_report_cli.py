@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dtcompile.channels import Artifact, Beside, GraphKind
+from dtcompile.base.channels import Artifact, Beside, GraphKind
 from dtcompile_tools import report as report_tool
 
 # Each trace comes from a fresh interpreter with TORCH_TRACE set.

@@ -13,7 +13,7 @@ import dtcompile
 from dtcompile._testing.cases import CASES
 from dtcompile.artifacts import collectives_json, format_compiled_graph
 from dtcompile.collectives import collective_info
-from dtcompile.simulate import simulate
+from dtcompile.cost.simulate import simulate
 from dtcompile_tools import report as report_tool
 
 

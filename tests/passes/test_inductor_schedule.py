@@ -16,8 +16,8 @@ import torch
 
 import dtcompile
 from dtcompile._testing.cases import CASES, rank_eager_and_compiled
+from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dtcompile.testing import fake_world, run_threaded
-from dtcompile.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 
 pytestmark = pytest.mark.inductor
 

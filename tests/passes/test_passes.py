@@ -258,10 +258,10 @@ def test_cost_model_plays_a_region_as_its_inlined_body(fake_world):
     import torch.distributed._functional_collectives as funcol
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dtcompile.cost_model import get_profile
+    from dtcompile.cost import get_profile
+    from dtcompile.cost.simulate import node_time_us, simulate
     from dtcompile.lowering import inline_regions
     from dtcompile.regions import is_region
-    from dtcompile.simulate import node_time_us, simulate
     from hops import keep_regions
     from hops.region_op import local_map_region
 

@@ -17,7 +17,7 @@ from torch import fx
 import dtcompile
 from dtcompile._testing import models
 from dtcompile._testing.cases import CASES, pass_context
-from dtcompile.cost_model import AUTO, choose_profile, collective_time_us, get_profile, load_profile, save_profile
+from dtcompile.cost import AUTO, choose_profile, collective_time_us, get_profile, load_profile, save_profile
 from dtcompile.memory import format_bytes
 from dtcompile.pass_names import COMMUNICATION_PASSES
 from dtcompile.passes.bucketing import bucket_collectives

@@ -14,8 +14,8 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtcompile
+from dtcompile.base.torch_compat import dot_of_partials_reduce_scatters
 from dtcompile.testing import fake_world
-from dtcompile.torch_compat import dot_of_partials_reduce_scatters
 
 
 def _records(global_rows: int):

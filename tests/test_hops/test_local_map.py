@@ -15,10 +15,10 @@ from torch.distributed.tensor import (
 
 import dtcompile
 from dtcompile._testing.regions import BACKENDS, REGION_CASES, reference_step, run_case
-from dtcompile.channels import Meta
+from dtcompile.base.channels import Meta
+from dtcompile.base.torch_compat import subclass_outer_size_from_inner
 from dtcompile.regions import format_with_regions
 from dtcompile.testing import simulated_world
-from dtcompile.torch_compat import subclass_outer_size_from_inner
 from hops import (
     LocalMapError,
     PlacementCheckError,
@@ -783,7 +783,7 @@ def test_redistribute_inputs_redistributes_in_the_graph(tp_mesh):
 @pytest.mark.xfail(
     subclass_outer_size_from_inner(),
     reason="torch >= 2.14 specializes a Replicate DTensor's dynamic shard mid-trace "
-    "(dtcompile.torch_compat.subclass_outer_size_from_inner); the recompile's graph fails at run time",
+    "(dtcompile.base.torch_compat.subclass_outer_size_from_inner); the recompile's graph fails at run time",
     strict=True,
     # The recompile's run raises 'expected between 3 and 4 wrapped outputs, got 2' where the
     # test expects the recompile reason: pytest.raises(match=...) fails with an AssertionError.

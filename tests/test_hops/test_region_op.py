@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import dtcompile
 import hops.joint
-from dtcompile.channels import Meta
+from dtcompile.base.channels import Meta
 from hops import local_map, local_map_region
 
 

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["describe_mesh", "real_object", "source_of"]
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
-_DTCOMPILE = str(Path(__file__).resolve().parent) + os.sep
+_DTCOMPILE = str(Path(__file__).resolve().parents[1]) + os.sep  # the dtcompile package
 
 
 def source_of(node: Any) -> str:
@@ -35,7 +35,6 @@ def source_of(node: Any) -> str:
         return ""
     last = frames[-1]
     return f", at {last['file']}:{last['line']} in {last['fn']}: `{last['code'].strip()}`"
-
 
 
 def real_object(obj: Any) -> Any:

@@ -1,13 +1,13 @@
 """Every difference between the torch releases dtcompile supports, named once.
 
 dtcompile supports torch 2.13, 2.14 and 2.15
-(:data:`dtcompile.torch_contract.TESTED_TORCH`).  Where a private torch name or
+(:data:`dtcompile.base.torch_contract.TESTED_TORCH`).  Where a private torch name or
 a behaviour dtcompile relies on changed between them, one function or constant
 here answers for the running torch, and its docstring names the change and the
 versions on each side.  The rest of the code calls these; it never compares
 ``torch.__version__`` itself.  Feature detection (does the attribute exist?)
 comes first; a version is compared, as a version, only where nothing can be
-detected.  :data:`dtcompile.torch_contract.PRIVATE_NAMES` lists the names on
+detected.  :data:`dtcompile.base.torch_contract.PRIVATE_NAMES` lists the names on
 each side of a change with the versions that have them, and
 ``tests/architecture/test_torch_contract.py`` checks them on the running torch.
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 __all__ = ["Progress", "track"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dtcompile.progress")  # the name users configure, wherever the module lives
 
 T = TypeVar("T")
 

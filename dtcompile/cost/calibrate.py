@@ -9,7 +9,7 @@ it), e.g. at the start of a job or in a one-off script launched like the job::
 It measures, on ``group`` and the device its backend runs on:
 
 - **collectives**: the median of ``iters`` all-gathers and all-reduces per
-  size, fitted to the alpha-beta model of :mod:`dtcompile.cost_model`
+  size, fitted to the alpha-beta model of :mod:`dtcompile.cost`
   (bandwidth from the slopes, base and per-hop latency from the intercepts);
 - **copies**: ``memory_gbps``, from copying a 16 MiB buffer (read and write);
 - **matmuls**: ``matmul_tflops``, from square matmuls;
@@ -21,7 +21,7 @@ It measures, on ``group`` and the device its backend runs on:
 Every rank measures; rank 0's numbers are broadcast, so that every rank gets
 the same profile (each rank's passes decide from it, and must decide alike).
 The profile is registered in this process and, with ``save=True``, written
-by rank 0 to :func:`dtcompile.cost_model.profile_dir` (``$DTCOMPILE_PROFILE_DIR``),
+by rank 0 to :func:`dtcompile.cost.profile_dir` (``$DTCOMPILE_PROFILE_DIR``),
 where every later process finds it by name.  One link is measured (that of
 ``group``): on a multi-node job, the profile's intra- and inter-node links are
 both that one.
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtcompile.base.progress import Progress
 from dtcompile.collectives import profile_for_groups
-from dtcompile.cost_model import AUTO, HardwareProfile, Link, register_profile, save_profile
-from dtcompile.progress import Progress
+from dtcompile.cost import AUTO, HardwareProfile, LinkCost, register_profile, save_profile
 
 __all__ = ["calibrate", "fit_link"]
 
@@ -82,9 +82,9 @@ def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def fit_link(times_us: dict[tuple[str, int], float], group_size: int) -> Link:
-    """The alpha-beta :class:`Link` that fits ``{(op, bytes): us}`` of all-gathers and
-    all-reduces over ``group_size`` ranks (the wire bytes as :mod:`~dtcompile.cost_model` counts them)."""
+def fit_link(times_us: dict[tuple[str, int], float], group_size: int) -> LinkCost:
+    """The alpha-beta :class:`LinkCost` that fits ``{(op, bytes): us}`` of all-gathers and
+    all-reduces over ``group_size`` ranks (the wire bytes as :mod:`~dtcompile.cost` counts them)."""
     n = group_size
     wire = {"all_gather": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
     hops = {"all_gather": n - 1, "all_reduce": 2 * (n - 1)}
@@ -96,7 +96,7 @@ def fit_link(times_us: dict[tuple[str, int], float], group_size: int) -> Link:
     (a_gather, _), (a_reduce, _) = fits["all_gather"], fits["all_reduce"]
     hop = max((a_reduce - a_gather) / (hops["all_reduce"] - hops["all_gather"]), 0.0)
     base = max(a_gather - hops["all_gather"] * hop, 0.0)
-    return Link(bandwidth_gbps=bandwidth_gbps, hop_latency_us=hop, base_latency_us=base)
+    return LinkCost(bandwidth_gbps=bandwidth_gbps, hop_latency_us=hop, base_latency_us=base)
 
 
 def _collectives(group: Any, device: torch.device, iters: int, progress: Progress) -> dict[tuple[str, int], float]:
@@ -198,7 +198,7 @@ def calibrate(
     measured = torch.tensor(numbers, dtype=torch.float64, device=device)
     dist.broadcast(measured, src=first, group=group)
     bandwidth, hop, base, copy, tflops, overlap = measured.tolist()
-    shared = Link(bandwidth_gbps=bandwidth, hop_latency_us=hop, base_latency_us=base)
+    shared = LinkCost(bandwidth_gbps=bandwidth, hop_latency_us=hop, base_latency_us=base)
     profile = HardwareProfile(
         name=name,
         description=(

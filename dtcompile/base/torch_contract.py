@@ -10,7 +10,7 @@ Their contract is not public, so it is fenced:
   ``dynamo_vars.install()`` leaves stock Dynamo alone with one warning outside it;
 - :data:`PRIVATE_NAMES` lists every private name used, with the parameters
   dtcompile passes and, for a name only some supported releases have, which
-  (:mod:`dtcompile.torch_compat` chooses between them);
+  (:mod:`dtcompile.base.torch_compat` chooses between them);
   ``tests/architecture/test_torch_contract.py`` asserts each still exists
   with that signature on the running torch, and reads the code to fail on a
   private name missing here, so an upgrade that moves one fails in one
@@ -25,7 +25,7 @@ Their contract is not public, so it is fenced:
   without the cached ``_hash``) only while a dtcompile compile runs.
 
 Upgrading torch: run that test on the new release first; each line it fails
-on is a name to add to :mod:`dtcompile.torch_compat` (one function per
+on is a name to add to :mod:`dtcompile.base.torch_compat` (one function per
 difference) and to list here with the releases that have it.
 
 Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
@@ -72,7 +72,7 @@ def applies(name: PrivateName, version: tuple[int, int] | None = None) -> bool:
     if name.versions is None:
         return True
     if version is None:
-        from dtcompile.torch_compat import torch_version
+        from dtcompile.base.torch_compat import torch_version
 
         version = torch_version()
     low, high = name.versions
@@ -85,12 +85,12 @@ _FROM_2_14 = ((2, 14), (2, 16))
 
 # Kept in the order of the layers that use them.
 PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
-    # dtcompile.notation, dynamo_vars.guards
+    # dtcompile.base.notation, dynamo_vars.guards
     ("torch._library.fake_class_registry", "FakeScriptObject", None),
-    # dtcompile.sizes: sizes read without guarding
+    # dtcompile.base.sizes: sizes read without guarding
     ("torch.fx.experimental.symbolic_shapes", "optimization_hint", ("a", "fallback")),
     ("torch.fx.experimental.symbolic_shapes", "free_unbacked_symbols", ("x",)),
-    # dtcompile.sharding_cache
+    # dtcompile.base.sharding_cache
     ("torch._C", "_clear_DTensor_sharding_propagator_cache", None),
     ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", ()),
     ("torch.distributed.tensor._dispatch", "OpDispatcher", None),
@@ -130,15 +130,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._dynamo.utils", "_get_fake_value_impl", ("node", "tx", "allow_non_graph_fake")),
     ("torch._dynamo.variables.tensor", "TensorVariable.call_method", ("self", "tx", "name", "args", "kwargs")),
     ("torch.fx.experimental.symbolic_shapes", "ShapeEnv.ignore_fresh_unbacked_symbols", ("self",)),
-    # dtcompile.torch_compat.script_object_variable: renamed in torch 2.14
+    # dtcompile.base.torch_compat.script_object_variable: renamed in torch 2.14
     ("torch._dynamo.variables.script_object", "TorchScriptObjectVariable.call_method",
      ("self", "tx", "name", "args", "kwargs"), _UNTIL_2_14),
     ("torch._dynamo.variables.script_object", "CustomClassObjectVariable.call_method",
      ("self", "tx", "name", "args", "kwargs"), _FROM_2_14),
-    # dtcompile.torch_compat.variable_getattr: renamed in torch 2.14
+    # dtcompile.base.torch_compat.variable_getattr: renamed in torch 2.14
     ("torch._dynamo.variables.base", "VariableTracker.var_getattr", ("self", "tx", "name"), _UNTIL_2_14),
     ("torch._dynamo.variables.base", "VariableTracker.tp_getattro_impl", ("self", "tx", "name"), _FROM_2_14),
-    # dtcompile.torch_compat.fake_tensor_call_errors: new in torch 2.14
+    # dtcompile.base.torch_compat.fake_tensor_call_errors: new in torch 2.14
     ("torch._dynamo.exc", "FakeTensorObservedException", None, _FROM_2_14),
     ("torch._subclasses.fake_tensor", "unset_fake_temporarily", ()),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
@@ -147,7 +147,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", None),
     ("torch.distributed.device_mesh", "_mesh_resources", None),
     ("torch.distributed.device_mesh", "DeviceMesh._get_root_mesh", ("self",)),
-    # dtcompile.sharding_cache and the threaded world: per-rank plans, a shared fake mode
+    # dtcompile.base.sharding_cache and the threaded world: per-rank plans, a shared fake mode
     ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear", None),
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._fake_mode_lock", None),
     # the backend
@@ -211,7 +211,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_non_fake_inputs",)),
     # dtcompile._testing.models: the MoE's token dispatch (differentiable, as torchtitan's)
     ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
-    # dtcompile.torch_compat: the version differences' own probes
+    # dtcompile.base.torch_compat: the version differences' own probes
     ("torch._dynamo.exc", "TorchRuntimeError", None),
     ("torch._functorch._aot_autograd.schemas", "SubclassCreationMeta", None),
     # graph facts and passes: op and collective kinds, pytrees

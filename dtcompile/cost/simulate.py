@@ -6,7 +6,7 @@ profile's ``matmul_tflops``, any other op reads and writes its tensors at its
 ``local_map`` region (one node until lowering) takes what its body takes, the
 collectives it issues and waits for inside included: :func:`region_timeline`.
 :func:`simulate` plays a whole graph on a compute and a communication stream
-with the collective times of :mod:`dtcompile.cost_model`, and keeps what it played
+with the collective times of :mod:`dtcompile.cost`, and keeps what it played
 as :class:`Span` bars (what the report's timeline and its Perfetto file draw).
 """
 
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from dtcompile.base.sizes import hint, nbytes_hint, numel_hint
 from dtcompile.collectives import collective_info
-from dtcompile.cost_model import HardwareProfile, collective_time_us
+from dtcompile.cost import HardwareProfile, collective_time_us
 from dtcompile.regions import is_region, region_body
-from dtcompile.sizes import hint, nbytes_hint, numel_hint
 
 __all__ = ["Span", "Timeline", "fused_hidden_us", "node_time_us", "region_timeline", "simulate"]
 

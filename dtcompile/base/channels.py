@@ -12,7 +12,7 @@ other file spells one out).
 - :class:`Meta`: the keys of ``node.meta`` dtcompile writes;
 - :class:`Artifact`: the ``TORCH_TRACE`` artifact names, and :func:`parse_artifact`,
   the lookup table ``dtcompile-report`` reads them with;
-- :class:`Beside`: the folders kept beside torch's compile cache (:mod:`dtcompile.beside_cache`).
+- :class:`Beside`: the folders kept beside torch's compile cache (:mod:`dtcompile.base.beside_cache`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def parse_artifact(name: str) -> tuple[str, GraphKind | None] | None:
 
 
 class Beside:
-    """Folders dtcompile keeps beside torch's compile cache (:mod:`dtcompile.beside_cache`)."""
+    """Folders dtcompile keeps beside torch's compile cache (:mod:`dtcompile.base.beside_cache`)."""
 
     SCHEDULES = "dtcompile_schedules"
     """Each compiled graph's collectives, for the ranks' check of a run the cache serves."""
