@@ -17,26 +17,16 @@ Built from the traced forward (:mod:`dtcompile.auto_parallel.trace`):
   made whole on every rank, replicated;
 - an **output** takes any even layout, or the fixed one; the gradient of an output
   is taken to arrive in the output's layout;
-- a **fan-out** stands for a value several nodes consume: the applied model
-  redistributes it once (one ``redistribute`` node whose backward sums the
-  consumers' gradients and redistributes the sum once), so its consumers must
-  agree on the layout they read it in and on the layout of their gradients.  Its
-  candidates are those ``(layout, gradient layout)`` pairs.
+- a **fan-out** stands for a value several nodes consume, read in one layout by
+  all of them: its candidates are the ``(layout, gradient layout)`` pairs they
+  read it in (:mod:`~dtcompile.auto_parallel.edges`).
 
-An **edge** carries a value from its producer to one consumer (or its fan-out):
-the forward ``redistribute`` from the producer's output layout to the layout the
-consumer's strategy reads, and the backward one of the gradient back
-(:func:`~dtcompile.auto_parallel.transfer.transfer`).  The
-collectives of an edge out of a parameter (its all-gather, its gradient's
-reduction) wait for no activation, and dtcompile's ``bucketing`` pass merges
-them per kind and mesh axis into one collective (up to ``bucket_cap_bytes``):
-such an edge costs its bytes on the wire, and each bucket its launch latency once
-(:func:`~dtcompile.auto_parallel.transfer.bucketed_time_us`; the solver adds one
-variable per bucket).  A reader that takes the value as it is (same layout, its
-gradient coming back as the producer's candidate wants it) costs nothing and
-needs no ``redistribute``.  An edge is impossible where it would need to *make*
-a ``Partial`` value (``redistribute`` cannot), or where the gradient would reach
-the producer in another layout than the one its backward was measured with.
+The **edges** between the nodes (what carrying each value to its readers costs,
+forward and backward) and the fan-outs' rules are
+:func:`~dtcompile.auto_parallel.edges.build_edges`'s.  The data classes, from
+:class:`~dtcompile.auto_parallel.graph.Candidate` to
+:class:`~dtcompile.auto_parallel.graph.Problem`, live in
+:mod:`~dtcompile.auto_parallel.graph` and are importable from here too.
 
 Every cost is in microseconds under one :class:`~dtcompile.cost.HardwareProfile`.
 """
@@ -46,11 +36,9 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import math
 import operator
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,11 +46,12 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
+from dtcompile.auto_parallel.edges import _VIEWS, build_edges
+from dtcompile.auto_parallel.graph import Candidate, Edge, FanoutRule, PNode, Problem
 from dtcompile.auto_parallel.local_ops import BORROWED, REPLICATED, borrowed_strategies, replicated_strategy, run_local
 from dtcompile.auto_parallel.measure import _TensorSlot, flattenings, measure_op
 from dtcompile.auto_parallel.placements import (
     Layout,
-    PlannedCollective,
     layouts,
     local_numel,
     output_grad_layout,
@@ -71,7 +60,6 @@ from dtcompile.auto_parallel.placements import (
 from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
-from dtcompile.auto_parallel.transfer import BucketKey, Transfer, bucketed_time_us, transfer
 from dtcompile.base.channels import GraphKind
 from dtcompile.base.notation import source_of
 from dtcompile.base.progress import track
@@ -80,112 +68,7 @@ from dtcompile.cost.simulate import node_time_us
 
 __all__ = ["Candidate", "Edge", "FanoutRule", "PNode", "Problem", "build_problem"]
 
-INF = math.inf
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One strategy of one node: the layouts it reads, gives and gets gradients in, and its cost."""
-
-    inputs: tuple[Layout, ...]
-    """Per tensor argument, the layout the node reads it in."""
-    outputs: tuple[Layout | None, ...]
-    """Per output, the layout it gives (``None``: not a tensor)."""
-    grads: tuple[Layout | None, ...] = ()
-    """Per tensor argument, the layout of the gradient it hands back (``None``: none)."""
-    grad_out: tuple[Layout | None, ...] = ()
-    """Per output, the layout its gradient must reach it in (``None``: none flows back)."""
-    forward_us: float = 0.0
-    backward_us: float = 0.0
-    collectives: tuple[PlannedCollective, ...] = ()
-    """Collectives inside the node (DTensor's, in its backward)."""
-    comm_us: float = 0.0
-    local: str = ""
-    """Empty where DTensor runs the op; else how it runs on each rank's local shards
-    (:mod:`dtcompile.auto_parallel.local_ops`: ``borrowed`` or ``replicated``)."""
-    saved: tuple[bool, ...] = ()
-    """Per tensor argument, whether its backward reads it (empty: not measured, as for a
-    region, whose body is not: taken as read)."""
-
-    @property
-    def cost_us(self) -> float:
-        return self.forward_us + self.backward_us + self.comm_us
-
-
-@dataclass
-class PNode:
-    """One node of the problem."""
-
-    name: str
-    kind: str
-    """``param``, ``buffer``, ``input``, ``constant``, ``op``, ``region``, ``fanout`` or ``output``."""
-    inputs: list[tuple[str, int]]
-    """Per tensor argument, the value it reads: ``(producer, output index)``."""
-    outputs: list[tuple[tuple[int, ...], torch.dtype] | None]
-    """Per output, its global shape and dtype."""
-    requires_grad: list[bool]
-    """Per output, whether a gradient flows back into it."""
-    candidates: list[Candidate]
-    target: str = ""
-    """What the node computes, for explanations (``aten.mm``)."""
-    fx_node: fx.Node | None = None
-    group: str = ""
-    """Nodes of one group share one choice (tied repeated layers); the group's name is its first node's."""
-
-
-@dataclass
-class Edge:
-    """A value's trip from its producer to one consumer: cost per (producer, consumer) candidate pair."""
-
-    producer: str
-    index: int
-    consumer: str
-    slot: int
-    cost: Any
-    """``cost[i][j]``: producer candidate ``i``, consumer candidate ``j`` (``inf``: impossible)."""
-    buckets: list[list[tuple[BucketKey, ...]]] | None = None
-    """For an edge out of a parameter: per pair, the buckets its collectives join
-    (their launch latency is paid once per bucket, not in ``cost``)."""
-    regather: bool = False
-    """A parameter resharded after forward (or a view of one, ``t(w)``) that the backward
-    reads: where the edge gathers it, the backward gathers it again (:func:`dtcompile.auto_parallel.transfer.transfer`)."""
-
-
-@dataclass
-class FanoutRule:
-    """A fan-out's choice must suit a consumer's: ``ok[f][j]`` for fan-out candidate ``f``, consumer candidate ``j``."""
-
-    fanout: str
-    consumer: str
-    slot: int
-    ok: list[list[bool]]
-
-
-@dataclass
-class Problem:
-    mesh: Any
-    profile: HardwareProfile
-    nodes: dict[str, PNode]
-    edges: list[Edge]
-    fanout_rules: list[FanoutRule]
-    traced: TracedModel
-    param_bytes: dict[str, list[int]] = field(default_factory=dict)
-    """Parameter node -> its bytes per rank under each candidate."""
-    bucket_cap_bytes: int | None = 256 * 1024 * 1024
-    """The ``bucket_cap_bytes`` of the config the model will be compiled with: how many bytes one
-    bucket takes; ``None`` where that config disables the ``bucketing`` pass."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Where building took its time: ``trace``, ``strategies``, ``measure``, ``edges``."""
-    regathered: frozenset[str] = frozenset()
-    """Parameter nodes the compile config reshards after forward (:func:`dtcompile.reshard.resharded`):
-    gathered again in the backward where the backward reads them (``Edge.regather``)."""
-
-    def groups(self) -> dict[str, list[str]]:
-        found: dict[str, list[str]] = {}
-        for node in self.nodes.values():
-            found.setdefault(node.group, []).append(node.name)
-        return found
 
 
 _MEASURE_TABLES: collections.OrderedDict[Any, tuple[dict[Any, Candidate | None], dict[Any, str]]] = (
@@ -249,7 +132,6 @@ class _Builder:
         self.measures, self.errors = _measure_tables(mesh, profile)
         """Measured candidates (``None``: DTensor cannot run it); why a measurement failed,
         for the error when nothing can run an op."""
-        self.transfers: dict[Any, Transfer | None] = {}
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
 
     def _layouts_for(self, name: str, shape: tuple[int, ...], kind: str) -> list[Layout]:
@@ -468,12 +350,10 @@ class _Builder:
             )
 
 
-# Ops whose backward only moves the gradient (a view of it): a ``Partial`` gradient
-# passes through them unchanged, so a replicated output may take its gradient partial
+# A view's backward only moves the gradient (a view of it): a ``Partial`` gradient
+# passes through it unchanged, so a replicated output may take its gradient partial
 # (the transposed weight of a data-parallel matmul: its gradient reduces at the weight).
-_VIEWS = {"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "alias"}
-
-
+# The views: :mod:`~dtcompile.auto_parallel.edges`'s ``_VIEWS``.
 def _grad_variants(
     target: Any, outs: tuple[Layout | None, ...], out_rg: list[bool], of_weights: bool
 ) -> list[tuple[Layout | None, ...]]:
@@ -499,116 +379,6 @@ def _grad_variants(
 def _ref(arg: fx.Node) -> tuple[str, int]:
     node, index = _resolve(arg)
     return node.name, index
-
-
-def _consumers(nodes: Mapping[str, PNode]) -> dict[tuple[str, int], list[tuple[str, int]]]:
-    found: dict[tuple[str, int], list[tuple[str, int]]] = {}
-    for node in nodes.values():
-        for slot, ref in enumerate(node.inputs):
-            if node.kind != "constant":
-                found.setdefault(ref, []).append((node.name, slot))
-    return found
-
-
-# Ops that only reshape or cast a value: a parameter read through them is read by the
-# backward where their result is (as :mod:`dtcompile.reshard` follows its gather chains).
-_VIEWS = frozenset({"t", "view", "_unsafe_view", "reshape", "permute", "transpose", "squeeze", "unsqueeze",
-                    "_to_copy", "clone", "contiguous", "alias", "expand"})
-
-
-def _read_in_backward(nodes: Mapping[str, PNode], consumers: Mapping[tuple[str, int], list[tuple[str, int]]]) -> Callable[[str, int], bool]:
-    """Whether the backward reads what node ``name`` reads as argument ``slot`` (any of its
-    candidates saves it, or the node is a view whose result the backward reads)."""
-    memo: dict[tuple[str, int], bool] = {}
-
-    def read(name: str, slot: int) -> bool:
-        if (name, slot) not in memo:
-            node = nodes[name]
-            if node.kind == "output":
-                found = False
-            elif any(not c.saved or c.saved[slot] for c in node.candidates):
-                found = True
-            else:
-                view = node.kind == "op" and node.target.rpartition(".")[2] in _VIEWS
-                found = view and any(read(c, s) for c, s in consumers.get((name, 0), ()))
-            memo[(name, slot)] = found
-        return memo[(name, slot)]
-
-    return read
-
-
-def _param_of(nodes: Mapping[str, PNode], name: str) -> str | None:
-    """The parameter node ``name`` is, or is a view of (``t(w)``), else ``None``."""
-    node = nodes[name]
-    while node.kind == "op" and node.target.rpartition(".")[2] in _VIEWS and len(node.inputs) == 1:
-        node = nodes[node.inputs[0][0]]
-    return node.name if node.kind == "param" else None
-
-
-def _edges(b: _Builder) -> tuple[list[Edge], list[FanoutRule]]:
-    """Edges for single consumers; a fan-out node, its edge and its rules for shared values."""
-    edges, rules = [], []
-    consumers = _consumers(b.nodes)
-    read = _read_in_backward(b.nodes, consumers)
-    for (p, k), users in consumers.items():
-        producer = b.nodes[p]
-        shape, dtype = producer.outputs[k]
-        rg = producer.requires_grad[k]
-
-        # A parameter's all-gather waits for nothing, its gradient's reduction is the last
-        # use of that gradient: dtcompile's bucketing merges them (not so for a collective
-        # on a value computed in the graph, even from parameters alone: its input is ready
-        # late, or its result is read at once).
-        bucketed = producer.kind == "param" and b.bucket_cap_bytes is not None
-        regather = _param_of(b.nodes, p) in b.regathered and any(read(c, slot) for c, slot in users)
-
-        def edge(consumer: PNode, slot: int) -> Edge:
-            rows, buckets = [], []
-            for pc in producer.candidates:
-                row, row_buckets = [], []
-                for cc in consumer.candidates:
-                    grad = cc.grads[slot] if rg and cc.grads else None
-                    want = pc.grad_out[k] if pc.grad_out else None
-                    t = transfer(shape, dtype, pc.outputs[k], want, cc.inputs[slot], grad, b.mesh, b.profile,
-                                 b.transfers, regather)
-                    if t is None:
-                        row.append(INF)
-                        row_buckets.append(())
-                    elif bucketed:
-                        time_us, keys = bucketed_time_us(t, b.profile, b.bucket_cap_bytes)
-                        row.append(time_us)
-                        row_buckets.append(keys)
-                    else:
-                        row.append(t.time_us)
-                rows.append(row)
-                buckets.append(row_buckets)
-            edge = Edge(p, k, consumer.name, slot, rows, buckets if bucketed else None, regather)
-            return _checked(edge, producer, consumer)
-
-        if len(users) == 1:
-            c, slot = users[0]
-            edges.append(edge(b.nodes[c], slot))
-            continue
-        pairs: dict[tuple[Layout, Layout | None], None] = {}
-        for c, slot in users:
-            for cc in b.nodes[c].candidates:
-                pairs[(cc.inputs[slot], cc.grads[slot] if rg and cc.grads else None)] = None
-        name = f"{p}_fanout{k}" if k else f"{p}_fanout"
-        fan = PNode(
-            name, "fanout", [(p, k)], [(shape, dtype)], [rg],
-            [Candidate((t,), (t,), (g,), (g,)) for t, g in pairs], target="fanout", group=name,
-        )
-        b.nodes[name] = fan
-        edges.append(edge(fan, 0))
-        for c, slot in users:
-            consumer = b.nodes[c]
-            ok = [
-                [cc.inputs[slot] == fc.inputs[0] and (fc.grads[0] is None or cc.grads[slot] in (None, fc.grads[0]))
-                 for cc in consumer.candidates]
-                for fc in fan.candidates
-            ]
-            rules.append(FanoutRule(name, c, slot, ok))
-    return edges, rules
 
 
 def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
@@ -643,27 +413,6 @@ def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
         )
 
 
-def _checked(edge: Edge, producer: PNode, consumer: PNode) -> Edge:
-    """``edge``, after checking its cost matrix is one row per producer candidate and one column
-    per consumer candidate, with at least one possible pair (the solver relies on both)."""
-    rows, cols = len(producer.candidates), len(consumer.candidates)
-    where = f"auto_parallel: the edge {producer.name} -> {consumer.name} (argument {edge.slot})"
-    if not rows or not cols:
-        empty = producer if not rows else consumer
-        raise ValueError(f"{where}: node {empty.name} ({empty.target}) has no candidate strategy; please report this")
-    if len(edge.cost) != rows or any(len(row) != cols for row in edge.cost):
-        shape = (len(edge.cost), sorted({len(row) for row in edge.cost}))
-        raise ValueError(f"{where}: its cost matrix is {shape}, not ({rows}, {cols}); please report this")
-    if all(math.isinf(c) for row in edge.cost for c in row):
-        raise ValueError(
-            f"{where}: no layout {producer.name} can give ({producer.target}) is one {consumer.name} "
-            f"({consumer.target}{source_of(consumer.fx_node)}) can read, "
-            f"with its gradient coming back as {producer.name} needs it; "
-            "pin the parameters and inputs around it with fixed=..., or wrap the code in dtcompile.local_map"
-        )
-    return edge
-
-
 def build_problem(
     traced: TracedModel,
     mesh: Any,
@@ -690,7 +439,7 @@ def build_problem(
             b.tensor_constant(node)
     b.outputs(dict(output_layouts or {}))
     start = time.perf_counter()
-    edges, fanout_rules = _edges(b)
+    edges, fanout_rules = build_edges(b.nodes, mesh, profile, bucket_cap_bytes, regathered)
     b.seconds["edges"] = time.perf_counter() - start
     param_bytes = {}
     for _, node in traced.params:

@@ -22,24 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from dtcompile.auto_parallel.graph import Candidate, Problem
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
-from dtcompile.auto_parallel.problem import Candidate, Problem
 from dtcompile.auto_parallel.solver import SolveResult
 from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, launch_latency_us, transfer
 
 __all__ = ["Solution"]
-
-
-@dataclass(frozen=True)
-class _Incoming:
-    producer: str
-    index: int
-    via: str
-    """The problem node the edge ends at: the reader, or its fan-out."""
-    slot: int
 
 
 class Solution:
@@ -109,12 +99,6 @@ class Solution:
     def fanout_of(self, name: str, slot: int) -> str | None:
         """The fan-out node argument ``slot`` of ``name`` reads through, if its value has several readers."""
         return self._fanout_of.get((name, slot))
-
-    def read_layout(self, name: str, slot: int) -> tuple[str, Layout]:
-        """``(value's problem node, layout)`` that node ``name`` reads argument ``slot`` from:
-        its producer directly, or the producer's fan-out."""
-        fan = self._fanout_of.get((name, slot))
-        return (fan or self.problem.nodes[name].inputs[slot][0]), self.choice(name).inputs[slot]
 
     def _transfer(self, edge: Any, producer_choice: int, consumer_choice: int) -> Transfer | None:
         p, c = self.problem.nodes[edge.producer], self.problem.nodes[edge.consumer]
@@ -322,14 +306,3 @@ class Solution:
             lines.append(f"{display}: {text(chosen)} here, {text(layout)} there: {verdict}")
         lines.append(f"# {len(lines)} of {len(placements)} parameters placed differently")
         return "\n".join(lines)
-
-
-def collective_keys(collectives: list[Any], direction: str | None = None) -> Mapping[tuple[str, str, int], int]:
-    """Multiset of ``(op, axis, bytes)``: what the predicted and the compiled collectives are compared on."""
-    counts: dict[tuple[str, str, int], int] = {}
-    for c in collectives:
-        if direction is not None and getattr(c, "direction", direction) != direction:
-            continue
-        key = (c.op, c.axis, c.bytes)
-        counts[key] = counts.get(key, 0) + 1
-    return counts

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtcompile.auto_parallel.problem import Problem
+from dtcompile.auto_parallel.graph import Problem
 from dtcompile.auto_parallel.transfer import launch_latency_us
 
 __all__ = ["Infeasible", "SolveResult", "conflicting_constraints", "solve"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dtcompile.auto_parallel.problem import Problem
+from dtcompile.auto_parallel.graph import Problem
 
 __all__ = ["tie_repeated_layers"]
 

@@ -161,7 +161,8 @@ def test_an_op_nothing_can_run_is_an_error_naming_node_op_and_fix(tp_mesh):
 
 
 def test_a_malformed_edge_is_an_error_naming_its_nodes():
-    from dtcompile.auto_parallel.problem import Candidate, Edge, PNode, _checked
+    from dtcompile.auto_parallel.edges import _checked
+    from dtcompile.auto_parallel.graph import Candidate, Edge, PNode
 
     def node(name, count):
         return PNode(name, "op", [], [((4,), torch.float32)], [True], [Candidate((), ((Replicate(),),))] * count, target="aten.mm")
