@@ -206,12 +206,12 @@ def test_gloo_cache_warm_on_one_rank_and_cold_on_the_other(tmp_path):
 def _rank_falls_back(rank: int, world_size: int) -> RankRun:
     """Rank 1's AOTAutograd 'cannot trace' the graph (staged: torch raising while it traces)."""
     if rank == 1:
-        import dtcompile.compiler
+        import dtcompile.graph_compile
 
         def cannot_trace(gm):
             raise RuntimeError("staged: AOTAutograd cannot trace this graph on this rank")
 
-        dtcompile.compiler.loss_parallel_backward = cannot_trace
+        dtcompile.graph_compile.loss_parallel_backward = cannot_trace
     with pytest.warns(UserWarning, match="eager"):
         return _rank_steps(rank, world_size, [{}, {}])
 

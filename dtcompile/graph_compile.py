@@ -1,0 +1,382 @@
+"""One Dynamo graph's compile: one object per backend call, one method per stage.
+
+:class:`GraphCompile` is made by :class:`~dtcompile.compiler.DTCompileBackend` for
+each graph Dynamo hands it, and holds everything that compile decides once: the
+graph's description and cost profile, its cache key, where its artifacts are kept
+beside the compile cache, the partitioner.  Its stages, in order:
+
+1. :meth:`~GraphCompile.trace`: AOTAutograd traces the joint graph (with Inductor's
+   decompositions, under Inductor's ``compile_fx`` where ``inductor=True``), or its
+   cache serves it;
+2. :meth:`~GraphCompile.partitioned`: the partitioner has started, so this graph is
+   traced here (the partitioner calls it);
+3. :meth:`~GraphCompile.passes`: dtcompile's passes run on each AOT graph;
+4. :meth:`~GraphCompile.lower`: the regions are inlined and the lowering settings read;
+5. :meth:`~GraphCompile.record`: the :class:`~dtcompile.records.CompiledGraph` is
+   kept, logged and its artifacts emitted (and kept beside the cache).
+
+The cache hit is a fact, not an inference: :meth:`~GraphCompile.served_from_cache`
+is true when AOTAutograd counted a hit during :meth:`trace` and nothing was traced
+here; a trace that neither ran nor was served is an error, never recorded as a hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+from dtcompile.annotations import describe_dynamo_graph
+from dtcompile.artifacts import (
+    emit_artifacts,
+    emit_cached_artifact,
+    emit_fallback_artifact,
+    emit_saved_artifacts,
+    format_compiled_graph,
+    keep_artifacts,
+)
+from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
+from dtcompile.base.channels import Beside, GraphKind
+from dtcompile.base.sharding_cache import fresh_sharding_caches
+from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
+from dtcompile.cache_keys import compile_key, key_fields, profile_text, rank_position, source_digest, stable_mesh_keys
+from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
+from dtcompile.config import DTCompileConfig
+from dtcompile.cost.simulate import simulate
+from dtcompile.dynamo_output import split_constant_outputs, split_input_views
+from dtcompile.lowering import inline_regions
+from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
+from dtcompile.partition import Partitioner
+from dtcompile.passes import PassContext, run_passes
+from dtcompile.rank_check import (
+    Schedule,
+    collective_lines,
+    decided_from,
+    inputs_text,
+    load_schedule,
+    save_schedule,
+    world_can_disagree,
+)
+from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
+from dtcompile.regions import format_with_regions, is_region
+from dtcompile.reshard import param_names
+from dtcompile.spmd_typing import input_types
+from dynamo_vars.dtensor_state import loss_parallel_backward
+from hops import keep_regions
+
+if TYPE_CHECKING:
+    from dtcompile.compiler import DTCompileBackend
+
+__all__ = ["GraphCompile", "UntracedUnserved"]
+
+log = logging.getLogger("dtcompile.compiler")  # the backend's logger, as users configure it
+
+
+@contextlib.contextmanager
+def _aot_settings(config: DTCompileConfig, *, backward_now: bool) -> Iterator[None]:
+    """AOTAutograd as this compile needs it.  Its cache as the user set it, except where
+    this compile must run here (``aot_cache=False``, or ``report`` / ``trace_pass_graphs``,
+    which show the graphs as they compile): a hit there would trace nothing.  Both
+    caches key on :func:`~dtcompile.cache_keys.compile_key` through the partitioner, so
+    a hit is a graph compiled with these options.  ``backward_now``: the backward is
+    compiled with the forward, not at its first call, so that the ranks' check
+    (:mod:`dtcompile.rank_check`) sees its collectives before either runs."""
+    from torch._functorch import config as functorch_config
+
+    settings = {}
+    if not config.aot_cache or config.report or config.trace_pass_graphs:
+        settings["enable_autograd_cache"] = False
+    if backward_now:
+        settings["force_non_lazy_backward_lowering"] = True
+    with functorch_config.patch(settings):
+        yield
+
+
+def _schedule_owned_by_dtcompile(config: DTCompileConfig, passes: Sequence[PassRecord]) -> dict[str, Any]:
+    """Inductor settings that leave the collectives' schedule to dtcompile's passes,
+    given what they did to this graph.
+
+    From torch 2.14 Inductor reorders collectives itself (``simple_overlap``, on by
+    default; :func:`dtcompile.base.torch_compat.inductor_reorders_collectives`).  Where
+    dtcompile's ``overlap`` pass has placed the collectives and waits, or its
+    ``async_tp`` pass has put collectives inside fused ops, dtcompile owns the
+    schedule and Inductor's pass is switched off for this compile: it would
+    redo the placement without dtcompile's cost model, and it does not see a
+    collective inside a fused op (a ``FallbackKernel``), so it could move
+    another collective across it (pytorch/pytorch#189454).  Where neither
+    changed the graph (disabled, or their rewrites did not pay under the
+    profile), or the setting is given explicitly, Inductor's own choice stands.
+    """
+    if not inductor_reorders_collectives() or INDUCTOR_SIMPLE_OVERLAP in config.inductor_config:
+        return {}
+    scheduled = any(
+        decision.action in (Action.MOVED, Action.FUSED)
+        for record in passes
+        if record.name in ("overlap", "async_tp")
+        for decision in record.decisions
+    )
+    return {INDUCTOR_SIMPLE_OVERLAP: False} if scheduled else {}
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class UntracedUnserved(RuntimeError):
+    """AOTAutograd returned a graph it neither traced here nor served from its cache."""
+
+
+def _aot_cache_hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"]
+
+
+class GraphCompile:
+    """The compile of Dynamo graph ``gm`` by ``backend`` with ``config`` (see the module doc)."""
+
+    def __init__(self, backend: DTCompileBackend, gm: fx.GraphModule, example_inputs: Sequence[Any], config: DTCompileConfig) -> None:
+        self.backend, self.gm, self.example_inputs, self.config = backend, gm, example_inputs, config
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        devices = frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
+        axes = mesh_axes(gm, example_inputs)
+        # Priced for its devices and its meshes' groups (the default group's when it has none).
+        self.priced = profile_for_groups(config.cost_profile, devices, list(axes))
+        self.info = describe_dynamo_graph(
+            gm, str(compile_id) if compile_id is not None else "?", axes, self.priced.profile, self.priced.why
+        )
+        self.info.spmd_inputs = input_types(gm, example_inputs, axes)
+        log.info("%s: cost profile %s", self.info.compile_id, self.priced)
+        self.constants = split_constant_outputs(gm)
+        self.views = split_input_views(gm)
+        # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
+        self.key = compile_key(config, self.priced.profile, rank_position(gm, example_inputs), self.info.spmd_inputs)
+        # Where a compile cache can serve this graph, what is kept beside it for the graph
+        # (its artifacts, its schedule) is found again by this; None where none can.
+        self.entry = f"{self.key}\n{gm.code}\n{inputs_text(example_inputs)}" if config.inductor and config.aot_cache else None
+        self.checking = config.check_ranks and world_can_disagree()
+        self.partitioner = Partitioner(
+            bool(self.info.uneven),
+            self.key,
+            on_start=self.partitioned,
+            params=param_names(gm, example_inputs),
+            reshard=config.reshard_after_forward,
+            keep_gathered=config.keep_gathered,
+            memory_budget=config.memory_budget_bytes,
+            name=f"compile {self.info.compile_id}",
+        )
+        self.traced = False
+        """Whether AOTAutograd traced this graph here (a failure after that never runs eagerly)."""
+        self.graphs: list[CompiledGraph] = []
+        self.how = ""
+        """``compiled here``, ``served from the compile cache`` or ``run eagerly (...)``."""
+        self._hits_before = 0
+        self._hits_during = 0
+        self._kept: dict[str, list[str]] = {}
+
+    # ---- stage 1: trace (or be served)
+    def trace(self) -> Callable[..., Any]:
+        """AOTAutograd (and Inductor) on the graph; the later stages run inside, per AOT graph."""
+        self._hits_before = _aot_cache_hits()
+        with (
+            _aot_settings(self.config, backward_now=self.checking),
+            stable_mesh_keys(),
+            fresh_sharding_caches(),
+            keep_regions(),
+            loss_parallel_backward(self.gm),
+        ):
+            compiled = self._inductor() if self.config.inductor else self._aot_only()
+        self._hits_during = _aot_cache_hits() - self._hits_before
+        self.how = "compiled here" if self.traced else "served from the compile cache"
+        return compiled
+
+    def served_from_cache(self) -> bool:
+        """Whether AOTAutograd's cache served this graph: it counted a hit during :meth:`trace`
+        and nothing was traced here.  (Ranks as threads share the counter; the trace is ours.)"""
+        if self.traced:
+            return False
+        if self._hits_during <= 0:
+            raise UntracedUnserved(
+                f"dtcompile: graph {self.info.compile_id}: AOTAutograd returned it without tracing it here and "
+                "without a cache hit; dtcompile cannot say what was compiled. Please report this with the "
+                "TORCH_LOGS=aot log of the run"
+            )
+        return True
+
+    def _inductor(self) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(self.config.inductor_config)
+        patches["custom_partitioner_fn"] = self.partitioner
+        return compile_fx(self.gm, self.example_inputs, inner_compile=self._inductor_inner, config_patches=patches)
+
+    def _inductor_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        if kwargs.get("is_backward"):
+            kind = GraphKind.BACKWARD
+        elif kwargs.get("is_inference"):
+            kind = GraphKind.INFERENCE
+        else:
+            kind = GraphKind.FORWARD
+        communicates = any(is_collective(node) for node in gm.graph.nodes)
+        with contextlib.ExitStack() as stack:
+
+            def lowering(passes: Sequence[PassRecord]) -> dict[str, Any]:
+                """Patches Inductor for this graph (until it is compiled); what it will read."""
+                owned = _schedule_owned_by_dtcompile(self.config, passes) if communicates else {}
+                stack.enter_context(inductor_config.patch(owned))
+                current = inductor_config.get_config_copy()
+                settings = {name: current[name] for name in self.config.inductor_config}
+                if communicates and inductor_reorders_collectives():
+                    settings[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
+                return settings
+
+            gm = self.lower(*self.passes(gm, example_inputs, kind), lowering)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def _aot_only(self) -> Callable[..., Any]:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.compile_fx import select_decomp_table
+
+        def compiler(kind: GraphKind) -> Callable[..., Any]:
+            def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+                from torch._functorch.aot_autograd import make_boxed_func
+
+                lowered = self.lower(*self.passes(graph, inputs, kind), lambda _: {})
+                return make_boxed_func(lowered.forward)
+
+            return compile_graph
+
+        return aot_autograd(
+            fw_compiler=compiler(GraphKind.FORWARD),
+            bw_compiler=compiler(GraphKind.BACKWARD),
+            inference_compiler=compiler(GraphKind.INFERENCE),
+            decompositions=select_decomp_table(),
+            partition_fn=self.partitioner,
+            keep_inference_input_mutations=True,
+        )(self.gm, self.example_inputs)
+
+    # ---- stage 2: partitioned (the partitioner says the trace happened here)
+    def partitioned(self) -> None:
+        self.traced = True
+
+    # ---- stage 3: the passes, per AOT graph
+    def passes(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: GraphKind) -> tuple[fx.GraphModule, GraphKind, list[PassRecord], MemoryPlan, PassContext]:
+        """dtcompile's passes on one AOT graph (a forward's records start with the
+        partitioner's ``reshard_after_forward`` decisions)."""
+        self.traced = True  # an inference graph is traced without a partition
+        memory = MemoryPlan(
+            held_bytes=self.partitioner.held_during_backward if kind == GraphKind.BACKWARD else 0,
+            prefetch_bytes=prefetch_window(self.partitioner.resharding.gathered),
+        )
+        ctx = PassContext(kind=kind, config=self.config, info=self.info, memory=memory)
+        gm, records = run_passes(gm, example_inputs, ctx)
+        if kind == GraphKind.FORWARD:
+            records[:0] = self.partitioner.records(gm)
+        return gm, kind, records, memory, ctx
+
+    # ---- stage 4: lower
+    def lower(
+        self,
+        gm: fx.GraphModule,
+        kind: GraphKind,
+        records: list[PassRecord],
+        memory: MemoryPlan,
+        ctx: PassContext,
+        lowering: Callable[[Sequence[PassRecord]], Mapping[str, Any]],
+    ) -> fx.GraphModule:
+        """The graph with its regions inlined, recorded with the settings it will be lowered
+        with: ``lowering`` is told what the passes did and returns them."""
+        with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
+        regions = inline_regions(gm, self.info, kind)
+        gm.recompile()
+        self.record(
+            CompiledGraph(
+                compile_id=self.info.compile_id,
+                kind=kind,
+                graph=gm,
+                collectives=tuple(graph_collectives(gm.graph, self.info.axes)),
+                passes=tuple(records),
+                info=self.info,
+                regions=tuple(regions),
+                with_regions=with_regions,
+                memory=estimate_memory(gm, kind, memory.held_bytes),
+                memory_traced=ctx.traced_memory,
+                memory_budget=(ctx.budget_bytes, ctx.budget_why),
+                timeline=simulate(gm.graph, self.info.profile),
+                timeline_traced=ctx.traced_timeline,
+                lowering=dict(lowering(records)),
+            )
+        )
+        return gm
+
+    # ---- stage 5: record
+    def record(self, record: CompiledGraph) -> None:
+        """Keeps ``record`` on the backend, logs it, emits its artifacts, and keeps them
+        beside the compile cache where one can serve this graph."""
+        self.backend.records.append(record)
+        self.graphs.append(record)
+        if self.entry is not None:
+            # Made now: lowering rewrites the graph in place (Inductor's reinplacing).
+            keep_artifacts(record, self._kept)
+            save_beside_cache(Beside.REPORTS, self.entry, list(self._kept.values()))
+        log.info(
+            "compile %s %s graph: %d nodes, %d collectives, %d local_map regions",
+            record.compile_id,
+            record.kind,
+            len(record.graph.graph.nodes),
+            len(record.collectives),
+            len(record.regions),
+        )
+        for region in record.regions:
+            log.info("compile %s %s graph: region %s", record.compile_id, record.kind, region)
+        emit_artifacts(record)
+        if self.config.report:
+            print(format_compiled_graph(record), flush=True)
+
+    # ---- the other endings: served from the cache, run eagerly
+    def record_cache_hit(self) -> None:
+        """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log,
+        and logs again the artifacts the run that compiled it kept beside the cache."""
+        saved = load_beside_cache(Beside.REPORTS, self.entry) if self.entry is not None else None
+        cached = CachedCompile(compile_id=self.info.compile_id, graph=self.gm, reported=bool(saved))
+        self.backend.cached.append(cached)
+        log.info("%s", cached)
+        emit_cached_artifact(cached)
+        if saved:
+            emit_saved_artifacts(saved)
+
+    def fall_back_to_eager(self, exc: Exception) -> Callable[..., Any]:
+        """The Dynamo graph as it is (DTensor's eager ops: eager's numbers and collectives),
+        for a graph torch's AOTAutograd could not trace; says so (a warning,
+        ``backend.fallbacks``, an eager-fallback artifact)."""
+        fallback = EagerFallback(compile_id=self.info.compile_id, error=_one_line(exc), graph=self.gm)
+        self.backend.fallbacks.append(fallback)
+        log.info("%s", fallback)
+        emit_fallback_artifact(fallback)
+        warnings.warn(f"dtcompile: {fallback}", stacklevel=3)
+        self.how = f"run eagerly ({fallback.error})"
+        return self.gm.forward
+
+    def schedule(self) -> Schedule:
+        """What this rank compiled, as its ranks' check compares it; a compiled schedule is
+        saved beside the compile cache (as :attr:`entry`), for a run the cache serves."""
+        collectives: tuple[str, ...] | None = None
+        if self.graphs:
+            collectives = collective_lines((g.kind, g.collectives) for g in self.graphs)
+            if self.entry is not None:
+                save_schedule(self.entry, collectives)
+        elif self.how.startswith("served") and self.entry is not None:
+            collectives = load_schedule(self.entry)
+        profile = f"{self.priced}, numbers {profile_text(self.priced.profile)}"
+        decided = decided_from(key_fields(self.config), profile, source_digest(), self.gm, self.example_inputs)
+        return Schedule(self.info.compile_id, self.how, collectives, decided, eager=self.how.startswith("run eagerly"))
