@@ -19,6 +19,7 @@ compiled backward is the one eager runs under ``loss_parallel()``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,9 +31,22 @@ from dynamo_vars._trackers import Handler, state_context
 
 __all__ = ["loss_parallel_backward"]
 
-# True while a joint trace that needs loss_parallel's backward handlers runs;
-# changed only by loss_parallel_backward().
-_keep_backward_handlers = False
+class _Keepers:
+    """The joint traces (on any thread) that need loss_parallel's backward handlers now.
+
+    DTensor's op-handler table is one per process, so whether the backward handlers
+    may be removed is one answer for the process: while any thread's joint trace needs
+    them, none is removed (ranks run as threads trace at the same time; a per-thread
+    flag would let the first rank to finish take them from the others).  The table
+    is put back as the first keeper found it when the last one ends."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.before: dict[Any, Any] = {}
+
+
+_keepers = _Keepers()
 
 
 @has_side_effect
@@ -72,7 +86,7 @@ def set_loss_parallel(enabled: bool) -> None:
         handlers.update(loss_ops)
         return
     for op, fn in loss_ops.items():
-        if handlers.get(op) is fn and not (_keep_backward_handlers and _is_backward_op(op)):
+        if handlers.get(op) is fn and not (_keepers.count and _is_backward_op(op)):
             del handlers[op]
 
 
@@ -88,22 +102,25 @@ def loss_parallel_backward(gm: fx.GraphModule) -> Iterator[None]:
     """Around AOTAutograd's trace of Dynamo graph ``gm``: when ``gm`` enters
     ``loss_parallel()``, its backward is traced with loss_parallel's backward
     handlers, as eager runs it under ``loss_parallel()`` (see the module doc)."""
-    global _keep_backward_handlers
     if not _enters_loss_parallel(gm):
         yield
         return
     loss_ops, handlers = _loss_ops()
-    before = {op: handlers.get(op) for op in loss_ops if _is_backward_op(op)}
-    _keep_backward_handlers = True
+    with _keepers.lock:
+        if _keepers.count == 0:
+            _keepers.before = {op: handlers.get(op) for op in loss_ops if _is_backward_op(op)}
+        _keepers.count += 1
     try:
         yield
     finally:
-        _keep_backward_handlers = False
-        for op, fn in before.items():
-            if fn is None:
-                handlers.pop(op, None)
-            else:
-                handlers[op] = fn
+        with _keepers.lock:
+            _keepers.count -= 1
+            if _keepers.count == 0:
+                for op, fn in _keepers.before.items():
+                    if fn is None:
+                        handlers.pop(op, None)
+                    else:
+                        handlers[op] = fn
 
 
 def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:

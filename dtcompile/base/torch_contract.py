@@ -17,12 +17,10 @@ Their contract is not public, so it is fenced:
   readable test instead of silently (a guard that no longer explains itself,
   a region whose backward is paired wrongly);
 - :data:`PATCHED` lists every torch object that dynamo_vars replaces while
-  installed; ``dynamo_vars.uninstall()`` restores each.  Nothing else is
-  replaced for longer than one call: :mod:`dtcompile.partition` replaces
-  ``partitioners.is_not_collective`` and ``_must_be_in_forward`` only while a
-  partition that keeps collectives runs, and :mod:`dtcompile.cache_keys`
-  registers a ``copyreg`` reducer for ``DeviceMesh`` (its ``__getstate__``
-  without the cached ``_hash``) only while a dtcompile compile runs.
+  installed; ``dynamo_vars.uninstall()`` restores each.  Every other change
+  dtcompile makes to the process (the partitioner's rules and ``copyreg``'s
+  table during a compile, the registry, the test worlds' swaps) is listed, with
+  how long it lasts, in :mod:`dtcompile.base.process_changes`.
 
 Upgrading torch: run that test on the new release first; each line it fails
 on is a name to add to :mod:`dtcompile.base.torch_compat` (one function per
@@ -209,7 +207,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     # dtcompile.auto_parallel: an op without a strategy traced as its registered decomposition
     ("torch._decomp", "decomposition_table", None),
     ("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_non_fake_inputs",)),
-    # dtcompile._testing.models: the MoE's token dispatch (differentiable, as torchtitan's)
+    # dtcompile._testing.moe: the MoE's token dispatch (differentiable, as torchtitan's)
     ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
     # dtcompile.base.torch_compat: the version differences' own probes
     ("torch._dynamo.exc", "TorchRuntimeError", None),
@@ -280,7 +278,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch.testing._internal.distributed.multi_threaded_pg", "_reduce_ops", None),
     ("torch.distributed._local_tensor", "local_tensor_mode", ()),
     ("torch.distributed._local_tensor", "maybe_disable_local_tensor_mode", ()),
-    # dtcompile._testing.idioms: the functional collectives users call
+    # dtcompile._testing.idioms_process_group: the functional collectives users call
     ("torch.distributed._functional_collectives", "all_gather_single", None),
     ("torch.distributed._functional_collectives", "all_gather_tensor", ("self", "gather_dim", "group")),
     ("torch.distributed._functional_collectives", "all_gather_tensor_autograd", ("self", "gather_dim", "group")),
