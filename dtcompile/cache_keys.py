@@ -44,7 +44,7 @@ from __future__ import annotations
 import copyreg
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +97,23 @@ def profile_text(profile: HardwareProfile) -> str:
     return _canonical(profile.to_json())
 
 
-def compile_key(config: DTCompileConfig, profile: HardwareProfile, position: str = "") -> str:
+def compile_key(
+    config: DTCompileConfig,
+    profile: HardwareProfile,
+    position: str = "",
+    input_types: Sequence[Mapping[str, str] | None] = (),
+) -> str:
     """The text torch's caches key dtcompile's graphs on, besides the graph and Inductor's config;
     ``profile`` is the one the graph is priced with (``auto`` picks it per graph), ``position``
-    this rank's place in the graph's meshes (:func:`rank_position`; empty: shared by all ranks)."""
+    this rank's place in the graph's meshes (:func:`rank_position`; empty: shared by all ranks),
+    ``input_types`` the inputs' ``spmd_types`` types per mesh axis
+    (:func:`dtcompile.spmd_typing.input_types`): a graph whose inputs are typed otherwise is
+    compiled (and type-checked) again, never served a check made for other types."""
     fields = ", ".join(f"{name}={text}" for name, text in key_fields(config).items())
     key = f"dtcompile(source={source_digest()}, {fields}, profile={profile_text(profile)}"
+    if any(types for types in input_types):
+        typed = "; ".join("-" if not types else ",".join(f"{axis}:{t}" for axis, t in sorted(types.items())) for types in input_types)
+        key += f", spmd_types=({typed})"
     return key + (f", rank={position})" if position else ")")
 
 

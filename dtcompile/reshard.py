@@ -113,15 +113,6 @@ def _dynamo_input(placeholder: fx.Node) -> int | None:
     return getattr(desc, "idx", None)
 
 
-@dataclass(frozen=True)
-class _Unshard:
-    """One parameter's gather chain in the joint graph."""
-
-    param: str
-    nodes: tuple[fx.Node, ...]
-    gathered_bytes: int
-
-
 def _unshard_chain(primal: fx.Node) -> tuple[fx.Node, ...]:
     """The forward nodes computed from ``primal`` alone through ops of :data:`_UNSHARD_OPS`
     that lead to or come from an all-gather; empty without one."""

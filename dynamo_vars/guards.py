@@ -34,11 +34,6 @@ _EXPECTED: dict[int, tuple[Any, dict[str, Callable[[Any, Any], str | None]]]] = 
 _KEYS = itertools.count()
 
 
-def _mesh_identity(mesh: Any) -> tuple[Any, ...]:
-    mesh = real_object(mesh)
-    return (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, mesh.mesh.flatten().tolist())
-
-
 def describe_mesh_change(old: Any, new: Any) -> str:
     """The difference of two meshes; when shape and names agree, the ranks or device that differ."""
     before, after = describe_mesh(old), describe_mesh(new)

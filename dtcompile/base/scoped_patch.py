@@ -28,10 +28,6 @@ class ScopedPatch:
         self._users = 0
         self._undo: Callable[[], None] | None = None
 
-    @property
-    def active(self) -> bool:
-        return self._users > 0
-
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
         with self._lock:

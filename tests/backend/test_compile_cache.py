@@ -171,6 +171,11 @@ def test_the_key_covers_the_options_that_change_graphs_and_no_others():
     # The profile a graph is priced with (what "auto" picked for it) is in the key by its numbers.
     assert compile_key(base, get_profile("cpu_gloo")) != key
     assert compile_key(base, dataclasses.replace(h100, overlap=0.5)) != key
+    # The inputs' spmd_types types: the same graph typed otherwise is compiled and checked again.
+    assert compile_key(base, h100, input_types=(None, None)) == key
+    row = compile_key(base, h100, input_types=({"tp": "S(0)"}, None))
+    assert row != key and "spmd_types=(tp:S(0); -)" in row
+    assert compile_key(base, h100, input_types=({"tp": "R"}, None)) not in (row, key)
     # Sets are keyed in a fixed order, whatever the process's string hashing.
     two = base.replace(disable_passes=frozenset({"bucketing", "overlap"}))
     assert "disable_passes={'bucketing', 'overlap'}" in compile_key(two, h100)
