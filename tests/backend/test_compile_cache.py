@@ -264,3 +264,33 @@ def test_a_graph_holding_a_mesh_keys_on_the_rank_and_a_plain_one_does_not():
     # Plain tensors and functional collectives: the trace reads no rank; one entry serves all.
     assert _positions(_plain_all_reduce) == ["", ""]
     assert compile_key(DTCompileConfig(), get_profile("h100"), "") == compile_key(DTCompileConfig(), get_profile("h100"))
+
+
+def _untraced(job):
+    """AOTAutograd returning the graph without tracing it (as its cache does on a hit)."""
+    return job.gm.forward
+
+
+@pytest.mark.parametrize("hit_counted", [True, False], ids=["cache-hit-counted", "no-hit-counted"])
+def test_a_graph_is_recorded_as_served_only_where_aot_autograd_counted_a_hit(monkeypatch, hit_counted):
+    """The cache hit is AOTAutograd's own count, not the absence of a trace: a graph
+    neither traced nor counted is an error, never recorded as served from the cache."""
+    from torch._dynamo.utils import counters
+
+    from dtcompile.graph_compile import GraphCompile
+
+    def served(job):
+        if hit_counted:
+            counters["aot_autograd"]["autograd_cache_hit"] += 1
+        return _untraced(job)
+
+    monkeypatch.setattr(GraphCompile, "_aot_only", served)
+    backend = dtcompile.backend(inductor=False)
+    compiled = torch.compile(lambda t: t * 2, backend=backend)
+    if hit_counted:
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+        assert [c.compile_id for c in backend.cached] == ["0/0"] and not backend.records
+    else:
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="without tracing it here and without a cache hit"):
+            compiled(torch.ones(3))
+        assert not backend.cached
