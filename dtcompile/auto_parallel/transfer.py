@@ -94,7 +94,7 @@ def transfer(
             # unless local work (a chunk, a cat) reads its result at once.
             last_ok = not result_read_at_once(shape, dtype, grad, want, mesh)
             bucketable += tuple(last_ok and i == len(backward) - 1 for i in range(len(backward)))
-        copy_us = copied / (profile.memory_gbps * 1e9) * 1e6
+        copy_us = profile.memory_time_us(copied)
         result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us, bucketable=bucketable)
     cache[key] = result
     return result

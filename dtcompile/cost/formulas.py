@@ -107,6 +107,15 @@ class HardwareProfile:
             fields[link] = LinkCost(**fields[link])
         return cls(**fields)
 
+    def compute_time_us(self, flops: float) -> float:
+        """Microseconds of ``flops`` of dense matmul on one device, at the roofline."""
+        return flops / (self.matmul_tflops * 1e12) * 1e6
+
+    def memory_time_us(self, num_bytes: float) -> float:
+        """Microseconds to move ``num_bytes`` through one device's memory (read plus write
+        counted by the caller): an elementwise op, a copy into or out of a buffer."""
+        return num_bytes / (self.memory_gbps * 1e9) * 1e6
+
     def link(self, span: int) -> LinkCost:
         """The link a group uses whose ranks span ``span`` consecutive ranks."""
         return self.intra_node if span <= self.devices_per_node else self.inter_node

@@ -35,10 +35,6 @@ def _tensors(value: Any) -> list[Any]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def _flops_time_us(flops: float, profile: HardwareProfile) -> float:
-    return flops / (profile.matmul_tflops * 1e12) * 1e6
-
-
 def region_timeline(node: Any, profile: HardwareProfile) -> Timeline:
     """A ``local_map`` region node played alone: its body's :func:`simulate`.
 
@@ -61,20 +57,20 @@ def node_time_us(node: Any, profile: HardwareProfile) -> float:
     if target.namespace == "dtcompile":
         if name == "fused_all_gather_matmul":
             gathered, outs = node.meta["val"]
-            return sum(_flops_time_us(2 * numel_hint(o) * hint(gathered.shape[-1]), profile) for o in outs)
+            return sum(profile.compute_time_us(2 * numel_hint(o) * hint(gathered.shape[-1])) for o in outs)
         if name == "fused_matmul_reduce_scatter":
             a, out_shape = node.args[0].meta["val"], node.args[2]
-            return _flops_time_us(2 * math.prod(hint(s) for s in out_shape) * hint(a.shape[-1]), profile)
+            return profile.compute_time_us(2 * math.prod(hint(s) for s in out_shape) * hint(a.shape[-1]))
     if name in _FREE or target.namespace == "_c10d_functional":
         return 0.0
     out = _tensors(node.meta.get("val"))
     if name in ("mm", "addmm", "bmm", "baddbmm") and out:
         a = node.args[1] if name in ("addmm", "baddbmm") else node.args[0]
         k = hint(a.meta["val"].shape[-1])
-        return _flops_time_us(2 * numel_hint(out[0]) * k, profile)
+        return profile.compute_time_us(2 * numel_hint(out[0]) * k)
     moved = sum(nbytes_hint(t) for t in out)
     moved += sum(nbytes_hint(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-    return moved / (profile.memory_gbps * 1e9) * 1e6
+    return profile.memory_time_us(moved)
 
 
 def fused_hidden_us(comm_us: float, matmul_us: float, group_size: int, profile: HardwareProfile) -> float:

@@ -153,7 +153,7 @@ class _Pricer:
         moved = 2 * member.value.numel() * member.value.element_size()
         if member.info.op == "all_gather":
             moved += 2 * member.num_bytes
-        return moved / (self.profile.memory_gbps * 1e9) * 1e6
+        return self.profile.memory_time_us(moved)
 
     def join(self, bucket: _Bucket, member: _Member) -> Price:
         t_bucket, t_member = self.time_us(member, bucket.num_bytes), self.time_us(member, member.num_bytes)

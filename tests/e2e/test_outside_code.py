@@ -403,3 +403,32 @@ def test_a_view_that_makes_a_strided_shard_compiles_forward_and_backward():
     assert compiled[:2] == (placements, shape) and compiled[3] == grad_placements
     torch.testing.assert_close(compiled[2], local, rtol=0, atol=0)
     torch.testing.assert_close(compiled[4], grad, rtol=0, atol=0)
+
+
+def test_the_unflatten_patch_differs_from_stock_only_where_stock_raises():
+    """dynamo_vars keeps ``DTensor.__tensor_unflatten__`` patched while installed, for every
+    backend in the process (dtcompile/base/process_changes.py): it must rebuild every spec
+    stock rebuilds the same, and differ only on the one stock refuses."""
+    import dynamo_vars
+    from torch.distributed.tensor import DTensor
+
+    from dynamo_vars.dtensor_api import _unflatten_keeping_shard_order
+
+    with dynamo_vars.enabled(False):
+        stock = vars(DTensor)["__tensor_unflatten__"]
+    patched = _unflatten_keeping_shard_order(stock).__func__
+    with fake_world(4, (2, 2), ("dp", "tp")) as mesh:
+        x = distribute_tensor(torch.arange(25.0).reshape(5, 5), mesh, [Replicate(), Shard(1)], src_data_rank=None)
+        for plain in (x, x * 2, x.redistribute(mesh, [Shard(0), Replicate()])):
+            names, spec = plain.__tensor_flatten__()
+            inner = {name: getattr(plain, name) for name in names}
+            ours, theirs = patched(inner, spec, plain.shape, plain.stride()), stock.__func__(inner, spec, plain.shape, plain.stride())
+            assert (ours.placements, ours.shape, ours._spec.shard_order) == (theirs.placements, theirs.shape, theirs._spec.shard_order)
+            assert ours._local_tensor is theirs._local_tensor is plain._local_tensor
+        strided = (x * 2).view(-1)
+        names, spec = strided.__tensor_flatten__()
+        inner = {name: getattr(strided, name) for name in names}
+        with pytest.raises(Exception, match="shard_order"):
+            stock.__func__(inner, spec, strided.shape, strided.stride())
+        rebuilt = patched(inner, spec, strided.shape, strided.stride())
+        assert rebuilt.placements == strided.placements and rebuilt._spec.shard_order == strided._spec.shard_order
