@@ -409,9 +409,9 @@ def test_the_unflatten_patch_differs_from_stock_only_where_stock_raises():
     """dynamo_vars keeps ``DTensor.__tensor_unflatten__`` patched while installed, for every
     backend in the process (dtcompile/base/process_changes.py): it must rebuild every spec
     stock rebuilds the same, and differ only on the one stock refuses."""
-    import dynamo_vars
     from torch.distributed.tensor import DTensor
 
+    import dynamo_vars
     from dynamo_vars.dtensor_api import _unflatten_keeping_shard_order
 
     with dynamo_vars.enabled(False):
