@@ -48,7 +48,6 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
 import dynamo_vars
@@ -58,7 +57,7 @@ from dtcompile.cache_keys import (
 )
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.dynamo_output import with_outputs_put_back
-from dtcompile.graph_compile import GraphCompile
+from dtcompile.graph_compile import GraphCompile, devices_of
 from dtcompile.rank_check import (
     CheckedOnFirstCall,
     RanksDisagree,
@@ -90,10 +89,6 @@ def _raised_on_purpose(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _devices(example_inputs: Sequence[Any]) -> frozenset[str]:
-    return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
 
 
 class DTCompileBackend:
@@ -142,7 +137,7 @@ class DTCompileBackend:
         if not dynamo_vars.is_installed():
             warnings.warn(f"dtcompile: this graph was traced with dynamo_vars uninstalled: {_STOCK_TRACING}", stacklevel=2)
         if mode is not None or options:
-            config, ignored = config_for(config, mode, options, _devices(example_inputs))
+            config, ignored = config_for(config, mode, options, devices_of(example_inputs))
             if ignored:
                 warnings.warn(f"dtcompile: ignored {'; '.join(ignored)}", stacklevel=2)
         job = GraphCompile(self, gm, example_inputs, config)

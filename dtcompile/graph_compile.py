@@ -133,6 +133,11 @@ class UntracedUnserved(RuntimeError):
     """AOTAutograd returned a graph it neither traced here nor served from its cache."""
 
 
+def devices_of(example_inputs: Sequence[Any]) -> frozenset[str]:
+    """The device types of a graph's tensor inputs."""
+    return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
+
+
 def _aot_cache_hits() -> int:
     from torch._dynamo.utils import counters
 
@@ -145,10 +150,9 @@ class GraphCompile:
     def __init__(self, backend: DTCompileBackend, gm: fx.GraphModule, example_inputs: Sequence[Any], config: DTCompileConfig) -> None:
         self.backend, self.gm, self.example_inputs, self.config = backend, gm, example_inputs, config
         compile_id = torch._guards.CompileContext.current_compile_id()
-        devices = frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
         axes = mesh_axes(gm, example_inputs)
         # Priced for its devices and its meshes' groups (the default group's when it has none).
-        self.priced = profile_for_groups(config.cost_profile, devices, list(axes))
+        self.priced = profile_for_groups(config.cost_profile, devices_of(example_inputs), list(axes))
         self.info = describe_dynamo_graph(
             gm, str(compile_id) if compile_id is not None else "?", axes, self.priced.profile, self.priced.why
         )
