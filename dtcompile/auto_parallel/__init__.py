@@ -16,7 +16,9 @@ The modules, in the order the work flows:
 - :mod:`~dtcompile.auto_parallel.measure` -- an op's forward and backward, and a
   redistribution, priced with dtcompile's cost model;
 - :mod:`~dtcompile.auto_parallel.transfer` -- an edge's redistributions, bucketed parameter collectives;
-- :mod:`~dtcompile.auto_parallel.problem` -- candidates, edges, fan-outs;
+- :mod:`~dtcompile.auto_parallel.graph` -- the problem as data: nodes, candidates, edges, fan-out rules;
+- :mod:`~dtcompile.auto_parallel.problem` -- each node's candidates, priced;
+- :mod:`~dtcompile.auto_parallel.edges` -- the edges between them, fan-outs, parameters gathered again;
 - :mod:`~dtcompile.auto_parallel.tying` -- repeated layers share one choice;
 - :mod:`~dtcompile.auto_parallel.solver` -- the integer program (HiGHS), its named constraints;
 - :mod:`~dtcompile.auto_parallel.solution` -- the choice, explained;

@@ -61,7 +61,7 @@ class SolveResult:
     choice: dict[str, int]
     """Node name -> index of its chosen candidate."""
     buckets: tuple[Any, ...]
-    """The buckets of parameter collectives the plan uses (see :mod:`dtcompile.auto_parallel.problem`)."""
+    """The buckets of parameter collectives the plan uses (see :mod:`dtcompile.auto_parallel.edges`)."""
     objective_us: float
     seconds: float
     num_variables: int
