@@ -19,7 +19,6 @@ compiled backward is the one eager runs under ``loss_parallel()``.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,27 +26,10 @@ import torch
 from torch import fx
 from torch.fx.node import has_side_effect
 
+from dtcompile.base.scoped_patch import ScopedPatch
 from dynamo_vars._trackers import Handler, state_context
 
 __all__ = ["loss_parallel_backward"]
-
-class _Keepers:
-    """The joint traces (on any thread) that need loss_parallel's backward handlers now.
-
-    DTensor's op-handler table is one per process, so whether the backward handlers
-    may be removed is one answer for the process: while any thread's joint trace needs
-    them, none is removed (ranks run as threads trace at the same time; a per-thread
-    flag would let the first rank to finish take them from the others).  The table
-    is put back as the first keeper found it when the last one ends."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.count = 0
-        self.before: dict[Any, Any] = {}
-
-
-_keepers = _Keepers()
-
 
 @has_side_effect
 def set_implicit_replication(enabled: bool) -> None:
@@ -86,7 +68,7 @@ def set_loss_parallel(enabled: bool) -> None:
         handlers.update(loss_ops)
         return
     for op, fn in loss_ops.items():
-        if handlers.get(op) is fn and not (_keepers.count and _is_backward_op(op)):
+        if handlers.get(op) is fn and not (_keeping_backward_handlers.active and _is_backward_op(op)):
             del handlers[op]
 
 
@@ -105,22 +87,30 @@ def loss_parallel_backward(gm: fx.GraphModule) -> Iterator[None]:
     if not _enters_loss_parallel(gm):
         yield
         return
-    loss_ops, handlers = _loss_ops()
-    with _keepers.lock:
-        if _keepers.count == 0:
-            _keepers.before = {op: handlers.get(op) for op in loss_ops if _is_backward_op(op)}
-        _keepers.count += 1
-    try:
+    with _keeping_backward_handlers():
         yield
-    finally:
-        with _keepers.lock:
-            _keepers.count -= 1
-            if _keepers.count == 0:
-                for op, fn in _keepers.before.items():
-                    if fn is None:
-                        handlers.pop(op, None)
-                    else:
-                        handlers[op] = fn
+
+
+def _keep_backward_handlers() -> Callable[[], None]:
+    """Notes loss_parallel's backward entries of DTensor's handler table; the undo puts
+    them back as they were.  The table is one per process, so the entries are kept
+    while any thread's joint trace needs them (a :class:`ScopedPatch`): ranks run as
+    threads trace at the same time, and the first to finish must not take them from
+    the others."""
+    loss_ops, handlers = _loss_ops()
+    before = {op: handlers.get(op) for op in loss_ops if _is_backward_op(op)}
+
+    def undo() -> None:
+        for op, fn in before.items():
+            if fn is None:
+                handlers.pop(op, None)
+            else:
+                handlers[op] = fn
+
+    return undo
+
+
+_keeping_backward_handlers = ScopedPatch(_keep_backward_handlers)
 
 
 def ID_HANDLERS() -> dict[Callable[..., Any], Handler]:

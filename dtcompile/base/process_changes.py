@@ -103,9 +103,10 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "call that sets and resets it as eager does)"),
     ("dynamo_vars.dtensor_state", "set_loss_parallel", _C,
      "loss_parallel's DTensor op handlers, as the user's loss_parallel() block installs and removes them"),
-    ("dynamo_vars.dtensor_state", "loss_parallel_backward", _C,
-     "keeps loss_parallel's backward handlers while joint traces that need them run (counted "
-     "across threads), then puts the table back as the first of them found it"),
+    ("dynamo_vars.dtensor_state", "_keep_backward_handlers.undo", _C,
+     "puts loss_parallel's backward handlers back as the first joint trace that kept them found "
+     "them, when the last one ends (ScopedPatch: counted across threads)"),
+    ("dynamo_vars.dtensor_state", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     # ---- hops
     ("hops.region_op", "_swapped_state", _T, "the region op's per-thread switches (a threading.local)"),
     ("hops.region_op", "<module>", _P,

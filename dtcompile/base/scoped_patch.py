@@ -28,6 +28,11 @@ class ScopedPatch:
         self._users = 0
         self._undo: Callable[[], None] | None = None
 
+    @property
+    def active(self) -> bool:
+        """Whether some block holds the change now."""
+        return self._users > 0
+
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
         with self._lock:
