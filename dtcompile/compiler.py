@@ -52,9 +52,7 @@ from torch import fx
 
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo
-from dtcompile.cache_keys import (
-    meshes_held,
-)
+from dtcompile.cache_keys import meshes_held
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.dynamo_output import with_outputs_put_back
 from dtcompile.graph_compile import GraphCompile, devices_of

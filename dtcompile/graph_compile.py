@@ -367,7 +367,7 @@ class GraphCompile:
         self.backend.fallbacks.append(fallback)
         log.info("%s", fallback)
         emit_fallback_artifact(fallback)
-        warnings.warn(f"dtcompile: {fallback}", stacklevel=3)
+        warnings.warn(f"dtcompile: {fallback}", stacklevel=2)  # points at the backend's call
         self.how = f"run eagerly ({fallback.error})"
         return self.gm.forward
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from test_layers import modules
 
-from dtcompile.base.process_changes import CHANGES, Scope
+from dtcompile.base.process_changes import CHANGES, Change, Scope
 
 MUTATORS = frozenset({"update", "pop", "popitem", "setdefault", "clear", "append", "extend", "insert", "remove",
                       "add", "discard", "patch", "__setitem__", "__delitem__", "cache_clear"})
@@ -212,7 +212,7 @@ def test_the_scan_finds_a_planted_change(tmp_path):
         ("planted", f) for f in ("patch_module", "rebinds", "switches", "through_a_handed_out_table", "through_a_local", "write_copyreg")
     ]
     assert [s.kind for key in sorted(found) for s in found[key]] == ["setattr", "global", "switch", "mutate", "write", "write"]
-    listed = [type(CHANGES[0])("planted", f, Scope.CALL, "planted") for f in ("patch_module", "rebinds", "switches", "through_a_local", "write_copyreg", "gone")]
+    listed = [Change("planted", f, Scope.CALL, "planted") for f in ("patch_module", "rebinds", "switches", "through_a_local", "write_copyreg", "gone")]
     unlisted, stale = unlisted_and_stale(found, listed)
     assert unlisted == ["planted:17 in through_a_handed_out_table: mutate `table.pop(1, None)`"]
     assert stale == ["planted.gone"]
