@@ -54,9 +54,9 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
     assert checks and all(c.outcome == "agreed" for c in checks), [str(c) for c in checks]
     assert not backends["no check"].checks
     records = list(backends["check"].records)
-    from dtcompile.rank_check import collective_lines
+    from dtcompile.rank_check import scheduled_collectives
 
-    schedule_bytes = len("\n".join(collective_lines((r.kind, r.collectives) for r in records)))
+    schedule_bytes = len("\n".join(map(str, scheduled_collectives((r.kind, r.collectives) for r in records))))
     return {
         "exchange_s": sum(c.seconds for c in checks),
         "graphs": len(checks),

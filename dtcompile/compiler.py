@@ -58,9 +58,12 @@ from dtcompile.dynamo_output import with_outputs_put_back
 from dtcompile.graph_compile import GraphCompile, devices_of
 from dtcompile.rank_check import (
     CheckedOnFirstCall,
+    CheckOutcome,
     RanksDisagree,
     Schedule,
     agree,
+    agreed_earlier,
+    agreement_marks,
     check_groups,
 )
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, RankCheck
@@ -108,8 +111,8 @@ class DTCompileBackend:
         self.fallbacks: collections.deque[EagerFallback] = collections.deque(maxlen=_MAX_RECORDS)
         self.cached: collections.deque[CachedCompile] = collections.deque(maxlen=_MAX_RECORDS)
         self.checks: collections.deque[RankCheck] = collections.deque(maxlen=_MAX_RECORDS)
-        # (rank, frame) -> schedules its ranks agreed on (rank: ranks as threads share a backend).
-        self._agreed: dict[tuple[int, str], set[str]] = {}
+        # (rank, frame) -> what its ranks agreed on (rank: ranks as threads share a backend).
+        self._agreed: dict[tuple[int, str], set[tuple[str, str]]] = {}
 
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
@@ -164,29 +167,36 @@ class DTCompileBackend:
         )
 
     def _agree(self, schedule: Schedule, groups: Sequence[str], timeout_s: float, axes: Mapping[str, str]) -> bool:
-        """The ranks' check of one graph (:func:`dtcompile.rank_check.agree`), recorded; a
-        recompile whose schedule its frame already agreed on is not exchanged."""
+        """The ranks' check of one graph (:func:`dtcompile.rank_check.agree`), recorded.
+
+        A recompile is often this rank's alone (its own shapes specialized, a guard on its
+        own values), and its peers then never come to compare it.  So a graph whose
+        collectives its frame's ranks already agreed on is not exchanged: the same
+        collectives, or the same ones with other sizes where the sizes are the program's
+        (not a bucketing decision), or, where this rank does not know them (served from
+        the cache without them), the same settings they were decided from."""
         import torch.distributed as dist
 
-        frame = (dist.get_rank(), schedule.compile_id.split("/")[0])
+        agreed = self._agreed.setdefault((dist.get_rank(), schedule.frame), set())
 
         def record(outcome: str, seconds: float = 0.0) -> None:
             check = RankCheck(schedule.compile_id, tuple(groups), outcome, seconds, bool(schedule.digest))
             self.checks.append(check)
             log.info("%s", check)
 
-        if schedule.digest and schedule.digest in self._agreed.get(frame, ()):
-            record("agreed on by an earlier graph")
+        earlier = agreed_earlier(schedule, agreed)
+        if earlier:
+            record(earlier)
             return False
         start = time.perf_counter()
         try:
             eager = agree(schedule, groups, timeout_s, axes)
         except RanksDisagree:
-            record("ranks disagree", time.perf_counter() - start)
+            record(CheckOutcome.DISAGREE, time.perf_counter() - start)
             raise
-        record("every rank runs it eagerly" if eager else "agreed", time.perf_counter() - start)
-        if not eager and schedule.digest:
-            self._agreed.setdefault(frame, set()).add(schedule.digest)
+        record(CheckOutcome.EAGER if eager else CheckOutcome.AGREED, time.perf_counter() - start)
+        if not eager:
+            agreed.update(agreement_marks(schedule))
         return eager
 
     def _run_eagerly_on_every_rank(self, gm: fx.GraphModule, info: DynamoGraphInfo) -> None:

@@ -55,11 +55,12 @@ from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.rank_check import (
     Schedule,
-    collective_lines,
+    Scheduled,
     decided_from,
     inputs_text,
     load_schedule,
     save_schedule,
+    scheduled_collectives,
     world_can_disagree,
 )
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
@@ -72,16 +73,43 @@ from hops import keep_regions
 if TYPE_CHECKING:
     from dtcompile.compiler import DTCompileBackend
 
-__all__ = ["GraphCompile", "UntracedUnserved"]
+__all__ = ["GraphCompile", "UntracedUnserved", "symbolic_dtensor"]
 
 log = logging.getLogger("dtcompile.compiler")  # the backend's logger, as users configure it
 
 
+def symbolic_dtensor(gm: fx.GraphModule) -> str | None:
+    """The first input or output of ``gm`` that is a DTensor of symbolic size, or ``None``.
+
+    AOTAutograd's cache keeps each DTensor input's and output's ``__tensor_flatten__``
+    metadata, its ``DTensorSpec``; under dynamic shapes the spec's sizes are SymInts that
+    hold their ShapeEnv, which cannot be pickled, so torch logs "AOTAutograd cache unable
+    to serialize compiled graph" on every compile and caches nothing (stock Inductor
+    alike; torch makes the subclass's outer sizes safe to save, not its metadata)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    def symbolic(value: Any) -> bool:
+        return isinstance(value, DTensor) and any(
+            isinstance(d, torch.SymInt) for d in (*value._spec.shape, *value._spec.stride)
+        )
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and symbolic(node.meta.get("example_value")):
+            return f"input {node.name}"
+        if node.op == "output":
+            for arg in pytree.tree_leaves(node.args):
+                if isinstance(arg, fx.Node) and symbolic(arg.meta.get("example_value")):
+                    return f"output {arg.name}"
+    return None
+
+
 @contextlib.contextmanager
-def _aot_settings(config: DTCompileConfig, *, backward_now: bool) -> Iterator[None]:
+def _aot_settings(config: DTCompileConfig, *, backward_now: bool, cacheable: bool = True) -> Iterator[None]:
     """AOTAutograd as this compile needs it.  Its cache as the user set it, except where
     this compile must run here (``aot_cache=False``, or ``report`` / ``trace_pass_graphs``,
-    which show the graphs as they compile): a hit there would trace nothing.  Both
+    which show the graphs as they compile): a hit there would trace nothing; and where
+    torch cannot save the graph (``cacheable``: :func:`symbolic_dtensor`).  Both
     caches key on :func:`~dtcompile.cache_keys.compile_key` through the partitioner, so
     a hit is a graph compiled with these options.  ``backward_now``: the backward is
     compiled with the forward, not at its first call, so that the ranks' check
@@ -89,7 +117,7 @@ def _aot_settings(config: DTCompileConfig, *, backward_now: bool) -> Iterator[No
     from torch._functorch import config as functorch_config
 
     settings = {}
-    if not config.aot_cache or config.report or config.trace_pass_graphs:
+    if not config.aot_cache or config.report or config.trace_pass_graphs or not cacheable:
         settings["enable_autograd_cache"] = False
     if backward_now:
         settings["force_non_lazy_backward_lowering"] = True
@@ -164,7 +192,14 @@ class GraphCompile:
         self.key = compile_key(config, self.priced.profile, rank_position(gm, example_inputs), self.info.spmd_inputs)
         # Where a compile cache can serve this graph, what is kept beside it for the graph
         # (its artifacts, its schedule) is found again by this; None where none can.
-        self.entry = f"{self.key}\n{gm.code}\n{inputs_text(example_inputs)}" if config.inductor and config.aot_cache else None
+        self.uncacheable = symbolic_dtensor(gm)
+        if self.uncacheable is not None and config.aot_cache:
+            log.info(
+                "%s: AOTAutograd's cache is off for this graph: its %s is a DTensor of symbolic size, whose "
+                "spec torch cannot save", self.info.compile_id, self.uncacheable,
+            )
+        cacheable = config.inductor and config.aot_cache and self.uncacheable is None
+        self.entry = f"{self.key}\n{gm.code}\n{inputs_text(example_inputs)}" if cacheable else None
         self.checking = config.check_ranks and world_can_disagree()
         self.partitioner = Partitioner(
             bool(self.info.uneven),
@@ -190,7 +225,7 @@ class GraphCompile:
         """AOTAutograd (and Inductor) on the graph; the later stages run inside, per AOT graph."""
         self._hits_before = _aot_cache_hits()
         with (
-            _aot_settings(self.config, backward_now=self.checking),
+            _aot_settings(self.config, backward_now=self.checking, cacheable=self.uncacheable is None),
             stable_mesh_keys(),
             fresh_sharding_caches(),
             keep_regions(),
@@ -374,13 +409,18 @@ class GraphCompile:
     def schedule(self) -> Schedule:
         """What this rank compiled, as its ranks' check compares it; a compiled schedule is
         saved beside the compile cache (as :attr:`entry`), for a run the cache serves."""
-        collectives: tuple[str, ...] | None = None
+        collectives: tuple[Scheduled, ...] | None = None
+        bucketed = False
         if self.graphs:
-            collectives = collective_lines((g.kind, g.collectives) for g in self.graphs)
-            if self.entry is not None:
-                save_schedule(self.entry, collectives)
+            collectives = scheduled_collectives((g.kind, g.collectives) for g in self.graphs)
+            bucketed = any(d.action == Action.BUCKETED for g in self.graphs for p in g.passes for d in p.decisions)
         elif self.how.startswith("served") and self.entry is not None:
-            collectives = load_schedule(self.entry)
+            collectives, bucketed = load_schedule(self.entry) or (None, False)
         profile = f"{self.priced}, numbers {profile_text(self.priced.profile)}"
         decided = decided_from(key_fields(self.config), profile, source_digest(), self.gm, self.example_inputs)
-        return Schedule(self.info.compile_id, self.how, collectives, decided, eager=self.how.startswith("run eagerly"))
+        schedule = Schedule(
+            self.info.compile_id, self.how, collectives, decided, eager=self.how.startswith("run eagerly"), bucketed=bucketed
+        )
+        if self.graphs and self.entry is not None:
+            save_schedule(self.entry, schedule)
+        return schedule

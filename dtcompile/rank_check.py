@@ -32,9 +32,21 @@ answers with a real collective (a rank that recompiled, or runs another graph)
 would abort gloo by itself.  A graph served by AOTAutograd's cache traced
 nothing here; its schedule is read back from what the run that compiled it
 wrote beside the cache (:func:`save_schedule`), or, where that is gone, the
-inputs it was decided from are compared instead.  A recompile whose schedule
-equals one this rank's frame already agreed on needs no exchange: its peers
-may not have recompiled, and they issue the same collectives either way.
+inputs it was decided from are compared instead.
+
+A recompile is often one rank's alone: under dynamic shapes a rank whose own
+shard or sequence is 0 or 1 long specializes, a guard on a rank's own value
+fails.  Its peers run the graph they have and never come to compare the new
+one, so a check that waited for them would hang the job.  What must pair up is
+the collectives that run together, so a recompile whose collectives its
+frame's ranks already agreed on needs no exchange (:func:`agreed_earlier`): the
+same collectives; the same ones with other sizes where the sizes are the
+program's (rank-dependent shapes) and not dtcompile's (bucketing); or, where
+the collectives are unknown here, the same settings.  Only a recompile with new
+collectives is exchanged, and those ranks that issue them meet at the check.
+
+The wait polls the store (no c10d warning per slice, as ``store.wait`` logs)
+and says once, at INFO, which peers it has waited for a few seconds.
 
 Off with ``dtcompile.backend(check_ranks=False)``; skipped where it cannot
 matter: no process group, the fake group, groups of one rank, and a graph
@@ -46,12 +58,12 @@ collectives for it, that peer's check names this rank as not coming).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -63,21 +75,25 @@ from dtcompile.collectives import CollectiveInfo, axis_name, group_names_in
 
 __all__ = [
     "ABORT_KEY",
+    "CheckOutcome",
     "RanksDisagree",
     "Schedule",
     "abort_checks",
     "agree",
+    "Scheduled",
     "check_groups",
-    "collective_lines",
     "checks_waiting_for",
     "load_schedule",
     "save_schedule",
+    "scheduled_collectives",
     "world_can_disagree",
 ]
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "dtcompile/rank_check"
+DYNAMO_GRAPH = "Dynamo graph"
+"""The entry of :attr:`Schedule.decided` for the graph itself (its code and inputs)."""
 # Backends whose ranks are one process's simulation: they cannot compile differently.
 _SIMULATED = frozenset({"fake"})
 
@@ -87,39 +103,94 @@ class RanksDisagree(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Scheduled:
+    """One collective of a compiled graph, as the ranks of its group must agree on it."""
+
+    kind: str
+    """The AOT graph it is in: ``forward``, ``backward`` or ``inference``."""
+    index: int
+    """Its place among that graph's collectives."""
+    label: str
+    """``all_gather``, or ``all_gather+matmul`` for a fused collective-matmul."""
+    axis: str
+    group_size: int
+    dtype: str
+    shape: tuple[int, ...] | None
+    """``None`` where ranks need not share it: an all-to-all's, a data-dependent collective's."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind} collective {self.index}"
+
+    @property
+    def what(self) -> str:
+        shape = "" if self.shape is None else str(list(self.shape))
+        return f"{self.label}[{self.axis}] x{self.group_size} {self.dtype}{shape}"
+
+    @property
+    def sizeless(self) -> tuple[str, int, str, str, int, str]:
+        """What pairs it with its peers' collective whatever the sizes: graph, place, op, group, dtype."""
+        return (self.kind, self.index, self.label, self.axis, self.group_size, self.dtype)
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}"
+
+
+@dataclass(frozen=True)
 class Schedule:
     """What one rank compiled for one Dynamo graph, as the check compares it."""
 
     compile_id: str
     how: str
     """``compiled here``, ``served from the compile cache`` or ``run eagerly (...)``."""
-    collectives: tuple[str, ...] | None
-    """Every collective of its graphs in program order (:func:`collective_lines`);
+    collectives: tuple[Scheduled, ...] | None
+    """Every collective of its graphs in program order (:func:`scheduled_collectives`);
     ``None`` where unknown (eager, or a cache entry without its saved schedule)."""
     decided: Mapping[str, str]
     """What the compile was decided from, by name: options, cost profile, sources, the graph."""
     eager: bool = False
+    bucketed: bool = False
+    """Whether dtcompile merged collectives into buckets: their sizes are then its decision
+    (from this rank's shapes), and a recompile must match an agreed schedule size for size."""
+
+    @property
+    def frame(self) -> str:
+        """The Dynamo frame the graph belongs to (its recompiles share it)."""
+        return self.compile_id.split("/")[0]
 
     @property
     def digest(self) -> str:
         """Digest of the collectives; empty where they are unknown."""
-        return "" if self.collectives is None else _digest("\n".join(self.collectives))
+        return "" if self.collectives is None else _digest("\n".join(map(str, self.collectives)))
 
-    def on_axis(self, axis: str) -> tuple[str, ...] | None:
+    @property
+    def sizeless_digest(self) -> str:
+        """Digest of the collectives without their sizes; empty where they are unknown or
+        :attr:`bucketed` (then the sizes are dtcompile's decision, not the program's)."""
+        if self.collectives is None or self.bucketed:
+            return ""
+        return _digest(json.dumps([c.sizeless for c in self.collectives]))
+
+    def on_axis(self, axis: str) -> tuple[Scheduled, ...] | None:
         """The collectives on ``axis``'s groups: what the ranks of one such group must agree on.
         Ranks of two different groups of an axis need not (under uneven shards a rank
         whose shard is empty moves empty buffers with its own group)."""
         if self.collectives is None:
             return None
-        return tuple(line for line in self.collectives if line.split(": ", 1)[1].split("]", 1)[0].endswith(f"[{axis}"))
+        return tuple(c for c in self.collectives if c.axis == axis)
 
     def digest_on(self, axis: str) -> str:
-        lines = self.on_axis(axis)
-        return "" if lines is None else _digest("\n".join(lines))
+        on_axis = self.on_axis(axis)
+        return "" if on_axis is None else _digest("\n".join(map(str, on_axis)))
 
     @property
     def decided_digest(self) -> str:
         return _digest(json.dumps(dict(self.decided), sort_keys=True))
+
+    @property
+    def settings_digest(self) -> str:
+        """Digest of what it was decided from but the Dynamo graph: what all graphs of a frame share."""
+        return _digest(json.dumps({k: v for k, v in self.decided.items() if k != DYNAMO_GRAPH}, sort_keys=True))
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "decided": dict(self.decided)})
@@ -127,25 +198,82 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str | bytes) -> Schedule:
         data = json.loads(text)
-        collectives = data["collectives"]
-        return cls(**{**data, "collectives": None if collectives is None else tuple(collectives)})
+        return cls(**{**data, "collectives": _scheduled_from_json(data["collectives"])})
+
+
+class CheckOutcome(str, enum.Enum):
+    """How one graph's check ended (:attr:`dtcompile.records.RankCheck.outcome`)."""
+
+    AGREED = "agreed"
+    EARLIER = "agreed on by an earlier graph"
+    """A recompile with collectives its frame's ranks agreed on: nothing exchanged."""
+    EARLIER_OTHER_SIZES = "agreed on by an earlier graph, with this rank's sizes"
+    """A recompile with its frame's agreed collectives but other sizes, which the program
+    decided (this rank's own shapes specialized, an uneven shard): nothing exchanged."""
+    EARLIER_SETTINGS = "decided as an earlier graph (its collectives unknown here)"
+    """A recompile served from the cache without its schedule, decided from the settings its
+    frame's ranks agreed on: nothing exchanged."""
+    EAGER = "every rank runs it eagerly"
+    DISAGREE = "ranks disagree"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+def agreement_marks(schedule: Schedule) -> set[tuple[str, str]]:
+    """What a later graph of ``schedule``'s frame is matched against once its ranks agreed on it."""
+    marks = {("settings", schedule.settings_digest)}
+    if schedule.digest:
+        marks.add(("sizes", schedule.digest))
+    if schedule.sizeless_digest:
+        marks.add(("sizeless", schedule.sizeless_digest))
+    return marks
+
+
+def agreed_earlier(schedule: Schedule, marks: Set[tuple[str, str]]) -> CheckOutcome | None:
+    """Whether ``schedule``, a graph of a frame whose ranks agreed on ``marks``
+    (:func:`agreement_marks`), needs no exchange, and why; ``None`` where it does."""
+    if schedule.eager:
+        return None  # every rank must learn it, to run eagerly too
+    if schedule.collectives is None:
+        return CheckOutcome.EARLIER_SETTINGS if ("settings", schedule.settings_digest) in marks else None
+    if ("sizes", schedule.digest) in marks:
+        return CheckOutcome.EARLIER
+    if schedule.sizeless_digest and ("sizeless", schedule.sizeless_digest) in marks:
+        return CheckOutcome.EARLIER_OTHER_SIZES
+    return None
+
+
+def _scheduled_from_json(data: Any) -> tuple[Scheduled, ...] | None:
+    """Collectives as :meth:`Schedule.to_json` wrote them; ``None`` for anything else."""
+    if not isinstance(data, list) or not all(isinstance(c, dict) for c in data):
+        return None
+    return tuple(Scheduled(**{**c, "shape": None if c["shape"] is None else tuple(c["shape"])}) for c in data)
 
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def collective_lines(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]) -> tuple[str, ...]:
-    """One line per collective of each ``(kind, collectives)`` graph, as ranks must agree on it:
+def scheduled_collectives(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]) -> tuple[Scheduled, ...]:
+    """Each collective of each ``(kind, collectives)`` graph, as ranks must agree on it:
     ``forward collective 0: all_gather[dp] x2 float32[16, 8]``.  An all-to-all's and a data-dependent
     collective's shapes may differ between ranks, so they are left out."""
-    lines = []
-    for kind, collectives in graphs:
-        for i, c in enumerate(collectives):
-            dtype = str(c.dtype).removeprefix("torch.")
-            shape = "" if c.op == "all_to_all" or c.data_dependent else str(list(c.shape))
-            lines.append(f"{kind} collective {i}: {c.label}[{c.axis}] x{c.group_size} {dtype}{shape}")
-    return tuple(lines)
+    return tuple(
+        Scheduled(
+            kind=str(kind),
+            index=i,
+            label=c.label,
+            axis=c.axis,
+            group_size=c.group_size,
+            dtype=str(c.dtype).removeprefix("torch."),
+            shape=None if c.op == "all_to_all" or c.data_dependent else tuple(c.shape),
+        )
+        for kind, collectives in graphs
+        for i, c in enumerate(collectives)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -233,8 +361,6 @@ def _exchange(
     verdict: _Verdict,
 ) -> list[dict[str, Any]]:
     """This rank's digest for one group written, and every rank's of that group read."""
-    import torch.distributed as dist
-
     group_key = _digest(",".join(map(str, ranks)))
     # The n-th check of this rank on this group meets every peer's n-th.
     seq = store.add(f"{_PREFIX}/{group_key}/count/{rank}", 1)
@@ -258,15 +384,14 @@ def _exchange(
         raise RanksDisagree(
             f"dtcompile: graph {schedule.compile_id}'s check on the {axis} group {list(ranks)} was ended: {exc}"
         ) from None
-    except dist.DistStoreError as exc:
-        missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
+    except _TimedOut as exc:
         raise RanksDisagree(
-            f"dtcompile: rank(s) {missing} of the {axis} group {list(ranks)} did not come to compare "
+            f"dtcompile: rank(s) {exc.missing} of the {axis} group {list(ranks)} did not come to compare "
             f"graph {schedule.compile_id} with rank {rank} within check_ranks_timeout_s={timeout_s:g} s: they "
-            "are running another graph (one this rank compiled and they did not: a recompile on some ranks "
-            "only, or a graph break taken on some ranks only), or are still compiling (raise "
-            "check_ranks_timeout_s where compiles take longer), or have stopped"
-        ) from exc
+            "are running another graph (one this rank compiled with new collectives and they did not: a "
+            "recompile on some ranks only, or a graph break taken on some ranks only), or are still compiling "
+            "(raise check_ranks_timeout_s where compiles take longer), or have stopped"
+        ) from None
     return [json.loads(value) for value in store.multi_get(keys)]
 
 
@@ -317,25 +442,35 @@ def checks_waiting_for(rank: int) -> list[str]:
 
 
 def _wait(store: Any, keys: dict[int, str], timeout_s: float, what: str) -> None:
-    """``store.wait`` for every rank's key of ``keys`` for up to ``timeout_s``, ended early
-    by :func:`abort_checks`."""
+    """Waits until every rank's key of ``keys`` is in ``store``, for up to ``timeout_s``;
+    ended early by :func:`abort_checks`.
+
+    It polls (``store.check``) rather than ``store.wait``: a TCPStore client logs two c10d
+    warnings for every ``wait`` that times out, and a wait that must notice an abort has to
+    time out now and then.  Past :data:`_TELL_AFTER_S` it says once, at INFO, which peers it
+    waits for."""
     import threading
     import time
 
-    import torch.distributed as dist
-
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
+    pause, told, last_abort_look = _FIRST_PAUSE_S, False, start
     _WAITING[threading.get_ident()] = (what, store, keys)
     try:
-        while True:
-            try:
-                store.wait(list(keys.values()), timedelta(seconds=min(_SLICE_S, max(deadline - time.monotonic(), 0.001))))
-                return
-            except dist.DistStoreError:
+        while not store.check(list(keys.values())):
+            now = time.monotonic()
+            if now - last_abort_look >= _ABORT_LOOK_S or now >= deadline:
+                last_abort_look = now
                 if store.check([ABORT_KEY]):
-                    raise _Aborted(store.get(ABORT_KEY).decode()) from None
-                if time.monotonic() >= deadline:
-                    raise
+                    raise _Aborted(store.get(ABORT_KEY).decode())
+            if now >= deadline:
+                raise _TimedOut([r for r, key in keys.items() if not store.check([key])])
+            if not told and now - start >= _TELL_AFTER_S:
+                told = True
+                missing = [r for r, key in keys.items() if not store.check([key])]
+                log.info("dtcompile: %s: waited %.0f s so far for rank(s) %s", what, now - start, missing)
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, _LAST_PAUSE_S)
     finally:
         _WAITING.pop(threading.get_ident(), None)
 
@@ -344,8 +479,18 @@ class _Aborted(Exception):
     pass
 
 
-# How often a waiting check looks for an abort.
-_SLICE_S = 1.0
+class _TimedOut(Exception):
+    def __init__(self, missing: list[int]) -> None:
+        super().__init__(missing)
+        self.missing = missing
+
+
+# A waiting check looks at its peers' keys after 1 ms, then ever less often, at least every
+# 50 ms; for an abort about once a second; and says what it waits for after 3 s.
+_FIRST_PAUSE_S = 0.001
+_LAST_PAUSE_S = 0.05
+_ABORT_LOOK_S = 1.0
+_TELL_AFTER_S = 3.0
 
 
 def disagreement_message(
@@ -392,8 +537,7 @@ def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int, axis: 
     ours, theirs = a.on_axis(axis) or (), b.on_axis(axis) or ()
     for x, y in zip(ours, theirs):
         if x != y:
-            (where, x), (_, y) = x.split(": ", 1), y.split(": ", 1)
-            return f"{where}: {x} on rank {rank_a}, {y} on rank {rank_b}"
+            return f"{x.where}: {x.what} on rank {rank_a}, {y.what} on rank {rank_b}"
     longer, rank = (ours, rank_a) if len(ours) > len(theirs) else (theirs, rank_b)
     return f"{longer[min(len(ours), len(theirs))]} on rank {rank} only"
 
@@ -426,19 +570,21 @@ def decided_from(
         "cost profile": profile_text,
         "dtcompile source": source,
         "torch": torch.__version__,
-        "Dynamo graph": _digest(gm.code + inputs_text(example_inputs)),
+        DYNAMO_GRAPH: _digest(gm.code + inputs_text(example_inputs)),
     }
 
 
-def save_schedule(key: str, collectives: Sequence[str]) -> None:
+def save_schedule(key: str, schedule: Schedule) -> None:
     """Writes a compiled graph's collectives beside torch's compile cache, for a run the cache serves."""
-    save_beside_cache(Beside.SCHEDULES, key, list(collectives))
+    save_beside_cache(Beside.SCHEDULES, key, {"collectives": [dataclasses.asdict(c) for c in schedule.collectives or ()],
+                                              "bucketed": schedule.bucketed})
 
 
-def load_schedule(key: str) -> tuple[str, ...] | None:
-    """The collectives :func:`save_schedule` wrote for ``key``, or ``None``."""
+def load_schedule(key: str) -> tuple[tuple[Scheduled, ...], bool] | None:
+    """The collectives :func:`save_schedule` wrote for ``key`` and whether they were bucketed, or ``None``."""
     saved = load_beside_cache(Beside.SCHEDULES, key)
-    return tuple(saved) if isinstance(saved, list) else None
+    collectives = _scheduled_from_json(saved.get("collectives")) if isinstance(saved, dict) else None
+    return None if collectives is None else (collectives, bool(saved.get("bucketed")))
 
 
 class CheckedOnFirstCall:

@@ -226,8 +226,9 @@ class RankCheck:
     groups: tuple[str, ...]
     """The process groups compared on, by name."""
     outcome: str
-    """``agreed``, ``agreed on by an earlier graph`` (a recompile with its frame's schedule:
-    nothing exchanged), ``every rank runs it eagerly`` or ``ranks disagree``."""
+    """A :class:`dtcompile.rank_check.CheckOutcome`: ``agreed``, one of the ``agreed on by an
+    earlier graph`` kinds (a recompile whose collectives its frame's ranks agreed on: nothing
+    exchanged), ``every rank runs it eagerly`` or ``ranks disagree``."""
     seconds: float
     """Wall time of the exchange (0 where nothing was exchanged)."""
     known: bool

@@ -28,7 +28,7 @@ from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, refe
 from dtcompile.base.channels import Beside
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.cost import get_profile
-from dtcompile.rank_check import RanksDisagree, Schedule, collective_lines, disagreement_message
+from dtcompile.rank_check import RanksDisagree, Schedule, Scheduled, disagreement_message, scheduled_collectives
 from dtcompile.testing import run_gloo, run_threaded
 from dtcompile.testing.worlds import wait_for_eager_on_every_rank
 
@@ -371,19 +371,22 @@ def _info(op: str, shape: tuple[int, ...], **kw: Any) -> CollectiveInfo:
     return CollectiveInfo(node="n", op=op, axis="dp", group_size=2, shape=shape, dtype=torch.float32, bytes=4, **kw)
 
 
-def test_collective_lines_leave_out_shapes_ranks_may_not_share():
-    lines = collective_lines(
+def test_scheduled_collectives_leave_out_shapes_ranks_may_not_share():
+    scheduled = scheduled_collectives(
         [("forward", [_info("all_gather", (4, 2)), _info("all_to_all", (9,))]), ("backward", [_info("all_reduce", (3,), data_dependent=True)])]
     )
-    assert lines == (
+    assert [str(c) for c in scheduled] == [
         "forward collective 0: all_gather[dp] x2 float32[4, 2]",
         "forward collective 1: all_to_all[dp] x2 float32",
         "backward collective 0: all_reduce[dp] x2 float32",
-    )
+    ]
+
+
+_GATHER_8 = (Scheduled("forward", 0, "all_gather", "dp", 2, "float32", (8,)),)
 
 
 def test_the_message_names_sides_first_difference_and_what_differs():
-    a = Schedule("0/0", "compiled here", ("forward collective 0: all_gather[dp] x2 float32[8]",), {"bucket_cap_bytes": "64", "torch": "x"})
+    a = Schedule("0/0", "compiled here", _GATHER_8, {"bucket_cap_bytes": "64", "torch": "x"})
     b = Schedule("0/0", "served from the compile cache", (), {"bucket_cap_bytes": "128", "torch": "x"})
     text = disagreement_message("0/0", "dp", [([0, 2], a), ([1], b)], compared_schedules=True)
     assert "ranks [0, 2]: graph 0/0, compiled here, 1 collectives on dp" in text
@@ -403,7 +406,7 @@ def test_a_warm_rank_and_a_cold_one_compare_what_they_were_decided_from():
 
     decided = {"bucket_cap_bytes": "64", "torch": torch.__version__}
     warm = Schedule("0/0", "served from the compile cache", None, decided)
-    cold = Schedule("0/0", "compiled here", ("forward collective 0: all_gather[dp] x2 float32[8]",), decided)
+    cold = Schedule("0/0", "compiled here", _GATHER_8, decided)
     other = dataclasses.replace(cold, decided={**decided, "bucket_cap_bytes": "128"})
     store = dist.HashStore()
 
