@@ -239,9 +239,8 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: GraphKind, info: DynamoGraphInf
     count = 0
     known: dict[fx.Node, str] = {}
     if info.spmd_inputs:
-        typed, outputs = type_graph(gm, kind, info.spmd_inputs, info.axes, info.spmd_forward, info.spmd_forward_outputs)
-        if kind == GraphKind.FORWARD:
-            info.spmd_forward, info.spmd_forward_outputs = typed, outputs
+        # The graph as the passes left it (new nodes: buckets); checked before them, where it was traced.
+        type_graph(gm, kind, info.spmd_inputs, info.axes, info.spmd_forward, info.spmd_forward_outputs, check=False)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue

@@ -66,7 +66,7 @@ from dtcompile.rank_check import (
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
-from dtcompile.spmd_typing import input_types
+from dtcompile.spmd_typing import input_types, type_graph
 from dynamo_vars.dtensor_state import loss_parallel_backward
 from hops import keep_regions
 
@@ -219,6 +219,8 @@ class GraphCompile:
         self._hits_before = 0
         self._hits_during = 0
         self._kept: dict[str, list[str]] = {}
+        self.spmd_types_traced: dict[GraphKind, dict[str, dict[str, str]]] = {}
+        """Per AOT graph, its nodes' SPMD types as traced (checked), before the passes."""
 
     # ---- stage 1: trace (or be served)
     def trace(self) -> Callable[..., Any]:
@@ -318,10 +320,23 @@ class GraphCompile:
             prefetch_bytes=prefetch_window(self.partitioner.resharding.gathered),
         )
         ctx = PassContext(kind=kind, config=self.config, info=self.info, memory=memory)
+        self.spmd_types_traced[kind] = self.check_spmd_types(gm, kind)
         gm, records = run_passes(gm, example_inputs, ctx)
         if kind == GraphKind.FORWARD:
             records[:0] = self.partitioner.records(gm)
         return gm, kind, records, memory, ctx
+
+    def check_spmd_types(self, gm: fx.GraphModule, kind: GraphKind) -> dict[str, dict[str, str]]:
+        """Types the AOT graph as traced, before any pass rewrites it, and checks them
+        (:func:`dtcompile.spmd_typing.type_graph`): node name -> types per axis; empty
+        where no input is typed.  A forward's types carry to its backward."""
+        if not self.info.spmd_inputs:
+            return {}
+        info = self.info
+        typed, outputs = type_graph(gm, kind, info.spmd_inputs, info.axes, info.spmd_forward, info.spmd_forward_outputs)
+        if kind == GraphKind.FORWARD:
+            info.spmd_forward, info.spmd_forward_outputs = typed, outputs
+        return typed
 
     # ---- stage 4: lower
     def lower(
@@ -353,6 +368,7 @@ class GraphCompile:
                 memory_budget=(ctx.budget_bytes, ctx.budget_why),
                 timeline=simulate(gm.graph, self.info.profile),
                 timeline_traced=ctx.traced_timeline,
+                spmd_types_traced=self.spmd_types_traced.get(kind, {}),
                 lowering=dict(lowering(records)),
             )
         )

@@ -146,6 +146,9 @@ class CompiledGraph:
     """Its schedule played on its cost profile, as lowered (:func:`dtcompile.cost.simulate.simulate`)."""
     timeline_traced: Timeline | None = None
     """The same before any pass: what the passes hid is the difference."""
+    spmd_types_traced: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Its nodes' SPMD types per mesh axis as traced, before the passes (where they were
+    checked: :mod:`dtcompile.spmd_typing`); the graph's nodes carry them as lowered."""
     lowering: Mapping[str, Any] = field(default_factory=dict)
     """How it was lowered: ``{}`` without Inductor, else the Inductor settings this
     backend asked for (from ``inductor_config``, ``options=`` and ``mode=``) as

@@ -358,15 +358,18 @@ def _input_types_of(gm: fx.GraphModule, kind: GraphKind, inputs: Sequence[AxisTy
 
 def type_graph(gm: fx.GraphModule, kind: GraphKind, inputs: Sequence[AxisTypes | None], axes: Mapping[str, str],
                forward: Mapping[str, AxisTypes] | None = None,
-               forward_outputs: Sequence[AxisTypes | None] = ()) -> tuple[dict[str, AxisTypes], list[AxisTypes | None]]:
+               forward_outputs: Sequence[AxisTypes | None] = (), *,
+               check: bool = True) -> tuple[dict[str, AxisTypes], list[AxisTypes | None]]:
     """Types every node of an AOT graph (``node.meta[Meta.SPMD_TYPE]``) from its inputs' types
     (a forward's: the Dynamo graph's inputs; a backward's: the forward's saved values by name
     and its outputs' backward types).  Returns (node name -> types, the outputs' types).
-    Raises :class:`SpmdTypeCheckError` in a forward or inference graph whose types contradict."""
+    With ``check``, raises :class:`SpmdTypeCheckError` in a forward or inference graph whose
+    types contradict: the backend checks the graph as traced, before its passes rewrite it,
+    and types it again, unchecked, as lowered."""
     import spmd_types as spmd
 
     axis_set = sorted({a for t in inputs if t for a in t})
-    check = kind != GraphKind.BACKWARD
+    check = check and kind != GraphKind.BACKWARD
     of: dict[fx.Node, AxisTypes | None] = _input_types_of(gm, kind, inputs, forward or {}, forward_outputs)
     for node in gm.graph.nodes:
         if node.op == "placeholder":

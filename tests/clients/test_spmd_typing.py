@@ -111,3 +111,34 @@ def test_untyped_inputs_are_unknown_and_nothing_is_refused():
         assert "error" not in result, result.get("error")
         assert "world:" not in result["report"].graphs[0].annotated()
         torch.testing.assert_close(result["compiled"], result["eager"])
+
+
+ALL_PASSES = frozenset({"async_tp", "bucketing", "overlap", "annotate"})
+
+
+def _on_rank_without_passes(rank: int, reduce: int) -> dict[str, Any]:
+    """The row-parallel program compiled with every pass off: the check is the trace's, not a pass's."""
+    import spmd_types as spmd
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8)
+    x, w = x.chunk(WORLD_SIZE, 1)[rank].contiguous(), w.chunk(WORLD_SIZE, 1)[rank].contiguous()
+    for tensor, types in ((x, spmd.S(1)), (w, spmd.S(1)), (b, spmd.R)):
+        spmd.assert_type(tensor, {dist.group.WORLD: types})
+    backend = dtcompile.backend(inductor=False, disable_passes=ALL_PASSES)
+    try:
+        torch.compile(lambda x, w, b: _row_parallel(x, w, b, reduce=reduce), backend=backend)(x, w, b)
+    except Exception as exc:
+        return {"error": str(exc)}
+    return {"traced": [dict(r.spmd_types_traced) for r in backend.records]}
+
+
+def test_the_check_runs_on_the_graph_as_traced_with_every_pass_off():
+    """The check and the types it computed come before the passes: with none of them run, a
+    missing all-reduce is still refused, and the record keeps each node's types as traced."""
+    for result in run_threaded(WORLD_SIZE, _on_rank_without_passes, 0):
+        assert "node add (aten.add.Tensor, at " in result.get("error", ""), result
+    for result in run_threaded(WORLD_SIZE, _on_rank_without_passes, 1):
+        (traced,) = result["traced"]  # one inference graph
+        by_op = {name.rstrip("_0123456789"): types for name, types in traced.items()}
+        assert by_op["mm"] == {"world": "P"} and by_op["all_reduce"] == {"world": "R"}, traced
