@@ -120,6 +120,10 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "its input, a ShardingPropagator lock per world and DTensor's caches emptied; all undone in "
      "finally"),
     ("dtcompile.testing.worlds", "run_threaded.rank_main", _C, "Dynamo's recompile limits, per run"),
+    ("dtcompile.testing.worlds", "_dispatch_mode_flags_kept", _C,
+     "torch's process-wide \"a dispatch mode is active\" flags (torch.utils._python_dispatch), put "
+     "back after a threaded world as the calling thread had them: rank threads in modes at once "
+     "leave them set"),
     ("dtcompile.testing.worlds", "_gloo_rank_main", _P,
      "the environment of the spawned rank process itself (its rendezvous address)"),
     ("dtcompile.testing.memory", "measure_memory", _C, "garbage collection off while one step is measured"),

@@ -276,6 +276,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch.testing._internal.distributed.multi_threaded_pg", "_install_threaded_pg", ()),
     ("torch.testing._internal.distributed.multi_threaded_pg", "_uninstall_threaded_pg", ()),
     ("torch.testing._internal.distributed.multi_threaded_pg", "_reduce_ops", None),
+    ("torch.utils._python_dispatch", "_is_in_torch_dispatch_mode", None),
+    ("torch.utils._python_dispatch", "_is_in_non_infra_torch_dispatch_mode", None),
+    ("torch.utils._python_dispatch", "_is_in_any_mode_without_ignore_compile_internals", None),
     ("torch.distributed._local_tensor", "local_tensor_mode", ()),
     ("torch.distributed._local_tensor", "maybe_disable_local_tensor_mode", ()),
     # dtcompile._testing.idioms_process_group: the functional collectives users call

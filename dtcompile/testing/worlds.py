@@ -194,6 +194,11 @@ def run_threaded(
       caches are emptied before and after the world.  DTensor's fake-mode
       metadata pass is serialized across the rank threads, as torch's own
       threaded DTensor tests do (``ShardingPropagator._fake_mode_lock``).
+    - torch notes whether a dispatch mode is active in flags of the process,
+      which each mode saves as it is entered and restores as it exits; modes
+      the rank threads enter at once restore each other's values and can
+      leave the flags set after the world: they are put back as this thread
+      had them (see :func:`_dispatch_mode_flags_kept`).
     - A thread's locals are freed as it ends, among them torch's captured
       tracebacks, and two threads freeing those at once can deadlock (one holds
       torch's traceback mutex and waits for the GIL, the other the reverse;
@@ -247,17 +252,18 @@ def run_threaded(
     ShardingPropagator._fake_mode_lock = threading.Lock()
     deadline = time.monotonic() + timeout
     try:
-        threads = [
-            threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
-            for rank in range(world_size)
-        ]
-        for thread in threads:
-            thread.start()
-        for rank, thread in enumerate(threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                failures.put((rank, f"did not finish within {timeout} s"))
-                threaded.ProcessLocalGroup.exception_handle(TimeoutError(f"rank {rank}"))
+        with _dispatch_mode_flags_kept():
+            threads = [
+                threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
+                for rank in range(world_size)
+            ]
+            for thread in threads:
+                thread.start()
+            for rank, thread in enumerate(threads):
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    failures.put((rank, f"did not finish within {timeout} s"))
+                    threaded.ProcessLocalGroup.exception_handle(TimeoutError(f"rank {rank}"))
     finally:
         ShardingPropagator._fake_mode_lock = fake_mode_lock
         clear_sharding_caches()
@@ -271,6 +277,45 @@ def run_threaded(
             what += f" (rank(s) {sorted(stopped)} stopped waiting for them)"
         raise _failure(what, list(failures.queue))
     return [results[rank] for rank in range(world_size)]
+
+
+@contextlib.contextmanager
+def _dispatch_mode_flags_kept() -> Iterator[None]:
+    """torch's "a dispatch mode is active" flags, as this thread had them, after the block.
+
+    torch keeps three (any mode, a non-infra mode, a mode that does not ignore
+    compile internals) as globals of ``torch.utils._python_dispatch``, one set
+    for the process, though modes are per thread.  Each mode saves them as it
+    is entered and restores them as it exits, so two rank threads in a mode at
+    once interleave: one enters (saves False), the other enters (saves True),
+    the first exits (restores False), the second exits (restores True), and
+    the flags say True with no mode left.  Eager DTensor code does this on rank
+    threads: every rank enters, at about the same time, the
+    ``PlacementTrackingMode`` in which DTensor shards an op through its
+    decomposition (``index_add``, in ``index_select``'s backward), amid the
+    ``FakeTensorMode`` of its sharding propagation.
+
+    Left so, the next mode entered on this thread (a simulated world's
+    ``LocalTensorMode``) copies the flag into Dynamo's own per-thread one, with
+    which guards keep the mode's ``Python`` dispatch keys in a tensor's key
+    set; tracing left them out, so every call of a compiled frame failed its
+    tensor guards and compiled it again, for the same mesh and placements.
+    """
+    from torch.utils import _python_dispatch as dispatch
+
+    before = (
+        dispatch._is_in_torch_dispatch_mode,
+        dispatch._is_in_non_infra_torch_dispatch_mode,
+        dispatch._is_in_any_mode_without_ignore_compile_internals,
+    )
+    try:
+        yield
+    finally:
+        (
+            dispatch._is_in_torch_dispatch_mode,
+            dispatch._is_in_non_infra_torch_dispatch_mode,
+            dispatch._is_in_any_mode_without_ignore_compile_internals,
+        ) = before
 
 
 def wake_ranks_waiting_for(rank: int, exc: BaseException) -> None:
