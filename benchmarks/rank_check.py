@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
     assert checks and all(c.outcome == "agreed" for c in checks), [str(c) for c in checks]
     assert not backends["no check"].checks
     records = list(backends["check"].records)
-    from dtcompile.rank_check import scheduled_collectives
+    from dtcompile.rank_schedule import scheduled_collectives
 
     schedule_bytes = len("\n".join(map(str, scheduled_collectives((r.kind, r.collectives) for r in records))))
     return {

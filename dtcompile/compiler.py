@@ -56,16 +56,8 @@ from dtcompile.cache_keys import meshes_held
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.dynamo_output import with_outputs_put_back
 from dtcompile.graph_compile import GraphCompile, devices_of
-from dtcompile.rank_check import (
-    CheckedOnFirstCall,
-    CheckOutcome,
-    RanksDisagree,
-    Schedule,
-    agree,
-    agreed_earlier,
-    agreement_marks,
-    check_groups,
-)
+from dtcompile.rank_check import CheckedOnFirstCall, RanksDisagree, agree, check_groups
+from dtcompile.rank_schedule import CheckOutcome, Schedule, agreed_earlier, agreement_marks
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, RankCheck
 
 __all__ = ["DTCompileBackend"]

@@ -53,7 +53,8 @@ from dtcompile.lowering import inline_regions
 from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
-from dtcompile.rank_check import (
+from dtcompile.rank_check import world_can_disagree
+from dtcompile.rank_schedule import (
     Schedule,
     Scheduled,
     decided_from,
@@ -61,7 +62,6 @@ from dtcompile.rank_check import (
     load_schedule,
     save_schedule,
     scheduled_collectives,
-    world_can_disagree,
 )
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
 from dtcompile.regions import format_with_regions, is_region

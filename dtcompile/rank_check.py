@@ -31,7 +31,7 @@ The exchange goes through the store, not a collective: a check that a peer
 answers with a real collective (a rank that recompiled, or runs another graph)
 would abort gloo by itself.  A graph served by AOTAutograd's cache traced
 nothing here; its schedule is read back from what the run that compiled it
-wrote beside the cache (:func:`save_schedule`), or, where that is gone, the
+wrote beside the cache (:func:`dtcompile.rank_schedule.save_schedule`), or, where that is gone, the
 inputs it was decided from are compared instead.
 
 A recompile is often one rank's alone: under dynamic shapes a rank whose own
@@ -39,7 +39,7 @@ shard or sequence is 0 or 1 long specializes, a guard on a rank's own value
 fails.  Its peers run the graph they have and never come to compare the new
 one, so a check that waited for them would hang the job.  What must pair up is
 the collectives that run together, so a recompile whose collectives its
-frame's ranks already agreed on needs no exchange (:func:`agreed_earlier`): the
+frame's ranks already agreed on needs no exchange (:func:`dtcompile.rank_schedule.agreed_earlier`): the
 same collectives; the same ones with other sizes where the sizes are the
 program's (rank-dependent shapes) and not dtcompile's (bucketing); or, where
 the collectives are unknown here, the same settings.  Only a recompile with new
@@ -57,223 +57,36 @@ collectives for it, that peer's check names this rank as not coming).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import fx
 
-from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
-from dtcompile.base.channels import Beside
-from dtcompile.collectives import CollectiveInfo, axis_name, group_names_in
+from dtcompile.collectives import axis_name, group_names_in
+from dtcompile.rank_schedule import Schedule, short_digest
 
 __all__ = [
     "ABORT_KEY",
-    "CheckOutcome",
     "RanksDisagree",
-    "Schedule",
     "abort_checks",
     "agree",
-    "Scheduled",
     "check_groups",
     "checks_waiting_for",
-    "load_schedule",
-    "save_schedule",
-    "scheduled_collectives",
     "world_can_disagree",
 ]
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "dtcompile/rank_check"
-DYNAMO_GRAPH = "Dynamo graph"
-"""The entry of :attr:`Schedule.decided` for the graph itself (its code and inputs)."""
 # Backends whose ranks are one process's simulation: they cannot compile differently.
 _SIMULATED = frozenset({"fake"})
 
 
 class RanksDisagree(RuntimeError):
     """Ranks compiled one graph differently; raised on every rank before its first collective."""
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """One collective of a compiled graph, as the ranks of its group must agree on it."""
-
-    kind: str
-    """The AOT graph it is in: ``forward``, ``backward`` or ``inference``."""
-    index: int
-    """Its place among that graph's collectives."""
-    label: str
-    """``all_gather``, or ``all_gather+matmul`` for a fused collective-matmul."""
-    axis: str
-    group_size: int
-    dtype: str
-    shape: tuple[int, ...] | None
-    """``None`` where ranks need not share it: an all-to-all's, a data-dependent collective's."""
-
-    @property
-    def where(self) -> str:
-        return f"{self.kind} collective {self.index}"
-
-    @property
-    def what(self) -> str:
-        shape = "" if self.shape is None else str(list(self.shape))
-        return f"{self.label}[{self.axis}] x{self.group_size} {self.dtype}{shape}"
-
-    @property
-    def sizeless(self) -> tuple[str, int, str, str, int, str]:
-        """What pairs it with its peers' collective whatever the sizes: graph, place, op, group, dtype."""
-        return (self.kind, self.index, self.label, self.axis, self.group_size, self.dtype)
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.what}"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What one rank compiled for one Dynamo graph, as the check compares it."""
-
-    compile_id: str
-    how: str
-    """``compiled here``, ``served from the compile cache`` or ``run eagerly (...)``."""
-    collectives: tuple[Scheduled, ...] | None
-    """Every collective of its graphs in program order (:func:`scheduled_collectives`);
-    ``None`` where unknown (eager, or a cache entry without its saved schedule)."""
-    decided: Mapping[str, str]
-    """What the compile was decided from, by name: options, cost profile, sources, the graph."""
-    eager: bool = False
-    bucketed: bool = False
-    """Whether dtcompile merged collectives into buckets: their sizes are then its decision
-    (from this rank's shapes), and a recompile must match an agreed schedule size for size."""
-
-    @property
-    def frame(self) -> str:
-        """The Dynamo frame the graph belongs to (its recompiles share it)."""
-        return self.compile_id.split("/")[0]
-
-    @property
-    def digest(self) -> str:
-        """Digest of the collectives; empty where they are unknown."""
-        return "" if self.collectives is None else _digest("\n".join(map(str, self.collectives)))
-
-    @property
-    def sizeless_digest(self) -> str:
-        """Digest of the collectives without their sizes; empty where they are unknown or
-        :attr:`bucketed` (then the sizes are dtcompile's decision, not the program's)."""
-        if self.collectives is None or self.bucketed:
-            return ""
-        return _digest(json.dumps([c.sizeless for c in self.collectives]))
-
-    def on_axis(self, axis: str) -> tuple[Scheduled, ...] | None:
-        """The collectives on ``axis``'s groups: what the ranks of one such group must agree on.
-        Ranks of two different groups of an axis need not (under uneven shards a rank
-        whose shard is empty moves empty buffers with its own group)."""
-        if self.collectives is None:
-            return None
-        return tuple(c for c in self.collectives if c.axis == axis)
-
-    def digest_on(self, axis: str) -> str:
-        on_axis = self.on_axis(axis)
-        return "" if on_axis is None else _digest("\n".join(map(str, on_axis)))
-
-    @property
-    def decided_digest(self) -> str:
-        return _digest(json.dumps(dict(self.decided), sort_keys=True))
-
-    @property
-    def settings_digest(self) -> str:
-        """Digest of what it was decided from but the Dynamo graph: what all graphs of a frame share."""
-        return _digest(json.dumps({k: v for k, v in self.decided.items() if k != DYNAMO_GRAPH}, sort_keys=True))
-
-    def to_json(self) -> str:
-        return json.dumps({**dataclasses.asdict(self), "decided": dict(self.decided)})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Schedule:
-        data = json.loads(text)
-        return cls(**{**data, "collectives": _scheduled_from_json(data["collectives"])})
-
-
-class CheckOutcome(str, enum.Enum):
-    """How one graph's check ended (:attr:`dtcompile.records.RankCheck.outcome`)."""
-
-    AGREED = "agreed"
-    EARLIER = "agreed on by an earlier graph"
-    """A recompile with collectives its frame's ranks agreed on: nothing exchanged."""
-    EARLIER_OTHER_SIZES = "agreed on by an earlier graph, with this rank's sizes"
-    """A recompile with its frame's agreed collectives but other sizes, which the program
-    decided (this rank's own shapes specialized, an uneven shard): nothing exchanged."""
-    EARLIER_SETTINGS = "decided as an earlier graph (its collectives unknown here)"
-    """A recompile served from the cache without its schedule, decided from the settings its
-    frame's ranks agreed on: nothing exchanged."""
-    EAGER = "every rank runs it eagerly"
-    DISAGREE = "ranks disagree"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
-
-
-def agreement_marks(schedule: Schedule) -> set[tuple[str, str]]:
-    """What a later graph of ``schedule``'s frame is matched against once its ranks agreed on it."""
-    marks = {("settings", schedule.settings_digest)}
-    if schedule.digest:
-        marks.add(("sizes", schedule.digest))
-    if schedule.sizeless_digest:
-        marks.add(("sizeless", schedule.sizeless_digest))
-    return marks
-
-
-def agreed_earlier(schedule: Schedule, marks: Set[tuple[str, str]]) -> CheckOutcome | None:
-    """Whether ``schedule``, a graph of a frame whose ranks agreed on ``marks``
-    (:func:`agreement_marks`), needs no exchange, and why; ``None`` where it does."""
-    if schedule.eager:
-        return None  # every rank must learn it, to run eagerly too
-    if schedule.collectives is None:
-        return CheckOutcome.EARLIER_SETTINGS if ("settings", schedule.settings_digest) in marks else None
-    if ("sizes", schedule.digest) in marks:
-        return CheckOutcome.EARLIER
-    if schedule.sizeless_digest and ("sizeless", schedule.sizeless_digest) in marks:
-        return CheckOutcome.EARLIER_OTHER_SIZES
-    return None
-
-
-def _scheduled_from_json(data: Any) -> tuple[Scheduled, ...] | None:
-    """Collectives as :meth:`Schedule.to_json` wrote them; ``None`` for anything else."""
-    if not isinstance(data, list) or not all(isinstance(c, dict) for c in data):
-        return None
-    return tuple(Scheduled(**{**c, "shape": None if c["shape"] is None else tuple(c["shape"])}) for c in data)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def scheduled_collectives(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]) -> tuple[Scheduled, ...]:
-    """Each collective of each ``(kind, collectives)`` graph, as ranks must agree on it:
-    ``forward collective 0: all_gather[dp] x2 float32[16, 8]``.  An all-to-all's and a data-dependent
-    collective's shapes may differ between ranks, so they are left out."""
-    return tuple(
-        Scheduled(
-            kind=str(kind),
-            index=i,
-            label=c.label,
-            axis=c.axis,
-            group_size=c.group_size,
-            dtype=str(c.dtype).removeprefix("torch."),
-            shape=None if c.op == "all_to_all" or c.data_dependent else tuple(c.shape),
-        )
-        for kind, collectives in graphs
-        for i, c in enumerate(collectives)
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -361,7 +174,7 @@ def _exchange(
     verdict: _Verdict,
 ) -> list[dict[str, Any]]:
     """This rank's digest for one group written, and every rank's of that group read."""
-    group_key = _digest(",".join(map(str, ranks)))
+    group_key = short_digest(",".join(map(str, ranks)))
     # The n-th check of this rank on this group meets every peer's n-th.
     seq = store.add(f"{_PREFIX}/{group_key}/count/{rank}", 1)
     base = f"{_PREFIX}/{group_key}/{seq}"
@@ -540,51 +353,6 @@ def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int, axis: 
             return f"{x.where}: {x.what} on rank {rank_a}, {y.what} on rank {rank_b}"
     longer, rank = (ours, rank_a) if len(ours) > len(theirs) else (theirs, rank_b)
     return f"{longer[min(len(ours), len(theirs))]} on rank {rank} only"
-
-
-# ---------------------------------------------------------------------------
-# What a graph was decided from, and its schedule saved beside the compile cache.
-
-
-def inputs_text(example_inputs: Sequence[Any]) -> str:
-    """The Dynamo graph's inputs as every rank describes them alike (a DTensor by its spec)."""
-    from torch.distributed.tensor import DTensor
-
-    parts = []
-    for x in example_inputs:
-        if isinstance(x, DTensor):
-            parts.append(f"DTensor({x._spec})")
-        elif isinstance(x, torch.Tensor):
-            parts.append(f"{x.dtype}{list(x.shape)}/{list(x.stride())}/{x.requires_grad}")
-        else:
-            parts.append(type(x).__name__)
-    return ", ".join(parts)
-
-
-def decided_from(
-    fields: Mapping[str, str], profile_text: str, source: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
-) -> dict[str, str]:
-    """What a compile of ``gm`` is decided from, by name (``fields``: the options that change graphs)."""
-    return {
-        **fields,
-        "cost profile": profile_text,
-        "dtcompile source": source,
-        "torch": torch.__version__,
-        DYNAMO_GRAPH: _digest(gm.code + inputs_text(example_inputs)),
-    }
-
-
-def save_schedule(key: str, schedule: Schedule) -> None:
-    """Writes a compiled graph's collectives beside torch's compile cache, for a run the cache serves."""
-    save_beside_cache(Beside.SCHEDULES, key, {"collectives": [dataclasses.asdict(c) for c in schedule.collectives or ()],
-                                              "bucketed": schedule.bucketed})
-
-
-def load_schedule(key: str) -> tuple[tuple[Scheduled, ...], bool] | None:
-    """The collectives :func:`save_schedule` wrote for ``key`` and whether they were bucketed, or ``None``."""
-    saved = load_beside_cache(Beside.SCHEDULES, key)
-    collectives = _scheduled_from_json(saved.get("collectives")) if isinstance(saved, dict) else None
-    return None if collectives is None else (collectives, bool(saved.get("bucketed")))
 
 
 class CheckedOnFirstCall:

@@ -26,7 +26,7 @@ modules of its own layer or below, never above:
    ``ops``, ``memory``
 4. ``dtcompile.records``, ``dtcompile.pass_names``
 5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``,
-   ``partition``, ``recompute``, ``reshard``, ``cache_keys``, ``dynamo_output``, ``rank_check``
+   ``partition``, ``recompute``, ``reshard``, ``cache_keys``, ``dynamo_output``, ``rank_check``, ``rank_schedule``
 6. the backend -- ``dtcompile.compiler``, ``dtcompile.graph_compile``, ``dtcompile.registry``
 7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver),
    ``dtcompile.cost.calibrate``
@@ -74,6 +74,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.cache_keys",
         "dtcompile.dynamo_output",
         "dtcompile.rank_check",
+        "dtcompile.rank_schedule",
     ),
     ("dtcompile.compiler", "dtcompile.graph_compile", "dtcompile.registry"),
     ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.cost.calibrate"),

@@ -28,7 +28,8 @@ from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, refe
 from dtcompile.base.channels import Beside
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.cost import get_profile
-from dtcompile.rank_check import RanksDisagree, Schedule, Scheduled, disagreement_message, scheduled_collectives
+from dtcompile.rank_check import RanksDisagree, disagreement_message
+from dtcompile.rank_schedule import Schedule, Scheduled, scheduled_collectives
 from dtcompile.testing import run_gloo, run_threaded
 from dtcompile.testing.worlds import wait_for_eager_on_every_rank
 

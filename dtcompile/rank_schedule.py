@@ -1,0 +1,262 @@
+"""What one rank compiled for one Dynamo graph, as its peers compare it (:mod:`dtcompile.rank_check`).
+
+A :class:`Schedule` is a graph's collectives in program order (:class:`Scheduled`,
+one each: graph, place, op, mesh axis, group size, dtype, shape), how the graph was
+got (compiled here, served from the compile cache, run eagerly) and what it was
+decided from (options, cost profile, sources, the Dynamo graph).  Once a frame's
+ranks agreed on a graph, :func:`agreement_marks` is what its later graphs are
+matched against (:func:`agreed_earlier`): a recompile on one rank only needs no
+exchange where it issues what they agreed on.  A compiled schedule is saved beside
+the compile cache (:func:`save_schedule`) for a run the cache serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
+from dtcompile.base.channels import Beside
+from dtcompile.collectives import CollectiveInfo
+
+__all__ = [
+    "CheckOutcome",
+    "DYNAMO_GRAPH",
+    "Schedule",
+    "Scheduled",
+    "agreed_earlier",
+    "agreement_marks",
+    "decided_from",
+    "inputs_text",
+    "load_schedule",
+    "save_schedule",
+    "scheduled_collectives",
+    "short_digest",
+]
+
+DYNAMO_GRAPH = "Dynamo graph"
+"""The entry of :attr:`Schedule.decided` for the graph itself (its code and inputs)."""
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One collective of a compiled graph, as the ranks of its group must agree on it."""
+
+    kind: str
+    """The AOT graph it is in: ``forward``, ``backward`` or ``inference``."""
+    index: int
+    """Its place among that graph's collectives."""
+    label: str
+    """``all_gather``, or ``all_gather+matmul`` for a fused collective-matmul."""
+    axis: str
+    group_size: int
+    dtype: str
+    shape: tuple[int, ...] | None
+    """``None`` where ranks need not share it: an all-to-all's, a data-dependent collective's."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind} collective {self.index}"
+
+    @property
+    def what(self) -> str:
+        shape = "" if self.shape is None else str(list(self.shape))
+        return f"{self.label}[{self.axis}] x{self.group_size} {self.dtype}{shape}"
+
+    @property
+    def sizeless(self) -> tuple[str, int, str, str, int, str]:
+        """What pairs it with its peers' collective whatever the sizes: graph, place, op, group, dtype."""
+        return (self.kind, self.index, self.label, self.axis, self.group_size, self.dtype)
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What one rank compiled for one Dynamo graph, as the check compares it."""
+
+    compile_id: str
+    how: str
+    """``compiled here``, ``served from the compile cache`` or ``run eagerly (...)``."""
+    collectives: tuple[Scheduled, ...] | None
+    """Every collective of its graphs in program order (:func:`scheduled_collectives`);
+    ``None`` where unknown (eager, or a cache entry without its saved schedule)."""
+    decided: Mapping[str, str]
+    """What the compile was decided from, by name: options, cost profile, sources, the graph."""
+    eager: bool = False
+    bucketed: bool = False
+    """Whether dtcompile merged collectives into buckets: their sizes are then its decision
+    (from this rank's shapes), and a recompile must match an agreed schedule size for size."""
+
+    @property
+    def frame(self) -> str:
+        """The Dynamo frame the graph belongs to (its recompiles share it)."""
+        return self.compile_id.split("/")[0]
+
+    @property
+    def digest(self) -> str:
+        """Digest of the collectives; empty where they are unknown."""
+        return "" if self.collectives is None else short_digest("\n".join(map(str, self.collectives)))
+
+    @property
+    def sizeless_digest(self) -> str:
+        """Digest of the collectives without their sizes; empty where they are unknown or
+        :attr:`bucketed` (then the sizes are dtcompile's decision, not the program's)."""
+        if self.collectives is None or self.bucketed:
+            return ""
+        return short_digest(json.dumps([c.sizeless for c in self.collectives]))
+
+    def on_axis(self, axis: str) -> tuple[Scheduled, ...] | None:
+        """The collectives on ``axis``'s groups: what the ranks of one such group must agree on.
+        Ranks of two different groups of an axis need not (under uneven shards a rank
+        whose shard is empty moves empty buffers with its own group)."""
+        if self.collectives is None:
+            return None
+        return tuple(c for c in self.collectives if c.axis == axis)
+
+    def digest_on(self, axis: str) -> str:
+        on_axis = self.on_axis(axis)
+        return "" if on_axis is None else short_digest("\n".join(map(str, on_axis)))
+
+    @property
+    def decided_digest(self) -> str:
+        return short_digest(json.dumps(dict(self.decided), sort_keys=True))
+
+    @property
+    def settings_digest(self) -> str:
+        """Digest of what it was decided from but the Dynamo graph: what all graphs of a frame share."""
+        return short_digest(json.dumps({k: v for k, v in self.decided.items() if k != DYNAMO_GRAPH}, sort_keys=True))
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "decided": dict(self.decided)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Schedule:
+        data = json.loads(text)
+        return cls(**{**data, "collectives": _scheduled_from_json(data["collectives"])})
+
+
+class CheckOutcome(str, enum.Enum):
+    """How one graph's check ended (:attr:`dtcompile.records.RankCheck.outcome`)."""
+
+    AGREED = "agreed"
+    EARLIER = "agreed on by an earlier graph"
+    """A recompile with collectives its frame's ranks agreed on: nothing exchanged."""
+    EARLIER_OTHER_SIZES = "agreed on by an earlier graph, with this rank's sizes"
+    """A recompile with its frame's agreed collectives but other sizes, which the program
+    decided (this rank's own shapes specialized, an uneven shard): nothing exchanged."""
+    EARLIER_SETTINGS = "decided as an earlier graph (its collectives unknown here)"
+    """A recompile served from the cache without its schedule, decided from the settings its
+    frame's ranks agreed on: nothing exchanged."""
+    EAGER = "every rank runs it eagerly"
+    DISAGREE = "ranks disagree"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+def agreement_marks(schedule: Schedule) -> set[tuple[str, str]]:
+    """What a later graph of ``schedule``'s frame is matched against once its ranks agreed on it."""
+    marks = {("settings", schedule.settings_digest)}
+    if schedule.digest:
+        marks.add(("sizes", schedule.digest))
+    if schedule.sizeless_digest:
+        marks.add(("sizeless", schedule.sizeless_digest))
+    return marks
+
+
+def agreed_earlier(schedule: Schedule, marks: Set[tuple[str, str]]) -> CheckOutcome | None:
+    """Whether ``schedule``, a graph of a frame whose ranks agreed on ``marks``
+    (:func:`agreement_marks`), needs no exchange, and why; ``None`` where it does."""
+    if schedule.eager:
+        return None  # every rank must learn it, to run eagerly too
+    if schedule.collectives is None:
+        return CheckOutcome.EARLIER_SETTINGS if ("settings", schedule.settings_digest) in marks else None
+    if ("sizes", schedule.digest) in marks:
+        return CheckOutcome.EARLIER
+    if schedule.sizeless_digest and ("sizeless", schedule.sizeless_digest) in marks:
+        return CheckOutcome.EARLIER_OTHER_SIZES
+    return None
+
+
+def _scheduled_from_json(data: Any) -> tuple[Scheduled, ...] | None:
+    """Collectives as :meth:`Schedule.to_json` wrote them; ``None`` for anything else."""
+    if not isinstance(data, list) or not all(isinstance(c, dict) for c in data):
+        return None
+    return tuple(Scheduled(**{**c, "shape": None if c["shape"] is None else tuple(c["shape"])}) for c in data)
+
+
+def short_digest(text: str) -> str:
+    """16 hex digits of ``text``'s SHA-256: what ranks exchange and compare."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def scheduled_collectives(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]) -> tuple[Scheduled, ...]:
+    """Each collective of each ``(kind, collectives)`` graph, as ranks must agree on it:
+    ``forward collective 0: all_gather[dp] x2 float32[16, 8]``.  An all-to-all's and a data-dependent
+    collective's shapes may differ between ranks, so they are left out."""
+    return tuple(
+        Scheduled(
+            kind=str(kind),
+            index=i,
+            label=c.label,
+            axis=c.axis,
+            group_size=c.group_size,
+            dtype=str(c.dtype).removeprefix("torch."),
+            shape=None if c.op == "all_to_all" or c.data_dependent else tuple(c.shape),
+        )
+        for kind, collectives in graphs
+        for i, c in enumerate(collectives)
+    )
+
+
+def inputs_text(example_inputs: Sequence[Any]) -> str:
+    """The Dynamo graph's inputs as every rank describes them alike (a DTensor by its spec)."""
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    for x in example_inputs:
+        if isinstance(x, DTensor):
+            parts.append(f"DTensor({x._spec})")
+        elif isinstance(x, torch.Tensor):
+            parts.append(f"{x.dtype}{list(x.shape)}/{list(x.stride())}/{x.requires_grad}")
+        else:
+            parts.append(type(x).__name__)
+    return ", ".join(parts)
+
+
+def decided_from(
+    fields: Mapping[str, str], profile_text: str, source: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
+) -> dict[str, str]:
+    """What a compile of ``gm`` is decided from, by name (``fields``: the options that change graphs)."""
+    return {
+        **fields,
+        "cost profile": profile_text,
+        "dtcompile source": source,
+        "torch": torch.__version__,
+        DYNAMO_GRAPH: short_digest(gm.code + inputs_text(example_inputs)),
+    }
+
+
+def save_schedule(key: str, schedule: Schedule) -> None:
+    """Writes a compiled graph's collectives beside torch's compile cache, for a run the cache serves."""
+    save_beside_cache(Beside.SCHEDULES, key, {"collectives": [dataclasses.asdict(c) for c in schedule.collectives or ()],
+                                              "bucketed": schedule.bucketed})
+
+
+def load_schedule(key: str) -> tuple[tuple[Scheduled, ...], bool] | None:
+    """The collectives :func:`save_schedule` wrote for ``key`` and whether they were bucketed, or ``None``."""
+    saved = load_beside_cache(Beside.SCHEDULES, key)
+    collectives = _scheduled_from_json(saved.get("collectives")) if isinstance(saved, dict) else None
+    return None if collectives is None else (collectives, bool(saved.get("bucketed")))
