@@ -55,6 +55,7 @@ from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.rank_check import world_can_disagree
 from dtcompile.rank_schedule import (
+    Obtained,
     Schedule,
     Scheduled,
     decided_from,
@@ -214,8 +215,10 @@ class GraphCompile:
         self.traced = False
         """Whether AOTAutograd traced this graph here (a failure after that never runs eagerly)."""
         self.graphs: list[CompiledGraph] = []
-        self.how = ""
-        """``compiled here``, ``served from the compile cache`` or ``run eagerly (...)``."""
+        self.obtained: Obtained | None = None
+        """How this rank got the graph's code, once :meth:`trace` (or the fallback) ended."""
+        self.eager_because = ""
+        """Why it runs eagerly, where it does."""
         self._hits_before = 0
         self._hits_during = 0
         self._kept: dict[str, list[str]] = {}
@@ -235,7 +238,7 @@ class GraphCompile:
         ):
             compiled = self._inductor() if self.config.inductor else self._aot_only()
         self._hits_during = _aot_cache_hits() - self._hits_before
-        self.how = "compiled here" if self.traced else "served from the compile cache"
+        self.obtained = Obtained.COMPILED if self.traced else Obtained.SERVED
         return compiled
 
     def served_from_cache(self) -> bool:
@@ -419,7 +422,7 @@ class GraphCompile:
         log.info("%s", fallback)
         emit_fallback_artifact(fallback)
         warnings.warn(f"dtcompile: {fallback}", stacklevel=2)  # points at the backend's call
-        self.how = f"run eagerly ({fallback.error})"
+        self.obtained, self.eager_because = Obtained.EAGER, fallback.error
         return self.gm.forward
 
     def schedule(self) -> Schedule:
@@ -430,13 +433,13 @@ class GraphCompile:
         if self.graphs:
             collectives = scheduled_collectives((g.kind, g.collectives) for g in self.graphs)
             bucketed = any(d.action == Action.BUCKETED for g in self.graphs for p in g.passes for d in p.decisions)
-        elif self.how.startswith("served") and self.entry is not None:
+        elif self.obtained is Obtained.SERVED and self.entry is not None:
             collectives, bucketed = load_schedule(self.entry) or (None, False)
         profile = f"{self.priced}, numbers {profile_text(self.priced.profile)}"
         decided = decided_from(key_fields(self.config), profile, source_digest(), self.gm, self.example_inputs)
-        schedule = Schedule(
-            self.info.compile_id, self.how, collectives, decided, eager=self.how.startswith("run eagerly"), bucketed=bucketed
-        )
+        eager = self.obtained is Obtained.EAGER
+        how = f"{self.obtained} ({self.eager_because})" if eager else str(self.obtained)
+        schedule = Schedule(self.info.compile_id, how, collectives, decided, eager=eager, bucketed=bucketed)
         if self.graphs and self.entry is not None:
             save_schedule(self.entry, schedule)
         return schedule

@@ -30,6 +30,7 @@ from dtcompile.collectives import CollectiveInfo
 __all__ = [
     "CheckOutcome",
     "DYNAMO_GRAPH",
+    "Obtained",
     "Schedule",
     "Scheduled",
     "agreed_earlier",
@@ -86,7 +87,7 @@ class Schedule:
 
     compile_id: str
     how: str
-    """``compiled here``, ``served from the compile cache`` or ``run eagerly (...)``."""
+    """How this rank got it, for the messages: an :class:`Obtained`, with the reason where eager."""
     collectives: tuple[Scheduled, ...] | None
     """Every collective of its graphs in program order (:func:`scheduled_collectives`);
     ``None`` where unknown (eager, or a cache entry without its saved schedule)."""
@@ -143,6 +144,20 @@ class Schedule:
     def from_json(cls, text: str | bytes) -> Schedule:
         data = json.loads(text)
         return cls(**{**data, "collectives": _scheduled_from_json(data["collectives"])})
+
+
+class Obtained(str, enum.Enum):
+    """How a rank got a Dynamo graph's code."""
+
+    COMPILED = "compiled here"
+    SERVED = "served from the compile cache"
+    EAGER = "run eagerly"
+    """torch could not trace it here: the Dynamo graph runs as it is."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
 class CheckOutcome(str, enum.Enum):
