@@ -14,20 +14,24 @@ gave wrong gradients on the warm run only.
 
 The suites: the shared models (:data:`dtcompile._testing.cases.CASES`,
 issue #37's FSDP-style stack among them), every model of the auto-parallel
-zoo (planned on the ranks' 1-D mesh), a batch of the program fuzzer's
-2-rank programs, and the torchtitan client tests' trainings.  CI runs five of
-the zoo's models and two of the clients; the ``soak`` tier (``pytest -m soak``)
-the others.
+zoo (planned on the ranks' 1-D mesh), the HuggingFace zoo's compiled models
+(planned so too), a batch of the program fuzzer's 2-rank programs, the
+torchtitan client tests' trainings, and torchtitan's Llama3 block with
+``spmd_types`` types on its input (the types must reach the warm run too).  CI
+runs five of the zoo's models, one of the HF zoo's, two of the clients and the
+typed block; the ``soak`` tier (``pytest -m soak``) the others.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
 import torch
 
+from dtcompile.base.channels import parse_artifact
 from dtcompile.testing import run_cold_and_warm, run_gloo
 
 pytestmark = [pytest.mark.warm, pytest.mark.gloo, pytest.mark.inductor, pytest.mark.subprocess]
@@ -78,6 +82,19 @@ def _check_lowering_served(cold: dict[str, int], warm: dict[str, int], what: str
     assert warm.get("fxgraph_hit", 0) >= 1 and warm.get("fxgraph_hit", 0) + warm.get("fxgraph_miss", 0) == lowered, (
         f"{what}: caches, cold {cold}, warm {warm}"
     )
+
+
+def _source_digest() -> str:
+    """The digest of dtcompile's source that its compile key carries (:func:`dtcompile.cache_keys.source_digest`)."""
+    from dtcompile.cache_keys import source_digest
+
+    return source_digest()
+
+
+def _check_same_source(cold: str, warm: str, what: str) -> None:
+    """The cold and warm runs compiled with the same dtcompile source: an edit in between changes
+    every compile key, and the warm run is rightly not served (a rerun, not a bug)."""
+    assert cold == warm, f"{what}: dtcompile's source changed between the cold and warm runs ({cold} -> {warm})"
 
 
 def _close(got: Any, want: Any, what: str, **tol: float) -> None:
@@ -346,3 +363,245 @@ def test_torchtitan_cold_and_warm_equal_eager(client, tmp_path):
         problems += mismatches(w_run, w_eager, f"rank {rank} warm vs eager", **tol)
         problems += mismatches(w_run, c_run, f"rank {rank} warm vs cold", rtol=1e-6, atol=1e-6)
     raise_mismatches(problems)
+
+
+# ---- the HuggingFace zoo's compiled subset
+
+# The HF zoo's models it compiles (tests/auto_parallel/hf_zoo: a decoder with RoPE and SDPA,
+# GPT-2's fused Conv1D projections, a mixture of experts, Falcon's constants built in forward,
+# T5, ViT), here on the ranks' 1-D mesh.  CI runs Llama warm (about 115 CPU-seconds on 2
+# cores, most of it the cold run's Inductor compiles); the soak tier the others (as dear each).
+HF_COMPILED = ("llama", "gpt2", "mixtral", "falcon", "t5", "vit")
+HF_IN_CI = ("llama",)
+
+
+def _hf_rank(rank: int, name: str) -> tuple[Any, dict[str, int], str]:
+    """The HF zoo's model ``name`` planned on this rank's 1-D mesh (gathered weights kept, as the
+    zoo plans) and one compiled step with dtcompile's defaults (Inductor, the compile cache)
+    against the single-process model run eagerly; what the compile caches did; the source digest."""
+    from ap_cases import KEEP_COLLECTIVES, step_against_reference
+    from hf_models import build, plan_hf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dtcompile
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    reference, args = build(name)
+    # Under 3/4 of the replicated parameter bytes: the solver must shard (half is the least on 2 ranks).
+    budget = sum(p.numel() * p.element_size() for p in reference.parameters()) * 3 // 4
+    solution = plan_hf(reference, args, mesh, param_memory_budget_bytes=budget)
+    model = dtcompile.auto_parallel.parallelize(copy.deepcopy(reference), solution, mesh)
+    step, counts = _counted(
+        lambda: step_against_reference(
+            rank, model, reference, args, mesh, solution, KEEP_COLLECTIVES, inductor=True, reshard=False
+        )[:4]
+    )
+    return step, counts, _source_digest()
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", [n if n in HF_IN_CI else pytest.param(n, marks=pytest.mark.soak) for n in HF_COMPILED])
+def test_hf_zoo_compiled_cold_and_warm_equal_the_single_process_model(name, tmp_path):
+    """A model as people download it from ``transformers`` (HF's modules, RoPE, SDPA, its
+    config's constants), planned and compiled as the HF zoo compiles it, restarted on a warm
+    cache: both runs equal the single-process eager model (output and every gradient), the warm
+    one equals the cold one, and AOTAutograd's cache served every graph the cold run saved."""
+    from hf_models import require_transformers
+
+    require_transformers()
+    cold, warm = run_cold_and_warm(WORLD_SIZE, _hf_rank, name, cache_dir=tmp_path, timeout=TIMEOUT)
+    for rank in range(WORLD_SIZE):
+        (c_out, c_grads, ref_out, ref_grads), c_counts, c_source = cold[rank]
+        (w_out, w_grads, _, _), w_counts, w_source = warm[rank]
+        _check_same_source(c_source, w_source, f"{name}, rank {rank}")
+        _check_served(c_counts, w_counts, f"{name}, rank {rank}")
+        for run, out, grads in (("cold", c_out, c_grads), ("warm", w_out, w_grads)):
+            what = f"{name}, rank {rank}, {run}"
+            _close(out, ref_out, f"{what}: output", rtol=1e-4, atol=1e-5)
+            assert grads.keys() == ref_grads.keys(), what
+            assert any(g is not None for g in grads.values()), f"{what}: no parameter got a gradient"
+            for param, grad in grads.items():
+                _close(grad, ref_grads[param], f"{what}: grad of {param}", rtol=1e-4, atol=1e-5)
+        _close((w_out, w_grads), (c_out, c_grads), f"{name}, rank {rank}: warm vs cold", rtol=1e-6, atol=1e-6)
+
+
+# ---- an SPMD-typed torchtitan block
+
+
+class _Artifacts:
+    """The ``TORCH_TRACE`` artifacts dtcompile and AOTAutograd's cache log (name -> payload, the
+    last of each name), read in this process as a ``TORCH_TRACE`` log gets them."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.logged: dict[str, str] = {}
+        self.handler = logging.Handler()
+        self.handler.emit = self._emit  # type: ignore[method-assign]
+
+    def _emit(self, record: Any) -> None:
+        name = (getattr(record, "metadata", {}).get("artifact") or {}).get("name", "")
+        if parse_artifact(name) is not None or name.startswith("aotautograd_cache_"):
+            self.logged[name] = record.payload
+
+    def __enter__(self) -> _Artifacts:
+        from torch._logging._internal import trace_log
+
+        trace_log.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch._logging._internal import trace_log
+
+        trace_log.removeHandler(self.handler)
+
+
+def _typed_block_rank(rank: int) -> dict[str, Any]:
+    """torchtitan's Llama3 (spmd_types, TP + SP on the 2 ranks) and its first block, its input
+    typed ``S(1)`` on tp as torchtitan's trainer types the model's inputs
+    (``spmd_types.assert_type``; test_torchtitan_spmd_types' typed block).  One forward and
+    backward eagerly, then compiled with dtcompile's defaults (Inductor, the compile cache): both
+    outputs and local gradients, what the compile caches did, the backend's records and cached
+    graphs, and the dtcompile artifacts logged.  Then the same input typed ``P`` (a partial sum,
+    which the block's norm cannot take), compiled afresh: the error it raises."""
+    import spmd_types as spmd
+    import test_torchtitan_spmd_types as module
+    from _titan import initial_weights, load_weights, parallelize, torchtitan_on_cpu
+    from torchtitan.config import CompileConfig, ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    import dtcompile
+
+    def local(t: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    with torchtitan_on_cpu(spmd_backend="spmd_types"):
+        parallelism = ParallelismConfig(tensor_parallel_degree=WORLD_SIZE, enable_sequence_parallel=True)
+        parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
+        parallel_dims.build_mesh()
+        config = module.MODELS["llama3"]()
+        set_llama3_sharding_config(config, enable_sp=True)
+        with torch.device("meta"):
+            model = config.build()
+        model = parallelize(parallelize_llama, model, parallel_dims, parallelism, CompileConfig(enable=False))
+        load_weights(model, initial_weights(module.MODELS["llama3"]()))
+        block = model.layers["0"]
+        torch.manual_seed(0)  # the same activations on both ranks; each takes its sequence shard
+        x = torch.randn(2, module.SEQ_LEN, module.DIM).chunk(WORLD_SIZE, dim=1)[rank].contiguous()
+
+        def step(run: Any, typed: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            block.zero_grad(set_to_none=True)
+            x_typed = x.clone()
+            spmd.assert_type(x_typed, {"tp": typed})
+            out = run(x_typed, None)
+            out.pow(2).mean().backward()
+            return out.detach(), {n: local(p.grad).clone() for n, p in block.named_parameters()}
+
+        result: dict[str, Any] = {}
+        with set_current_spmd_mesh(parallel_dims.spmd_dense_mesh()):
+            result["eager"] = step(block, spmd.S(1))
+            backend = dtcompile.backend()
+            with _Artifacts() as artifacts:
+                compiled = torch.compile(block, backend=backend)
+                result["compiled"], result["counts"] = _counted(lambda: step(compiled, spmd.S(1)))
+            result["artifacts"] = artifacts.logged
+            result["records"] = [(r.kind, r.info.spmd_inputs, r.annotated()) for r in backend.records]
+            result["cached"] = [(c.compile_id, c.reported, str(c)) for c in backend.cached]
+            torch._dynamo.reset()
+            try:
+                step(torch.compile(block, backend=dtcompile.backend()), spmd.P)
+            except Exception as exc:  # the compile's error, as the user sees it
+                result["partial"] = f"{type(exc).__name__}: {exc}"
+            else:
+                result["partial"] = None
+    result["source"] = _source_digest()
+    return result
+
+
+def _typed_lines(text: str) -> list[str]:
+    """The node lines of a ``dtcompile_<kind>_graph`` artifact (``name = op(...)  # ...; tp:S(1)``)."""
+    return [line for line in text.splitlines() if " = " in line and "  # " in line]
+
+
+@pytest.mark.models
+def test_spmd_typed_torchtitan_block_cold_and_warm_equal_eager_with_its_types(tmp_path):
+    """torchtitan's Llama3 block under spmd_types (plain tensors typed per mesh axis, explicit
+    collectives), its input typed ``S(1)`` on tp, compiled with dtcompile's defaults and
+    restarted on a warm cache.  The types are read at compile time and are part of the compile
+    key (``dtcompile.cache_keys.compile_key``), so a warm run must neither lose them nor be
+    served a graph checked for other types.
+
+    Both runs equal eager (output and every local gradient), the warm one the cold one; the warm
+    run was served by the caches.  AOTAutograd's cache refuses this graph (a ``bypass``:
+    spmd_types' collectives are autograd Functions, traced as ``autograd_function_apply``, which
+    it does not cache), so the warm run traces it again and its type check runs again, on the same
+    input types, and Inductor's FX graph cache (keyed on the compile key, the types in it) serves
+    both lowered graphs; were it served whole (a hit, nothing traced), the warm backend's
+    ``cached`` must say the cold run's report was logged again.
+    Either way the warm run's ``TORCH_TRACE`` artifacts show the types the cold run's do: the
+    sequence all-gathered (``S(1)`` -> ``R``), ``wo`` and ``w2`` leaving partial sums (``P``),
+    reduce-scattered, no node of unknown type.  And the same input typed ``P`` (a partial sum
+    into the block's norm) is a compile-time ``SpmdTypeCheckError`` on the warm run as on the
+    cold: not served the entry checked for ``S(1)``."""
+    from _titan import require_torchtitan
+
+    from dtcompile.base.channels import Artifact, GraphKind
+
+    require_torchtitan()
+    import test_torchtitan_spmd_types as spmd_types_tests
+
+    if not spmd_types_tests._fsdp2_stores_spmd_types():
+        pytest.skip("torch 2.13's FSDP2 refuses torchtitan's spmd_types parameters (test_torchtitan_spmd_types)")
+    cold, warm = run_cold_and_warm(WORLD_SIZE, _typed_block_rank, cache_dir=tmp_path, timeout=TIMEOUT)
+    forward, backward = Artifact.graph(GraphKind.FORWARD), Artifact.graph(GraphKind.BACKWARD)
+    for rank in range(WORLD_SIZE):
+        c, w = cold[rank], warm[rank]
+        for run, result in (("cold", c), ("warm", w)):
+            what = f"rank {rank}, {run}"
+            (out, grads), (eager_out, eager_grads) = result["compiled"], result["eager"]
+            _close(out, eager_out, f"{what}: output vs eager", rtol=1e-5, atol=1e-6)
+            assert grads.keys() == eager_grads.keys() and grads, what
+            for param, grad in grads.items():
+                _close(grad, eager_grads[param], f"{what}: grad of {param} vs eager", rtol=1e-5, atol=1e-6)
+            partial = result["partial"]
+            assert partial is not None, f"{what}: the block compiled with its input typed P"
+            assert "SpmdTypeCheckError" in partial and "mesh axis 'tp'" in partial, f"{what}: {partial}"
+            assert "aten.pow.Tensor_Scalar" in partial and "non-linear" in partial, f"{what}: {partial}"
+        _close(w["compiled"], c["compiled"], f"rank {rank}: warm vs cold", rtol=1e-6, atol=1e-6)
+
+        c_counts, w_counts = c["counts"], w["counts"]
+        what = f"rank {rank}: caches, cold {c_counts}, warm {w_counts}"
+        _check_same_source(c["source"], w["source"], f"rank {rank}")
+        # Every input typed on tp, read alike on both runs (the activation S(1), the weights R or S(d)).
+        (c_forward,) = [types for kind, types, _ in c["records"] if kind == GraphKind.FORWARD]
+        assert c_forward and c_forward[0] == {"tp": "S(1)"} and all(c_forward), c_forward
+        if c_counts.get("bypass"):
+            reason = json.loads(c["artifacts"].get("aotautograd_cache_bypass", "{}")).get("cache_bypass_reason")
+            # Every graph the cold run lowered (or found lowered by the other rank) is served lowered.
+            lowered = c_counts.get("fxgraph_miss", 0) + c_counts.get("fxgraph_hit", 0)
+            assert lowered >= 2 and w_counts == {"bypass": 1, "fxgraph_hit": lowered}, f"{what}; bypassed: {reason}"
+            # Traced again: the type check ran again, on the same types.
+            typed = {run: [r[:2] for r in result["records"]] for run, result in (("cold", c), ("warm", w))}
+            assert typed["warm"] == typed["cold"], f"rank {rank}: graphs and their inputs' types: {typed}"
+            assert not w["cached"], what
+        else:
+            _check_served(c_counts, w_counts, f"rank {rank}")
+            assert not w["records"] and w["cached"], what
+            assert all(reported for _, reported, _ in w["cached"]), f"rank {rank}: {w['cached']}"
+        # What a TORCH_TRACE of the warm run shows: the cold run's typed graphs.
+        for name in (forward, backward):
+            assert w["artifacts"].get(name) == c["artifacts"].get(name), f"rank {rank}: {name} differs warm vs cold"
+            lines = _typed_lines(w["artifacts"][name])
+            assert lines and not [line for line in lines if "tp:?" in line], f"rank {rank}: {name}:\n{w['artifacts'][name]}"
+
+        def types_of(op: str, text: str = w["artifacts"][forward]) -> list[str]:
+            return [line.rsplit("tp:", 1)[1] for line in _typed_lines(text) if f"= {op}(" in line]
+
+        assert types_of("aten.mm.default") == ["S(1)", "P", "S(1)", "S(1)", "P"], w["artifacts"][forward]
+        assert types_of("_c10d_functional.all_gather_into_tensor.default") == ["R", "R"], w["artifacts"][forward]
+        assert types_of("_c10d_functional.reduce_scatter_tensor.default") == ["S(0)", "S(0)"], w["artifacts"][forward]
