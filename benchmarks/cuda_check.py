@@ -5,8 +5,9 @@ memory can be enabled on one GPU (and why not), torch's symm_mem kernels
 called directly, and ``dtcompile::fused_all_gather_matmul`` /
 ``fused_matmul_reduce_scatter`` against ``torch.matmul`` and their decomposed
 path, fp32 and bf16, eagerly and inside a training step compiled by dtcompile
-(its ``async_tp`` pass puts them into the forward and backward graphs).  One
-rank: the gather and the scatter are the identity.
+(its ``async_tp`` pass puts them into the forward and backward graphs, forced
+with ``force_async_tp=True``: on one rank no data moves, so the priced pass
+fuses nothing).  One rank: the gather and the scatter are the identity.
 
 Part 2 (``--parts block``; the fake process group at world 8, cuda mesh): the
 tensor + sequence parallel block at Llama-3-8B layer sizes (dim 4096, 32
@@ -249,7 +250,9 @@ def _training_step_errors(group: str, dtype: torch.dtype) -> tuple[float, float,
     expected = torch.relu(torch.matmul(x_ref, w1)) @ w2
     expected.float().pow(2).mean().backward()
     torch._dynamo.reset()
-    backend = dtcompile.DTCompileBackend(dtcompile.DTCompileConfig())
+    # One rank moves no data, so the priced async_tp pass would fuse nothing; no AOT
+    # cache, so that the graphs are compiled here and their records read.
+    backend = dtcompile.DTCompileBackend(dtcompile.DTCompileConfig(force_async_tp=True, aot_cache=False))
     out = torch.compile(model, backend=backend, fullgraph=True)(x)
     out.float().pow(2).mean().backward()
     fused = sorted(

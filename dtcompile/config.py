@@ -45,6 +45,16 @@ class DTCompileConfig:
     """Most bytes (per rank, >= 0) of collectives the ``overlap`` pass lets be in
     flight at once when it issues them earlier."""
 
+    force_async_tp: bool = False
+    """Let the ``async_tp`` pass fuse every all-gather/matmul and matmul/reduce-scatter pair
+    it can, whatever the fusion's price (:mod:`dtcompile.passes.async_tp`).  By default a pair
+    is fused only where the graph's cost profile says it hides communication, which it never
+    does on a 1-rank group (no data moves) or a profile without fused kernels; ``True`` fuses
+    there too, to run and test the fused kernels (the CUDA tests on one GPU), and each such
+    fusion's record says it was forced and what the price said.  Pairs the pass cannot fuse
+    (shapes, users, a CUDA graph on a group other than NCCL) stay as they are.  With
+    ``disable_passes={"async_tp"}`` nothing is fused."""
+
     memory_budget_bytes: int | None = None
     """Most bytes per rank a compiled graph may hold at its peak, as
     :mod:`dtcompile.memory` estimates it (its tensors along the schedule, and for a
@@ -133,6 +143,7 @@ class DTCompileConfig:
         _check_bool("report", self.report)
         _check_bool("trace_pass_graphs", self.trace_pass_graphs)
         _check_bool("reshard_after_forward", self.reshard_after_forward)
+        _check_bool("force_async_tp", self.force_async_tp)
         if self.memory_budget_bytes is not None:
             _check_bytes("memory_budget_bytes", self.memory_budget_bytes, minimum=1)
         object.__setattr__(self, "keep_gathered", _names("keep_gathered", self.keep_gathered))
@@ -158,6 +169,7 @@ class DTCompileConfig:
                 tuple(sorted((k, repr(v)) for k, v in self.inductor_config.items())),
                 self.bucket_cap_bytes,
                 self.overlap_memory_budget_bytes,
+                self.force_async_tp,
                 self.memory_budget_bytes,
                 self.reshard_after_forward,
                 self.keep_gathered,

@@ -20,12 +20,16 @@ the op would run decomposed, adding host time and overlapping nothing
 (:func:`dtcompile.ops.decomposed_on`).  Every fusion is priced under the
 graph's cost profile (:class:`~dtcompile.records.Price`): it hides part of
 the collective under the matmuls where the profile has fused kernels
-(``fused_collective_matmul``), nothing where it has not (``cpu_gloo``), and
-a pair is fused only where that is more than nothing.  CPU graphs priced for
-a GPU job (the fake and threaded test worlds, ``h100`` under ``auto``) are
-fused and run the decomposition, which is what CPU tests exercise.  What the pass leaves, it records with the reason.  The fused ops are in
-:mod:`dtcompile.ops` (symmetric-memory kernels on CUDA, a decomposed
-implementation elsewhere).
+(``fused_collective_matmul``), nothing where it has not (``cpu_gloo``) or
+where no data moves (a 1-rank group), and a pair is fused only where that is
+more than nothing.  CPU graphs priced for a GPU job (the fake and threaded test
+worlds, ``h100`` under ``auto``) are fused and run the decomposition, which is
+what CPU tests exercise.  ``force_async_tp`` fuses every eligible pair whatever
+its price, for a run that must exercise the fused kernels where they save
+nothing (a 1-rank NCCL group: the CUDA tests on one GPU); each such fusion's
+record says it was forced and what the price said.  What the pass leaves, it
+records with the reason.  The fused ops are in :mod:`dtcompile.ops`
+(symmetric-memory kernels on CUDA, a decomposed implementation elsewhere).
 """
 
 from __future__ import annotations
@@ -149,10 +153,31 @@ def _price(ctx: PassContext, collective: fx.Node, matmuls: list[fx.Node]) -> Pri
     return ctx.price(fused_hidden_us(c, m, info.group_size, profile), 0.0)
 
 
-def _unpaid(ctx: PassContext) -> str:
+def _unpaid(ctx: PassContext, collective: fx.Node) -> str:
+    """Why a fusion that does not pay saves nothing."""
     if not ctx.profile.fused_collective_matmul:
         return f"{ctx.profile.name} has no fused collective-matmul kernel (the op would run decomposed)"
+    if collective_info(collective).group_size <= 1:
+        return "its group has 1 rank: no data moves, so there is no communication to hide"
     return "the pipelined matmul hides none of the collective"
+
+
+def _declined(ctx: PassContext, collective: fx.Node, price: Price) -> Outcome | None:
+    """The skip of a fusion that does not pay, or None where it is applied: it pays, or
+    ``force_async_tp`` asks for every eligible pair."""
+    if price.pays or ctx.config.force_async_tp:
+        return None
+    return Outcome.skipped(collective.name, f"not fused: {_unpaid(ctx, collective)}", price)
+
+
+def _forced(ctx: PassContext, collective: fx.Node, price: Price) -> str:
+    """What a fusion's text adds under ``force_async_tp``: that it was forced, and whether the
+    price would have fused it too (the price itself follows in the record's line); read
+    before the rewrite erases ``collective``."""
+    if not ctx.config.force_async_tp:
+        return ""
+    said = "it pays too" if price.pays else f"the price alone would not fuse it: {_unpaid(ctx, collective)}"
+    return f"; forced by force_async_tp ({said})"
 
 
 def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int], ctx: PassContext) -> Outcome:
@@ -176,8 +201,10 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int],
     if why is not None:
         return Outcome.skipped(ag.name, f"not fused: {why}")
     price = _price(ctx, ag, [mm for mm, _ in consumers])
-    if not price.pays:
-        return Outcome.skipped(ag.name, f"not fused: {_unpaid(ctx)}", price)
+    declined = _declined(ctx, ag, price)
+    if declined is not None:
+        return declined
+    forced = _forced(ctx, ag, price)
     graph = gm.graph
     with graph.inserting_before(wait):
         fused = graph.call_function(torch.ops.dtcompile.fused_all_gather_matmul.default, (shard, [b for _, b in consumers], gather_dim, group))
@@ -194,7 +221,7 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int],
         mm.replace_all_uses_with(flat)
         graph.erase_node(mm)
     _erase_unused([gathered, *_between(wait, gathered), wait, ag])
-    return Outcome(Action.FUSED, f"fused all_gather(dim {gather_dim}) + {len(consumers)} matmul(s): {ag.name} -> {', '.join(mm.name for mm, _ in consumers)}", price=price)
+    return Outcome(Action.FUSED, f"fused all_gather(dim {gather_dim}) + {len(consumers)} matmul(s): {ag.name} -> {', '.join(mm.name for mm, _ in consumers)}{forced}", price=price)
 
 
 def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> Outcome:
@@ -227,8 +254,10 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> O
     if len(mm.users) != 1:
         return Outcome.skipped(rs.name, f"matmul->reduce-scatter not fused: the matmul output has {len(mm.users)} users")
     price = _price(ctx, rs, [mm])
-    if not price.pays:
-        return Outcome.skipped(rs.name, f"not fused: {_unpaid(ctx)}", price)
+    declined = _declined(ctx, rs, price)
+    if declined is not None:
+        return declined
+    forced = _forced(ctx, rs, price)
     graph = gm.graph
     out_shape = list(view.meta["val"].shape)
     with graph.inserting_before(wait):
@@ -240,7 +269,7 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> O
         result = graph.call_function(aten.reshape.default, (fused, list(wait.meta["val"].shape)))
     wait.replace_all_uses_with(result)
     _erase_unused([wait, rs, source, *(source.all_input_nodes if source is not produced else ()), produced, view, mm])
-    return Outcome(Action.FUSED, f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}", price=price)
+    return Outcome(Action.FUSED, f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}{forced}", price=price)
 
 
 def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:

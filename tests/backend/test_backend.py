@@ -42,7 +42,7 @@ def test_unknown_option_names_valid_ones():
         dtcompile.backend(inductr=False)
     assert str(err.value) == (
         "dtcompile.backend: unknown option(s) ['inductr']; valid options are "
-        "['aot_cache', 'bucket_cap_bytes', 'check_ranks', 'check_ranks_timeout_s', 'cost_profile', 'disable_passes', 'eager_fallback', 'inductor', 'inductor_config', "
+        "['aot_cache', 'bucket_cap_bytes', 'check_ranks', 'check_ranks_timeout_s', 'cost_profile', 'disable_passes', 'eager_fallback', 'force_async_tp', 'inductor', 'inductor_config', "
         "'keep_gathered', 'memory_budget_bytes', 'overlap_memory_budget_bytes', 'report', 'reshard_after_forward', "
         "'trace_pass_graphs']"
     )

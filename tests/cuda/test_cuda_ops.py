@@ -5,8 +5,9 @@ With symmetric memory the ops call torch's ``symm_mem`` kernels; without it
 their values must equal ``torch.matmul`` and the decomposed path, in fp32 and
 bf16, eagerly, compiled by Inductor, and inside a training step compiled by
 dtcompile (whose ``async_tp`` pass puts them into the forward and backward
-graphs).  On one rank the all-gather and the reduce-scatter are the identity,
-so the references are plain matmuls.
+graphs: forced, ``force_async_tp=True``, since on one rank no data moves and
+the priced pass declines every fusion).  On one rank the all-gather and the
+reduce-scatter are the identity, so the references are plain matmuls.
 
 On a torch older than 2.13 run them through ``python benchmarks/cuda_check.py
 --pytest``, which first lets dtcompile import there.
@@ -91,6 +92,9 @@ def decomposed(monkeypatch):
 @pytest.fixture
 def symm_mem_calls(monkeypatch):
     """Counts calls of torch's symm_mem kernels (the spies call the real kernels)."""
+    # Inductor's first import builds its decomposition table from the op namespaces,
+    # which a spy (a function in place of an op) breaks: import it before they go in.
+    import torch._inductor.compile_fx  # noqa: F401
     import torch.distributed._symmetric_memory
 
     calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
@@ -245,7 +249,7 @@ def test_fused_ops_compiled_by_inductor_equal_matmul(group_name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_training_step_compiled_by_dtcompile_runs_the_fused_ops_and_equals_matmul(
-    group_name, symm_mem_calls, dtype
+    group_name, symm_mem_calls, decomposed, dtype
 ):
     model = SequenceParallelMLP(
         group_name, _randn(256, 512, dtype=dtype, seed=11) / 256**0.5, _randn(512, 256, dtype=dtype, seed=12) / 512**0.5
@@ -258,11 +262,23 @@ def test_a_training_step_compiled_by_dtcompile_runs_the_fused_ops_and_equals_mat
     expected = torch.relu(torch.matmul(x_ref, w1)) @ w2
     expected.float().pow(2).mean().backward()
 
+    # On one rank no data moves, so the priced async_tp pass fuses nothing: force it,
+    # so that the step runs the fused ops.  No AOT cache: the records are inspected.
     backend = dtcompile.DTCompileBackend(
-        dtcompile.DTCompileConfig()
+        dtcompile.DTCompileConfig(force_async_tp=True, aot_cache=False)
     )  # no DTensor: dynamo_vars not needed
-    out = torch.compile(model, backend=backend, fullgraph=True)(x)
-    out.float().pow(2).mean().backward()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def step():
+        for t in (x, model.w1, model.w2):
+            t.grad = None
+        out = compiled(x)
+        out.float().pow(2).mean().backward()
+        return [out.detach(), x.grad, model.w1.grad, model.w2.grad]
+
+    fused_step = step()
+    calls = dict(symm_mem_calls)
+    decomposed_step = decomposed(step)  # the same compiled graphs, the fused ops decomposed
 
     fused = {(r.kind, c.op) for r in backend.records for c in r.collectives if c.fused}
     assert fused == {
@@ -271,14 +287,20 @@ def test_a_training_step_compiled_by_dtcompile_runs_the_fused_ops_and_equals_mat
         ("backward", "all_gather"),
         ("backward", "reduce_scatter"),
     }, [str(c) for r in backend.records for c in r.collectives]
-    assert _relative_error(out, expected.detach()) < TOLERANCE[dtype]
-    assert _relative_error(x.grad, x_ref.grad) < TOLERANCE[dtype]
-    assert _relative_error(model.w1.grad, w1.grad) < TOLERANCE[dtype]
-    assert _relative_error(model.w2.grad, w2.grad) < TOLERANCE[dtype]
+    decisions = [d for r in backend.records for p in r.passes if p.name == "async_tp" for d in p.decisions]
+    assert decisions and all(
+        d.text.startswith("fused ") and "forced by force_async_tp" in d.text for d in decisions
+    ), [str(d) for d in decisions]
+    for actual, reference, via_decomposed in zip(
+        fused_step, [expected.detach(), x_ref.grad, w1.grad, w2.grad], decomposed_step
+    ):
+        assert _relative_error(actual, reference) < TOLERANCE[dtype]
+        assert _relative_error(actual, via_decomposed) < TOLERANCE[dtype]
     if ops.symmetric_memory_available(x, group_name):
         assert (
-            symm_mem_calls["fused_all_gather_matmul"] >= 2
-            and symm_mem_calls["fused_matmul_reduce_scatter"] >= 2
-        )
+            calls["fused_all_gather_matmul"] >= 2
+            and calls["fused_matmul_reduce_scatter"] >= 2
+        ), calls
     else:
-        assert sum(symm_mem_calls.values()) == 0
+        assert sum(calls.values()) == 0
+    assert symm_mem_calls == calls  # the decomposed step called no symm_mem kernel
