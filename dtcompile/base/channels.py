@@ -8,7 +8,7 @@ who writes and who reads a channel by searching for its constant, and a typo is
 an ``AttributeError``, not a silently empty channel (a test checks that no
 other file spells one out).
 
-- :class:`GraphKind`: which AOT graph (forward, backward, inference);
+- :class:`GraphKind`: which AOT graph (forward, backward, inference), or a whole step's;
 - :class:`Meta`: the keys of ``node.meta`` dtcompile writes;
 - :class:`Artifact`: the ``TORCH_TRACE`` artifact names, and :func:`parse_artifact`,
   the lookup table ``dtcompile-report`` reads them with;
@@ -23,12 +23,15 @@ __all__ = ["Artifact", "Beside", "GraphKind", "Meta", "parse_artifact"]
 
 
 class GraphKind(str, enum.Enum):
-    """Which AOT graph AOTAutograd handed the backend.  A ``str``: it prints, formats and
+    """Which AOT graph AOTAutograd handed the backend, or a whole step's graph.  A ``str``: it prints, formats and
     serializes as its value (``forward``)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
     INFERENCE = "inference"
+    STEP = "step"
+    """A whole training step traced as one graph (forward, loss and backward), as
+    torchtitan's ``graph_trainer`` traces it (:mod:`dtcompile.integrations.torchtitan`)."""
 
     def __str__(self) -> str:
         return self.value

@@ -92,6 +92,10 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
     ("dtcompile.auto_parallel", "<module>", _P,
      "makes our own module dtcompile.auto_parallel callable (its class); no torch object"),
     ("dtcompile.auto_parallel.apply", "parallelize", _O, "the model given to parallelize gets its DTensor parameters"),
+    ("dtcompile.integrations.torchtitan", "register", _P,
+     "adds the 'dtcompile' pass pipeline to torchtitan graph_trainer's PASS_PIPELINE_REGISTRY, on "
+     "importing dtcompile.integrations.torchtitan, as graph_trainer's register_pass_pipeline does: "
+     "a new name; graph_trainer uses it only where its config names it"),
     # ---- dynamo_vars
     ("dynamo_vars._install", "install", _I, "warns once per process about a torch outside the tested range"),
     ("dynamo_vars._install", "_install_locked", _I,

@@ -22,9 +22,11 @@ CHANNELS = ROOT / "dtcompile" / "base" / "channels.py"
 
 # Names that start like a channel but are none: the package dtcompile_tools, the
 # local_map HOP's name and auto-parallel's op namespace, the report's default
-# folder, and names tests give their own temporary folders and backends.
+# folder, and names tests give their own temporary folders and backends; the name
+# torchtitan's graph_trainer knows dtcompile's step pass by (dtcompile.integrations.torchtitan).
 NOT_CHANNELS = {
     "dtcompile_tools",
+    "dtcompile_step_pass",
     "dtcompile_local_map",
     "dtcompile_autoparallel",
     "dtcompile_report",

@@ -32,7 +32,8 @@ modules of its own layer or below, never above:
    ``dtcompile.cost.calibrate``
 8. the package face -- ``dtcompile`` (``__init__``)
 9. ``dtcompile.testing``
-10. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile_tools``
+10. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile.integrations``
+    (other projects' compilers: torchtitan graph_trainer's ``dtcompile`` pass pipeline), ``dtcompile_tools``
 
 Every import counts for the layers, also one inside a function or under
 ``TYPE_CHECKING``; circles are looked for among the imports that run.
@@ -80,7 +81,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.cost.calibrate"),
     ("dtcompile",),
     ("dtcompile.testing",),
-    ("dtcompile._testing", "dtcompile.demo", "dtcompile_tools"),
+    ("dtcompile._testing", "dtcompile.demo", "dtcompile.integrations", "dtcompile_tools"),
 )
 
 # Source folder -> installed package name.

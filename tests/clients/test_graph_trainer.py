@@ -1,0 +1,304 @@
+"""torchtitan's ``graph_trainer``: a whole training step traced as one graph, dtcompile's pass on it.
+
+graph_trainer (torchtitan 0.3.0) traces forward, loss and backward of a SimpleFSDP
+model as one ``make_fx`` graph (``make_fx_tracer.minimal_fx_tracer``) and applies the
+pass pipeline its config names; :mod:`dtcompile.integrations.torchtitan` registers
+one named ``dtcompile``, graph_trainer's default passes with dtcompile's
+:class:`~dtcompile.integrations.torchtitan.StepPass` first.  Here a SimpleFSDP stack
+of norm + MLP blocks on 2 gloo ranks is traced once, the step pass is applied through
+graph_trainer's own ``apply_graph_passes``, and the traced step trains 3 steps against
+the same model's eager steps: loss and every gradient bitwise equal, with dtcompile's
+rewrites switched off (the graph unchanged) and on (bucketing rewrites it).  The
+record describes the step graph (its collectives, their costs, memory, timeline,
+its ``TORCH_TRACE`` artifacts), and ranks whose step graphs would not pair up stop
+with ``RanksDisagree`` when the pass runs.
+
+Only dtcompile's pass is applied: graph_trainer's default pipeline
+(``graph_trainer.passes``) cannot be imported in this environment (its
+``configs`` import torchtitan's trainer, which needs ``torchdata``), and its
+default passes end in regional Inductor and CUDA graphs.  The registered pipeline is
+checked with a stand-in for that module.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+from _pinned import require_pinned
+from _titan import INSTALL, TORCHTITAN_VERSION
+from torch import nn
+
+from dtcompile.base.channels import Artifact, GraphKind
+from dtcompile.testing import run_gloo
+
+pytestmark = pytest.mark.gloo
+
+DIM, LAYERS, BATCH, STEPS, LR = 64, 2, 8, 3, 0.1
+WORLD = 2
+# dtcompile's rewrites switched off: the step graph as graph_trainer traced it.
+UNCHANGED = {"inductor": False, "disable_passes": {"async_tp", "bucketing", "overlap"}}
+REWRITTEN = {"inductor": False}
+# Per block: norm weight and bias, up weight and bias, down weight and bias.
+PARAMS = 6 * LAYERS
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _simple_fsdp(mesh: Any, layers: int = LAYERS) -> nn.Module:
+    from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
+
+    torch.manual_seed(0)  # every rank, and the eager and traced models, alike
+    return data_parallel(Stack(DIM, layers), device_mesh=mesh, mode="fully_shard")
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def _trace(model: nn.Module, x: torch.Tensor) -> Any:
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer
+
+    def step(x: torch.Tensor) -> list[torch.Tensor]:
+        loss = _loss(model, x)
+        params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+        return [loss, *torch.autograd.grad(loss, params)]
+
+    return minimal_fx_tracer(step, module=model)(x)
+
+
+def _sgd(model: nn.Module, grads: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.sub_(LR * g)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _describe(step_pass: Any, emitted: list[str]) -> dict[str, Any]:
+    """What the test reads of a step pass's record (picklable)."""
+    from dtcompile.artifacts import collectives_json
+    from dtcompile.base.channels import Meta
+
+    (record,) = step_pass.records
+    data = collectives_json(record)
+    costs = [n.meta.get(Meta.COST_US) for n in record.graph.graph.nodes if n.meta.get(Meta.COLLECTIVE) is not None]
+    return {
+        "records": len(step_pass.records),
+        "kind": str(record.kind),
+        "ops": [c.op for c in record.collectives],
+        "axes": sorted({c.axis for c in record.collectives}),
+        "costs_us": costs,
+        "total_us": data["totals"]["estimated_us"],
+        "profile": data["cost_profile"],
+        "peak_bytes": record.memory.peak_bytes if record.memory is not None else None,
+        "traced_peak_bytes": record.memory_traced.peak_bytes if record.memory_traced is not None else None,
+        "timeline_us": record.timeline.total_us if record.timeline is not None else None,
+        "passes": {p.name: (p.ran, p.collectives_before, p.collectives_after, [d.action.value for d in p.decisions])
+                   for p in record.passes},
+        "checks": [c.outcome for c in step_pass.checks],
+        "emitted": emitted,
+    }
+
+
+def _train_on_rank(rank: int, options: dict[str, Any]) -> dict[str, Any]:
+    """3 steps of the traced step (dtcompile's pass applied by graph_trainer's ``apply_graph_passes``)
+    against 3 eager steps of the same model: whether loss and gradients are bitwise equal, and the record."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import run_traced
+
+    import dtcompile.artifacts
+    from dtcompile.integrations.torchtitan import StepPass
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    eager, stepped = _simple_fsdp(mesh), _simple_fsdp(mesh)
+    traced = _trace(stepped, _batch(rank, 0))
+    traced_nodes = len(traced.gm.graph.nodes)
+    step_pass = StepPass(options, [mesh])
+    # The TORCH_TRACE artifacts the pass logs, by name (this rank's process only).
+    emitted: list[str] = []
+    emit = dtcompile.artifacts._artifact
+    dtcompile.artifacts._artifact = lambda name, encoding, payload: (emitted.append(name), emit(name, encoding, payload))
+    try:
+        traced.gm = _apply_graph_passes(traced.gm, traced.example_inputs, [step_pass])
+    finally:
+        dtcompile.artifacts._artifact = emit
+    run = run_traced(traced, module=stepped)
+
+    equal = []
+    for step in range(STEPS):
+        x = _batch(rank, step)
+        loss = _loss(eager, x)
+        loss.backward()
+        grads = [p.grad for p in eager.parameters()]
+        out = run(x)
+        equal.append([torch.equal(out[0], loss)] + [
+            torch.equal(g.to_local(), ref.to_local()) for g, ref in zip(out[1:], grads, strict=True)
+        ])
+        _sgd(eager, grads)
+        eager.zero_grad(set_to_none=True)
+        _sgd(stepped, list(out[1:]))
+    described = _describe(step_pass, emitted)
+    described.update(equal=equal, traced_nodes=traced_nodes, nodes=len(traced.gm.graph.nodes), grads=len(out) - 1)
+    return described
+
+
+def _apply_graph_passes(gm: Any, example_inputs: Any, passes: list[Any]) -> Any:
+    """graph_trainer's ``apply_graph_passes``, which lives in ``graph_trainer.passes``: that module
+    imports torchtitan's trainer (``torchdata``, not installed here), so its loop, verbatim in
+    what it does to a pass (``pass_fn(gm, example_inputs)``, a GraphModule back), where it cannot be imported."""
+    try:
+        from torchtitan.experiments.graph_trainer.passes import apply_graph_passes
+    except ImportError:
+        for pass_fn in passes:
+            gm = pass_fn(gm, list(example_inputs))
+            assert isinstance(gm, torch.fx.GraphModule)
+        return gm
+    return apply_graph_passes(gm, example_inputs, passes)
+
+
+@pytest.fixture(scope="module")
+def titan() -> None:
+    require_pinned("torchtitan", TORCHTITAN_VERSION, INSTALL)
+
+
+def test_step_graph_matches_eager_described_and_checked(titan, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_TRACE", str(tmp_path))  # the ranks' processes log there
+    runs = run_gloo(WORLD, _train_on_rank_both)
+    for rank, (unchanged, rewritten) in enumerate(runs):
+        for name, run in (("unchanged", unchanged), ("rewritten", rewritten)):
+            where = f"rank {rank} {name}"
+            # Loss and every gradient bitwise equal eager, every step.
+            assert run["grads"] == PARAMS, where
+            assert len(run["equal"]) == STEPS and all(all(step) for step in run["equal"]), f"{where}: {run['equal']}"
+            # One graph for the whole step, described as such.
+            assert (run["records"], run["kind"]) == (1, GraphKind.STEP), where
+            assert run["axes"] == ["fsdp"], where
+            assert all(c is not None and c > 0 for c in run["costs_us"]), f"{where}: {run['costs_us']}"
+            assert len(run["costs_us"]) == len(run["ops"]) and run["total_us"] > 0, where
+            assert run["profile"] == "cpu_gloo", where
+            assert run["peak_bytes"] > 0 and run["traced_peak_bytes"] > 0 and run["timeline_us"] > 0, where
+            assert {Artifact.graph(GraphKind.STEP), Artifact.collectives(GraphKind.STEP)} <= set(run["emitted"]), where
+            # The ranks compared the step graph's collectives, and agreed.
+            assert run["checks"] == ["agreed"], f"{where}: {run['checks']}"
+        # Forward gathers and backward reduce-scatters, in one graph: one of each per parameter.
+        assert unchanged["ops"] == ["all_gather"] * PARAMS + ["reduce_scatter"] * PARAMS, unchanged["ops"]
+        assert unchanged["nodes"] == unchanged["traced_nodes"], "rewrites off: the graph is as traced"
+        assert unchanged["passes"]["bucketing"][0] is False and unchanged["passes"]["annotate"][0] is True
+        # Bucketing rewrites the whole-step graph: gathers and reduce-scatters merged, under the memory budget.
+        assert rewritten["passes"]["bucketing"][:3] == (True, 2 * PARAMS, 5), rewritten["passes"]["bucketing"]
+        assert "bucketed" in rewritten["passes"]["bucketing"][3]
+        assert rewritten["ops"] == ["all_gather"] * 2 + ["reduce_scatter"] * 3, rewritten["ops"]
+        assert rewritten["total_us"] < unchanged["total_us"], (rewritten["total_us"], unchanged["total_us"])
+    # Every rank bucketed alike (the check compared them; here the test does too).
+    assert runs[0][1]["ops"] == runs[1][1]["ops"] and runs[0][1]["passes"] == runs[1][1]["passes"]
+
+    # dtcompile-report reads the step graphs' artifacts.  Logged outside a Dynamo compile, they
+    # carry no compile id of torch's ("-"): the rank's second step graph (rewritten) is the one kept.
+    from dtcompile_tools.report import read_trace, render_html
+
+    trace = read_trace(tmp_path)
+    assert sorted(trace.ranks) == list(range(WORLD)) and not trace.warnings, trace.warnings
+    for rank, ranked in trace.ranks.items():
+        (record,) = ranked.compiles.values()
+        data = record.collectives[GraphKind.STEP]
+        assert (data["kind"], data["totals"]["count"]) == (GraphKind.STEP, 5), f"rank {rank}: {data['totals']}"
+        assert "reduce_scatter_tensor" in record.graphs[GraphKind.STEP], f"rank {rank}"
+    assert "step graph" in render_html(trace)
+
+
+def _train_on_rank_both(rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _train_on_rank(rank, UNCHANGED), _train_on_rank(rank, REWRITTEN)
+
+
+def _check_with_options(rank: int, options_by_rank: list[dict[str, Any]]) -> str:
+    """Rank ``rank`` traces the step and applies dtcompile's pass with its own options; what happened."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtcompile.integrations.torchtitan import StepPass
+    from dtcompile.rank_check import RanksDisagree
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    model = _simple_fsdp(mesh)
+    traced = _trace(model, _batch(rank, 0))
+    step_pass = StepPass({**options_by_rank[rank], "check_ranks_timeout_s": 60.0}, [mesh])
+    try:
+        _apply_graph_passes(traced.gm, traced.example_inputs, [step_pass])
+    except RanksDisagree as exc:
+        return f"RanksDisagree: {exc}"
+    return f"ran: {[c.outcome for c in step_pass.checks]}"
+
+
+def test_ranks_with_different_options_stop_at_the_pass(titan):
+    # Rank 1 buckets smaller: its step graph's collectives would not pair up with rank 0's.
+    outcomes = run_gloo(WORLD, _check_with_options, [REWRITTEN, {**REWRITTEN, "bucket_cap_bytes": 4096}])
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith("RanksDisagree: "), f"rank {rank}: {outcome}"
+        assert "ranks compiled graph step/0 differently" in outcome, outcome
+        assert "bucket_cap_bytes" in outcome, outcome
+
+
+def test_registered_pipeline_puts_dtcompile_first(titan, monkeypatch):
+    """Importing the integration registers the ``dtcompile`` pipeline: graph_trainer's default
+    passes (here a stand-in for ``graph_trainer.passes``, which needs ``torchdata``) after dtcompile's."""
+    import importlib
+
+    from torchtitan.experiments.graph_trainer.registry import PASS_PIPELINE_REGISTRY
+
+    seen = []
+
+    def default_passes(traced_result: Any, config: Any, *, parallel_dims: Any = None) -> list[Any]:
+        seen.append((traced_result, config, parallel_dims))
+        return ["default"]
+
+    stand_in = types.ModuleType("torchtitan.experiments.graph_trainer.passes")
+    stand_in.construct_default_graph_passes = default_passes
+    try:
+        importlib.import_module("torchtitan.experiments.graph_trainer.passes")
+    except ImportError:
+        monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
+    else:
+        monkeypatch.setattr(sys.modules[stand_in.__name__], "construct_default_graph_passes", default_passes)
+    monkeypatch.delitem(PASS_PIPELINE_REGISTRY, "dtcompile", raising=False)
+    monkeypatch.delitem(sys.modules, "dtcompile.integrations.torchtitan", raising=False)
+    integration = importlib.import_module("dtcompile.integrations.torchtitan")
+    assert PASS_PIPELINE_REGISTRY["dtcompile"] is integration.step_pipeline
+
+    passes = PASS_PIPELINE_REGISTRY["dtcompile"]("traced", "config", parallel_dims=None)
+    # By default dtcompile describes and checks the step; graph_trainer's passes after it bucket.
+    assert passes[0].config.disable_passes == {"async_tp", "bucketing", "overlap"}, passes[0].config
+    integration.configure(inductor=False, bucket_cap_bytes=1 << 20, disable_passes=set())
+    passes = PASS_PIPELINE_REGISTRY["dtcompile"]("traced", "config", parallel_dims=None)
+    assert passes[0].config.disable_passes == set(), passes[0].config
+    assert len(passes) == 2 and passes[1] == "default", passes
+    assert isinstance(passes[0], integration.StepPass) and passes[0].config.bucket_cap_bytes == 1 << 20
+    assert passes[0].__name__ == "dtcompile_step_pass"  # graph_trainer names passes by it
+    assert seen == [("traced", "config", None)] * 2
+    with pytest.raises(ValueError, match="not_an_option"):
+        integration.configure(not_an_option=1)
+    integration.configure()  # the defaults back, for whoever imports it next in this process
