@@ -44,7 +44,7 @@ from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.base.channels import Beside, GraphKind
 from dtcompile.base.sharding_cache import fresh_sharding_caches
 from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
-from dtcompile.cache_keys import compile_key, key_fields, profile_text, rank_position, source_digest, stable_mesh_keys
+from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
 from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost.simulate import simulate
@@ -58,6 +58,7 @@ from dtcompile.rank_schedule import (
     Obtained,
     Schedule,
     Scheduled,
+    bucketed,
     decided_from,
     inputs_text,
     load_schedule,
@@ -429,17 +430,16 @@ class GraphCompile:
         """What this rank compiled, as its ranks' check compares it; a compiled schedule is
         saved beside the compile cache (as :attr:`entry`), for a run the cache serves."""
         collectives: tuple[Scheduled, ...] | None = None
-        bucketed = False
+        merged = False
         if self.graphs:
             collectives = scheduled_collectives((g.kind, g.collectives) for g in self.graphs)
-            bucketed = any(d.action == Action.BUCKETED for g in self.graphs for p in g.passes for d in p.decisions)
+            merged = bucketed(self.graphs)
         elif self.obtained is Obtained.SERVED and self.entry is not None:
-            collectives, bucketed = load_schedule(self.entry) or (None, False)
-        profile = f"{self.priced}, numbers {profile_text(self.priced.profile)}"
-        decided = decided_from(key_fields(self.config), profile, source_digest(), self.gm, self.example_inputs)
+            collectives, merged = load_schedule(self.entry) or (None, False)
+        decided = decided_from(self.config, self.priced, self.gm, self.example_inputs)
         eager = self.obtained is Obtained.EAGER
         how = f"{self.obtained} ({self.eager_because})" if eager else str(self.obtained)
-        schedule = Schedule(self.info.compile_id, how, collectives, decided, eager=eager, bucketed=bucketed)
+        schedule = Schedule(self.info.compile_id, how, collectives, decided, eager=eager, bucketed=merged)
         if self.graphs and self.entry is not None:
             save_schedule(self.entry, schedule)
         return schedule

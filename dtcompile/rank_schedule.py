@@ -35,6 +35,7 @@ __all__ = [
     "Scheduled",
     "agreed_earlier",
     "agreement_marks",
+    "bucketed",
     "decided_from",
     "inputs_text",
     "load_schedule",
@@ -251,17 +252,26 @@ def inputs_text(example_inputs: Sequence[Any]) -> str:
     return ", ".join(parts)
 
 
-def decided_from(
-    fields: Mapping[str, str], profile_text: str, source: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
-) -> dict[str, str]:
-    """What a compile of ``gm`` is decided from, by name (``fields``: the options that change graphs)."""
+def decided_from(config: Any, priced: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:
+    """What a compile of ``gm`` with ``config`` (a :class:`~dtcompile.config.DTCompileConfig`),
+    priced by ``priced`` (a :class:`~dtcompile.cost.ProfileChoice`), is decided from, by name:
+    the options that change graphs, the cost profile and its numbers, the sources, the graph."""
+    from dtcompile.cache_keys import key_fields, profile_text, source_digest
+
     return {
-        **fields,
-        "cost profile": profile_text,
-        "dtcompile source": source,
+        **key_fields(config),
+        "cost profile": f"{priced}, numbers {profile_text(priced.profile)}",
+        "dtcompile source": source_digest(),
         "torch": torch.__version__,
         DYNAMO_GRAPH: short_digest(gm.code + inputs_text(example_inputs)),
     }
+
+
+def bucketed(graphs: Iterable[Any]) -> bool:
+    """Whether the passes merged collectives in any of ``graphs`` (:class:`~dtcompile.records.CompiledGraph`)."""
+    from dtcompile.records import Action
+
+    return any(d.action == Action.BUCKETED for g in graphs for p in g.passes for d in p.decisions)
 
 
 def save_schedule(key: str, schedule: Schedule) -> None:

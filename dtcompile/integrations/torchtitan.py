@@ -42,7 +42,6 @@ from torch import fx
 from dtcompile.annotations import DynamoGraphInfo
 from dtcompile.artifacts import emit_artifacts, format_compiled_graph
 from dtcompile.base.channels import GraphKind
-from dtcompile.cache_keys import key_fields, profile_text, source_digest
 from dtcompile.collectives import flattened_axes, graph_collectives, group_names_in, profile_for_groups, spmd_axes
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost.simulate import simulate
@@ -50,7 +49,7 @@ from dtcompile.graph_compile import devices_of
 from dtcompile.memory import MemoryPlan, estimate_memory
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.rank_check import RanksDisagree, agree, check_groups, world_can_disagree
-from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, decided_from, scheduled_collectives
+from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, bucketed, decided_from, scheduled_collectives
 from dtcompile.records import CompiledGraph, RankCheck
 
 __all__ = ["PIPELINE_NAME", "REWRITES", "StepPass", "configure", "mesh_axes_of", "pipeline_passes", "register", "step_pipeline"]
@@ -140,12 +139,12 @@ class StepPass:
         groups = check_groups(gm, self.meshes)
         if not groups:
             return
-        profile = f"{priced}, numbers {profile_text(priced.profile)}"
         schedule = Schedule(
             record.compile_id,
             str(Obtained.COMPILED),
             scheduled_collectives([(record.kind, record.collectives)]),
-            decided_from(key_fields(self.config), profile, source_digest(), gm, example_inputs),
+            decided_from(self.config, priced, gm, example_inputs),
+            bucketed=bucketed([record]),
         )
         start = time.perf_counter()
         try:
