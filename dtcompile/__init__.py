@@ -5,6 +5,8 @@ installed; ``dtcompile.backend(**options)`` makes a configured one.
 ``dtcompile.local_map`` is :func:`hops.local_map`: torch's ``local_map`` as one
 op that keeps its placements through to the backend.  ``dtcompile.auto_parallel``
 (a callable subpackage) chooses a model's placements.
+``dtcompile.compile_step`` compiles a whole training step (forward, loss,
+backward, optionally the optimizer) as one graph.
 
 Importing ``dtcompile`` has no side effects and imports nothing heavy: each name
 below is loaded on first use, and Dynamo is changed only when a backend is
@@ -25,11 +27,13 @@ if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
     from dtcompile.records import CompiledGraph
     from dtcompile.registry import backend
     from dtcompile.report import Report, explain
+    from dtcompile.step import CompiledStep, compile_step
     from hops.local_map import local_map
 
 __all__ = [
     "CollectiveInfo",
     "CompiledGraph",
+    "CompiledStep",
     "DTCompileBackend",
     "DTCompileConfig",
     "RanksDisagree",
@@ -37,6 +41,7 @@ __all__ = [
     "auto_parallel",
     "backend",
     "calibrate",
+    "compile_step",
     "explain",
     "local_map",
 ]
@@ -44,6 +49,7 @@ __all__ = [
 _WHERE = {
     "CollectiveInfo": "dtcompile.collectives",
     "CompiledGraph": "dtcompile.records",
+    "CompiledStep": "dtcompile.step",
     "DTCompileBackend": "dtcompile.compiler",
     "DTCompileConfig": "dtcompile.config",
     "RanksDisagree": "dtcompile.rank_check",
@@ -51,6 +57,7 @@ _WHERE = {
     "auto_parallel": "dtcompile.auto_parallel",
     "backend": "dtcompile.registry",
     "calibrate": "dtcompile.cost.calibrate",
+    "compile_step": "dtcompile.step",
     "explain": "dtcompile.report",
     "local_map": "hops.local_map",
 }

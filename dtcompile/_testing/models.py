@@ -25,6 +25,9 @@ compiled and reference runs can be compared directly:
   sequence parallel over ``tp``, data parallel over ``dp`` (parameters
   replicated across ``dp``, gradients all-reduced there); input and output are
   the ``dp`` rank's batch shard.
+- :func:`parallelize_block_fsdp_tp`: the same with SimpleFSDP over ``dp`` (FSDP x
+  TP: each tensor-parallel shard sharded again over ``dp``, gathered in forward,
+  gradients reduce-scattered there).
 - :func:`parallelize_moe`: top-k routed experts with expert parallelism over
   the mesh's ``ep`` axis, tokens dispatched and combined by
   ``all_to_all_single`` with data-dependent split sizes (torchtitan's
@@ -67,6 +70,7 @@ from dtcompile._testing.transformer_block import (
     RegionAttention,
     parallelize_block,
     parallelize_block_2d,
+    parallelize_block_fsdp_tp,
 )
 
 __all__ = [
@@ -77,6 +81,7 @@ __all__ = [
     "ResidualStack",
     "build_block",
     "build_block_2d",
+    "build_block_fsdp_tp",
     "build_block_local_map",
     "build_fsdp_mlp",
     "build_gathered_stack",
@@ -323,10 +328,15 @@ def build_block_2d(
     seq: int = 8,
     args: BlockArgs = BlockArgs(),
     seed: int = 0,
+    parallelize: Callable[[nn.Module, DeviceMesh], nn.Module] = parallelize_block_2d,
 ) -> tuple[Block, Block, torch.Tensor]:
     """Returns ``(reference, parallel, global_input)``; ``batch`` rows per ``dp`` rank."""
     shape = (mesh.size(0) * batch, seq, args.dim)
-    return _build(lambda: Block(args), parallelize_block_2d, mesh, shape, seed)
+    return _build(lambda: Block(args), parallelize, mesh, shape, seed)
+
+
+build_block_fsdp_tp = functools.partial(build_block_2d, parallelize=parallelize_block_fsdp_tp)
+"""``build_block_2d`` with SimpleFSDP over ``dp`` (:func:`parallelize_block_fsdp_tp`): FSDP x TP."""
 
 
 def build_moe(

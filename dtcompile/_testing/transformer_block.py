@@ -4,9 +4,11 @@ Holds the block (:class:`Block`: :class:`RMSNorm`, causal :class:`Attention`, a
 SwiGLU :class:`FeedForward`; its sizes in :class:`BlockArgs`),
 :class:`RegionAttention` (the attention core a ``local_map`` region on
 head-sharded q, k and v), :func:`parallelize_block` (torchtitan's tensor +
-sequence parallel plan) and :func:`parallelize_block_2d` (that plan over ``tp``,
-data parallel over ``dp``).  Its builds, seeded with example inputs, are
-``build_block``, ``build_block_local_map`` and ``build_block_2d`` in
+sequence parallel plan), :func:`parallelize_block_2d` (that plan over ``tp``,
+data parallel over ``dp``) and :func:`parallelize_block_fsdp_tp` (that plan over
+``tp``, SimpleFSDP over ``dp``).  Its builds, seeded with example inputs, are
+``build_block``, ``build_block_local_map``, ``build_block_2d`` and
+``build_block_fsdp_tp`` in
 :mod:`dtcompile._testing.models`.
 """
 
@@ -42,6 +44,7 @@ __all__ = [
     "causal_attention",
     "parallelize_block",
     "parallelize_block_2d",
+    "parallelize_block_fsdp_tp",
 ]
 
 
@@ -187,3 +190,10 @@ def parallelize_block_2d(model: Block, mesh: DeviceMesh) -> Block:
     """Tensor + sequence parallel over ``mesh["tp"]``, data parallel over ``mesh["dp"]``."""
     parallelize_block(model, mesh["tp"])
     return _data_parallel(model, mesh, shard=False)
+
+
+def parallelize_block_fsdp_tp(model: Block, mesh: DeviceMesh) -> Block:
+    """Tensor + sequence parallel over ``mesh["tp"]``, SimpleFSDP over ``mesh["dp"]``
+    (every parameter's tensor-parallel shard sharded again over ``dp``, gathered in forward)."""
+    parallelize_block(model, mesh["tp"])
+    return _data_parallel(model, mesh, shard=True)
