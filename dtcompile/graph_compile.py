@@ -75,7 +75,7 @@ from hops import keep_regions
 if TYPE_CHECKING:
     from dtcompile.compiler import DTCompileBackend
 
-__all__ = ["GraphCompile", "UntracedUnserved", "symbolic_dtensor"]
+__all__ = ["GraphCompile", "UntracedUnserved", "schedule_owned_by_dtcompile", "symbolic_dtensor"]
 
 log = logging.getLogger("dtcompile.compiler")  # the backend's logger, as users configure it
 
@@ -127,7 +127,7 @@ def _aot_settings(config: DTCompileConfig, *, backward_now: bool, cacheable: boo
         yield
 
 
-def _schedule_owned_by_dtcompile(config: DTCompileConfig, passes: Sequence[PassRecord]) -> dict[str, Any]:
+def schedule_owned_by_dtcompile(config: DTCompileConfig, passes: Sequence[PassRecord]) -> dict[str, Any]:
     """Inductor settings that leave the collectives' schedule to dtcompile's passes,
     given what they did to this graph.
 
@@ -277,7 +277,7 @@ class GraphCompile:
 
             def lowering(passes: Sequence[PassRecord]) -> dict[str, Any]:
                 """Patches Inductor for this graph (until it is compiled); what it will read."""
-                owned = _schedule_owned_by_dtcompile(self.config, passes) if communicates else {}
+                owned = schedule_owned_by_dtcompile(self.config, passes) if communicates else {}
                 stack.enter_context(inductor_config.patch(owned))
                 current = inductor_config.get_config_copy()
                 settings = {name: current[name] for name in self.config.inductor_config}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["COMMUNICATION_PASSES", "PASS_NAMES"]
 
-PASS_NAMES: tuple[str, ...] = ("async_tp", "bucketing", "overlap", "annotate")
+PASS_NAMES: tuple[str, ...] = ("async_tp", "bucketing", "overlap", "optimizer_updates", "annotate")
 """Every pass, in the order :func:`dtcompile.passes.run_passes` runs them."""
 
 COMMUNICATION_PASSES: frozenset[str] = frozenset({"async_tp", "bucketing", "overlap"})

@@ -49,7 +49,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.fx import traceback as fx_traceback
 
+from dtcompile.base.channels import Meta
 from dtcompile.config import DTCompileConfig
 from dtcompile.records import CompiledGraph
 from dtcompile.step_pass import StepPass
@@ -355,7 +357,8 @@ class CompiledStep:
                 if self.optimizer is not None:
                     for param, grad in zip(params, grads):
                         param.grad = grad
-                    self.optimizer.step()
+                    with fx_traceback.annotate({Meta.OPTIMIZER: type(self.optimizer).__name__}):
+                        self.optimizer.step()
                     for param in params:
                         param.grad = None
                     grads = []
@@ -370,7 +373,22 @@ class CompiledStep:
             log.info("compile_step: traced the step again (%d graphs): a new shape, placement or hyperparameter", self.traces)
         example = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         gm = self.step_pass(gm, example)
-        return _Traced(gm, tuple(state["model"]), in_layouts, tensor_at, out["layouts"], out["spec"])
+        run = self._lower(gm, example) if self.config.inductor else gm
+        return _Traced(run, tuple(state["model"]), in_layouts, tensor_at, out["layouts"], out["spec"])
+
+    def _lower(self, gm: fx.GraphModule, example: Sequence[Any]) -> Callable[..., Any]:
+        """The step graph after the passes, through Inductor (``compile_fx``: AOTAutograd
+        functionalizes its in-place updates, Inductor generates the code; its caches serve
+        a restarted job).  Inductor leaves the collectives where dtcompile's passes put them
+        when those moved any (as for the Dynamo path)."""
+        from torch._inductor.compile_fx import compile_fx
+
+        from dtcompile.graph_compile import schedule_owned_by_dtcompile
+
+        patches = {**self.config.inductor_config, **schedule_owned_by_dtcompile(self.config, self.records[-1].passes)}
+        # Inputs as values: the graph already holds its backward; nothing here needs a gradient.
+        inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in example]
+        return compile_fx(gm, inputs, config_patches=patches)
 
     @contextlib.contextmanager
     def _reparametrized(self, traced_state: dict[str, Any]) -> Iterator[None]:
@@ -387,11 +405,30 @@ class CompiledStep:
                     )
                 params = {by_id[id(p)]: traced_state["model"][by_id[id(p)]]
                           for g in self.optimizer.param_groups for p in g["params"]}
-                stack.enter_context(
-                    torch.optim.swap_in_optimizer_params_and_state(self.optimizer, params, traced_state["optim"])
-                )
+                if self.optimizer.state:
+                    stack.enter_context(
+                        torch.optim.swap_in_optimizer_params_and_state(self.optimizer, params, traced_state["optim"])
+                    )
+                else:  # a stateless optimizer (plain SGD): only its parameters swapped in
+                    stack.enter_context(_params_swapped(self.optimizer, [params[by_id[id(p)]] for g in
+                                                                          self.optimizer.param_groups for p in g["params"]]))
             stack.enter_context(_reparametrize_module(self.model, traced_state["model"]))
             yield
+
+
+@contextlib.contextmanager
+def _params_swapped(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
+    """The optimizer's ``param_groups`` hold ``params`` (in their flat order) until exit."""
+    kept = [group["params"] for group in optimizer.param_groups]
+    at = 0
+    for group in optimizer.param_groups:
+        group["params"] = params[at:at + len(group["params"])]
+        at += len(group["params"])
+    try:
+        yield
+    finally:
+        for group, own in zip(optimizer.param_groups, kept):
+            group["params"] = own
 
 
 def _check_loss(loss: Any, loss_fn: Callable[..., Any]) -> None:

@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo
@@ -40,6 +39,7 @@ from dtcompile.cost.simulate import simulate
 from dtcompile.graph_compile import devices_of
 from dtcompile.memory import MemoryPlan, estimate_memory
 from dtcompile.passes import PassContext, run_passes
+from dtcompile.passes._graph import alias_roots, written_args
 from dtcompile.rank_check import RanksDisagree, agree, check_groups, world_can_disagree
 from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, bucketed, decided_from, scheduled_collectives
 from dtcompile.records import CompiledGraph, RankCheck
@@ -63,41 +63,20 @@ def mesh_axes_of(meshes: Iterable[Any]) -> dict[str, str]:
     return axes
 
 
-def _aliases_of(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """Node -> the graph input it is a view of (through any chain of views), for views of inputs."""
-    base: dict[fx.Node, fx.Node] = {n: n for n in graph.find_nodes(op="placeholder")}
-    for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        returns = node.target._schema.returns
-        first = node.args[0] if node.args else None
-        aliased = len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-        if aliased and isinstance(first, fx.Node) and first in base:
-            base[node] = base[first]
-    return base
-
-
 def input_mutations(graph: fx.Graph) -> dict[str, tuple[str, list[str]]]:
     """Every graph input the graph writes in place (an optimizer's step): input name ->
     (the first node that writes it, the nodes that read it or a view of it before that write).
     A pass that moves a read after the write, or drops the write, changes what the step computes."""
-    base = _aliases_of(graph)
+    roots = alias_roots(graph)
     found: dict[str, tuple[str, list[str]]] = {}
     readers: dict[fx.Node, list[str]] = {}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        schema = getattr(node.target, "_schema", None)
-        written = set()
-        if schema is not None:
-            for arg, value in zip(schema.arguments, node.args):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    for item in value if isinstance(value, (list, tuple)) else [value]:
-                        if isinstance(item, fx.Node) and item in base and base[item].op == "placeholder":
-                            written.add(base[item])
+        written = {roots[w] for w in written_args(node) if roots[w].op == "placeholder"}
         for source in node.all_input_nodes:
-            root = base.get(source)
-            if root is not None and root not in written and root.name not in found:
+            root = roots[source]
+            if root.op == "placeholder" and root not in written and root.name not in found:
                 readers.setdefault(root, []).append(node.name)
         for root in written:
             found.setdefault(root.name, (node.name, readers.get(root, [])))

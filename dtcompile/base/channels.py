@@ -59,6 +59,8 @@ class Meta:
     """On nodes spliced in from a ``local_map`` region: the region node's name (lowering)."""
     REGION_CALL = "dtcompile_region_call"
     """In ``node.meta["custom"]``: which call of a ``local_map`` region a node belongs to (:mod:`hops`)."""
+    OPTIMIZER = "dtcompile_optimizer"
+    """In ``node.meta["custom"]``: the node is part of an optimizer's step traced into a whole-step graph (:mod:`dtcompile.step`)."""
     AUTOPARALLEL_REGION = "dtcompile_autoparallel_region"
     """On auto-parallel's traced graph: the fixed ``local_map`` region a node is in."""
     AUTOPARALLEL_REGION_ARGS = "dtcompile_autoparallel_region_args"

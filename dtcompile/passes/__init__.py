@@ -21,6 +21,10 @@ Where each pass lives:
 - ``overlap`` (:mod:`dtcompile.passes.overlap`): collectives issued as early
   as their inputs allow and waited on as late as their users allow, within
   ``config.overlap_memory_budget_bytes``.
+- ``optimizer_updates`` (:mod:`dtcompile.passes.optimizer_updates`): in a
+  whole-step graph with an optimizer inside (:func:`dtcompile.compile_step`),
+  each parameter's update right after its gradient, so the gradient is freed
+  once consumed; nothing to do on other graphs.
 - ``annotate`` (:mod:`dtcompile.passes.annotate`): every call node gets
   ``node.meta["dtcompile_annotation"]``; every functional collective also its
   :class:`~dtcompile.CollectiveInfo` in ``node.meta["dtcompile_collective"]``
@@ -46,6 +50,7 @@ from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
 from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
+from dtcompile.passes.optimizer_updates import place_optimizer_updates
 from dtcompile.passes.overlap import reorder_for_overlap
 from dtcompile.records import Outcome, PassRecord
 
@@ -70,6 +75,7 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("async_tp", fuse_async_tp, changes_collectives=True),
     GraphPass("bucketing", bucket_collectives, changes_collectives=True),
     GraphPass("overlap", reorder_for_overlap, changes_collectives=True),
+    GraphPass("optimizer_updates", place_optimizer_updates),
     GraphPass("annotate", annotate),
 )
 

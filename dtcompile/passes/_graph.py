@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["first_use_index", "refresh_metadata", "single_wait"]
+__all__ = ["alias_roots", "first_use_index", "refresh_metadata", "single_wait", "written_args"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -52,3 +52,32 @@ def refresh_metadata(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
             args = torch.utils._pytree.tree_map(value, node.args)
             kwargs = torch.utils._pytree.tree_map(value, node.kwargs)
             node.meta["val"] = node.target(*args, **kwargs)
+
+
+def alias_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Every node -> the node whose storage it shares: itself, or for a view (an op
+    whose schema says its output aliases its first argument, ``t``, ``view``, an
+    in-place op's result) the root of that argument."""
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        roots[node] = node
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        first = node.args[0] if node.args else None
+        if schema is None or not isinstance(first, fx.Node) or len(schema.returns) != 1:
+            continue
+        if schema.returns[0].alias_info is not None:
+            roots[node] = roots.get(first, first)
+    return roots
+
+
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` writes in place (its schema's mutable arguments; lists flattened)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    written = []
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node))
+    return written
+
