@@ -17,7 +17,9 @@ issue #37's FSDP-style stack among them), every model of the auto-parallel
 zoo (planned on the ranks' 1-D mesh), the HuggingFace zoo's compiled models
 (planned so too), a batch of the program fuzzer's 2-rank programs, the
 torchtitan client tests' trainings, and torchtitan's Llama3 block with
-``spmd_types`` types on its input (the types must reach the warm run too).  CI
+``spmd_types`` types on its input (the types must reach the warm run too), and
+``compile_step``'s whole-step graph with AdamW inside (Inductor's cache serves
+the restart).  CI
 runs five of the zoo's models, one of the HF zoo's, two of the clients and the
 typed block; the ``soak`` tier (``pytest -m soak``) the others.
 """
@@ -605,3 +607,50 @@ def test_spmd_typed_torchtitan_block_cold_and_warm_equal_eager_with_its_types(tm
         assert types_of("aten.mm.default") == ["S(1)", "P", "S(1)", "S(1)", "P"], w["artifacts"][forward]
         assert types_of("_c10d_functional.all_gather_into_tensor.default") == ["R", "R"], w["artifacts"][forward]
         assert types_of("_c10d_functional.reduce_scatter_tensor.default") == ["S(0)", "S(0)"], w["artifacts"][forward]
+
+
+def _step_rank(rank: int) -> dict[str, Any]:
+    """``compile_step`` with AdamW inside, Inductor-lowered, on the SimpleFSDP stack: 3 steps
+    (the first eager, creating AdamW's state) against the same model stepped eagerly."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import dtcompile
+    from dtcompile._testing import models
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
+    built = [models.build_norm_mlp_stack(mesh, rows=4, dim=16, hidden=32, layers=2) for _ in range(2)]
+    (_, model, x), (_, eager, _) = built
+    batches = [(x + 0.5 * i).chunk(WORLD_SIZE)[rank] for i in range(3)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    eager_optimizer = torch.optim.AdamW(eager.parameters(), lr=0.01, foreach=False)
+    step = dtcompile.compile_step(lambda x: model(x).pow(2).mean(), model=model, optimizer=optimizer)
+    losses, eager_losses = [], []
+    caches: dict[str, int] = {}
+    for batch in batches:
+        loss, counted = _counted(lambda: step(batch))
+        losses.append(loss)
+        caches = {k: caches.get(k, 0) + counted.get(k, 0) for k in {*caches, *counted}}
+        eager_loss = eager(batch).pow(2).mean()
+        eager_loss.backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad(set_to_none=True)
+        eager_losses.append(eager_loss.detach())
+    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    eager_full = [p.full_tensor() if isinstance(p, DTensor) else p for p in eager.parameters()]
+    return {"losses": losses, "eager_losses": eager_losses, "params": full, "eager_params": eager_full,
+            "caches": caches, "traces": step.traces, "source": _source_digest()}
+
+
+def test_compile_step_cold_and_warm_equal_eager(tmp_path):
+    cold, warm = run_cold_and_warm(WORLD_SIZE, _step_rank, cache_dir=tmp_path / "cache", timeout=TIMEOUT)
+    for rank, (c, w) in enumerate(zip(cold, warm, strict=True)):
+        what = f"compile_step rank {rank}"
+        _check_same_source(c["source"], w["source"], what)
+        for run in (c, w):
+            assert run["traces"] == 1, what
+            _close(run["losses"], run["eager_losses"], what, rtol=1e-5, atol=1e-6)
+            _close(run["params"], run["eager_params"], what, rtol=1e-5, atol=1e-6)
+        # The restart computes what the first run did, served by Inductor's cache.
+        assert all(torch.equal(a, b) for a, b in zip(c["params"], w["params"], strict=True)), what
+        _check_lowering_served(c["caches"], w["caches"], what)
