@@ -5,9 +5,12 @@ Candidates are ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
 order, a collective joins the open bucket of its key (op, group, group size,
 dtype, reduce op) when
 
-- the bucket can be issued after every member's input exists and waited on
+- the bucket can be issued after every member's input can exist and waited on
   before any member's result is used (``max(ready) < min(first use)``): then no
-  member depends on another and no node has to move;
+  member depends on another.  An input that is a view or copy of a value that
+  exists earlier (a parameter prepared for its gather, as a whole-step graph
+  does just before the gather) is ready where that value is: the bucket moves
+  those views and copies up to itself (:func:`hoistable`);
 - the bucket stays under ``config.bucket_cap_bytes``, counted as
   :class:`~dtcompile.CollectiveInfo` counts bytes (an all-gather's output, the
   input of the others): the bucket's buffer is the memory bucketing adds;
@@ -28,7 +31,7 @@ dtype, reduce op) when
   ``profile.overlap`` of their time.  A member that does not pay closes the
   bucket and opens the next one.
 
-A bucket is issued right after its last input is computed: inputs are
+A bucket is issued right after its last input can be computed: inputs are
 flattened and concatenated (for a reduce-scatter, rank by rank, so that each
 rank's chunk holds its piece of every input), one collective and one wait run,
 and each member's result is a slice of the output, reshaped (and, gathered, made
@@ -41,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,14 +59,16 @@ from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
 from dtcompile.memory import PeakTracker, format_bytes
 from dtcompile.passes._graph import (
+    alias_roots,
     first_use_index,
     refresh_metadata,
     single_wait,
+    written_args,
 )
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Price
 
-__all__ = ["bucket_collectives"]
+__all__ = ["bucket_collectives", "hoistable", "written_values"]
 
 
 aten = torch.ops.aten
@@ -84,8 +90,14 @@ class _Member:
     rewrite may replace that input with a slice of its own result, which has no
     fake value until the pass ends."""
     ready: int
+    """Where its input can first be computed (:func:`hoistable`): its own place, or earlier."""
     first_use: int
     info: CollectiveInfo
+    source_at: int
+    """Where its input is computed now; a bucket that needs it earlier (``ready`` before it)
+    moves its views and copies up."""
+    copied_bytes: int = 0
+    """The bytes of the copies among the ops moved up with its input (views move for free): alive longer."""
 
     @property
     def num_bytes(self) -> int:
@@ -111,6 +123,63 @@ class _Bucket:
     @property
     def num_bytes(self) -> int:
         return sum(m.num_bytes for m in self.members)
+
+
+_COPIES_OPS = frozenset({aten.clone.default, aten._to_copy.default, aten.contiguous.default})
+
+
+def _movable(node: fx.Node) -> bool:
+    """A cheap node that can run earlier: a view, or a copy (``clone``, ``_to_copy``) of a
+    value, as a parameter is prepared for its gather.  Compute stays where it is: moving
+    it would change the schedule the other passes and the memory estimate price."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem:
+        return _movable(node.args[0]) if isinstance(node.args[0], fx.Node) else False
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" or target._schema.is_mutable:
+        return False
+    returns = target._schema.returns
+    is_view = len(returns) == 1 and returns[0].alias_info is not None
+    return is_view or target in _COPIES_OPS
+
+
+def _bytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) and not is_symbolic(value) else 0
+
+
+def written_values(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose storage some node of ``graph`` writes in place (an optimizer's update):
+    the written values and every view of them."""
+    roots = alias_roots(graph)
+    written = {roots[w] for node in graph.nodes for w in written_args(node)}
+    return {node for node in graph.nodes if roots[node] in written}
+
+
+def hoistable(
+    source: fx.Node, order: dict[fx.Node, int], written: set[fx.Node] = frozenset()
+) -> tuple[fx.Node, list[fx.Node]]:
+    """``(anchor, chain)``: ``source`` can be computed right after ``anchor`` by running
+    ``chain`` (the movable ops it is made by, in graph order) there; ``source`` itself
+    and no chain when it is not movable.  An op that reads a value written in place
+    (``written``, :func:`written_values`) is not moved: it must stay on its side of the write."""
+    chain: set[fx.Node] = set()
+    frontier: set[fx.Node] = set()
+    stack = [source]
+    while stack:
+        node = stack.pop()
+        if node in chain or node in frontier:
+            continue
+        if _movable(node) and not any(w in written for w in node.all_input_nodes):
+            chain.add(node)
+            stack.extend(node.all_input_nodes)
+        else:
+            frontier.add(node)
+    if not frontier:  # made of constants only: where it is
+        return source, []
+    anchor = max(frontier, key=order.__getitem__)
+    return anchor, sorted(chain, key=order.__getitem__)
 
 
 def _key(node: fx.Node) -> tuple[Any, ...]:
@@ -185,6 +254,8 @@ def _memory_spans(members: Sequence[_Member], index: dict[fx.Node, int], tracker
         buffers += member.value.numel() * member.value.element_size() + result_bytes
         if ready > input_end:
             spans.append((input_end + 1, ready, input_bytes))
+        if ready < member.source_at and member.copied_bytes:  # copies made earlier, at the bucket
+            spans.append((ready, member.source_at - 1, member.copied_bytes))
         if ready < index[member.node]:
             spans.append((ready, index[member.node] - 1, result_bytes))
     spans.append((ready, ready, buffers))
@@ -195,6 +266,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     """See the module docstring."""
     graph = gm.graph
     index = {node: i for i, node in enumerate(graph.nodes)}
+    written = written_values(graph)
     pricer = _Pricer(graph, ctx)
     tracker = ctx.peak_tracker(gm)
     open_buckets: dict[tuple[Any, ...], _Bucket] = {}
@@ -224,12 +296,17 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         if is_symbolic(value):
             ctx.skipped(node.name, "not bucketed: its shape is symbolic (dynamic shapes); a bucket is built for one shape")
             continue
-        member = _Member(node, wait, value, index[source], first_use_index(wait, index), collective_info(node))
+        member = _Member(node, wait, value, index[source], first_use_index(wait, index), collective_info(node), index[source])
         key = _key(node)
         bucket = open_buckets.get(key)
         if bucket is not None:
             fits = member.num_bytes + bucket.num_bytes <= ctx.config.bucket_cap_bytes
             independent = max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use)
+            if not independent:  # ready earlier, its input's views and copies moved up to the bucket?
+                anchor, chain = hoistable(source, index, written)
+                if max(bucket.ready, index[anchor]) < min(bucket.first_use, member.first_use):
+                    member.ready, independent = index[anchor], True
+                    member.copied_bytes = sum(_bytes(n) for n in chain if n.target in _COPIES_OPS)
             price = pricer.join(bucket, member) if fits and independent else None
             if price is not None:
                 now, then = peak_if(key, bucket.members), peak_if(key, [*bucket.members, member])
@@ -264,7 +341,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         # an earlier one (an all-reduce over dp of all-reduces over ep) reads that
         # bucket's slices, which replaced the waits it was collected after.
         order = {node: i for i, node in enumerate(graph.nodes)}
-        _rewrite(gm, bucket, max((m.node.args[0] for m in bucket.members), key=order.__getitem__))
+        _rewrite(gm, bucket, _hoist(bucket, order, written))
         names = ", ".join(m.node.name for m in bucket.members)
         kind = bucket.key[0]
         saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
@@ -276,6 +353,21 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     gm.recompile()
     refresh_metadata(gm, example_inputs)
     return gm
+
+
+def _hoist(bucket: _Bucket, order: dict[fx.Node, int], written: set[fx.Node]) -> fx.Node:
+    """Where the bucket is issued: after the last node its inputs need; the ops that compute
+    an input later than that are moved up there.  Returns the node the bucket goes after."""
+    found = [
+        hoistable(m.node.args[0], order, written) if m.ready < m.source_at else (m.node.args[0], [])
+        for m in bucket.members
+    ]
+    at = max((anchor for anchor, _ in found), key=order.__getitem__)
+    cursor = at
+    for node in sorted({n for _, chain in found for n in chain if order[n] > order[at]}, key=order.__getitem__):
+        cursor.append(node)
+        cursor = node
+    return cursor
 
 
 def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:

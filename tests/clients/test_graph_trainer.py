@@ -122,6 +122,7 @@ def _describe(step_pass: Any, emitted: list[str]) -> dict[str, Any]:
         "passes": {p.name: (p.ran, p.collectives_before, p.collectives_after, [d.action.value for d in p.decisions])
                    for p in record.passes},
         "checks": [c.outcome for c in step_pass.checks],
+        "decisions": [str(d) for p in record.passes if p.name == "bucketing" for d in p.decisions],
         "emitted": emitted,
     }
 
@@ -211,7 +212,7 @@ def test_step_graph_matches_eager_described_and_checked(titan, tmp_path, monkeyp
         assert unchanged["nodes"] == unchanged["traced_nodes"], "rewrites off: the graph is as traced"
         assert unchanged["passes"]["bucketing"][0] is False and unchanged["passes"]["annotate"][0] is True
         # Bucketing rewrites the whole-step graph: gathers and reduce-scatters merged, under the memory budget.
-        assert rewritten["passes"]["bucketing"][:3] == (True, 2 * PARAMS, 5), rewritten["passes"]["bucketing"]
+        assert rewritten["passes"]["bucketing"][:3] == (True, 2 * PARAMS, 5), (rewritten["passes"]["bucketing"], rewritten["ops"], rewritten["decisions"])
         assert "bucketed" in rewritten["passes"]["bucketing"][3]
         assert rewritten["ops"] == ["all_gather"] * 2 + ["reduce_scatter"] * 3, rewritten["ops"]
         assert rewritten["total_us"] < unchanged["total_us"], (rewritten["total_us"], unchanged["total_us"])
@@ -302,3 +303,130 @@ def test_registered_pipeline_puts_dtcompile_first(titan, monkeypatch):
     with pytest.raises(ValueError, match="not_an_option"):
         integration.configure(not_an_option=1)
     integration.configure()  # the defaults back, for whoever imports it next in this process
+
+
+# ---------------------------------------------------------------------------
+# torchtitan's Llama3, from its own builders, under graph_trainer's SimpleFSDP (and TP),
+# traced by graph_trainer's tracer, the registered ``dtcompile`` pipeline applied.
+
+LLAMA_PLANS = {"fsdp": (2, 1), "fsdp_tp": (4, 2)}
+
+
+def _llama_step_on_rank(rank: int, world_size: int, tp: int, rewrite: bool, weights: Any, batches: Any) -> dict[str, Any]:
+    """3 steps of the traced Llama3 step against 3 eager steps of the same model, built alike:
+    losses and gradients, bitwise; the step graph's collectives and what dtcompile did."""
+    from _titan import llama3_on_meta, load_simple_fsdp_weights, simple_fsdp
+    from _titan import torchtitan_on_cpu as titan_on_cpu
+    from test_torchtitan import _llama3_config
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer, run_traced
+
+    with titan_on_cpu():
+        import dtcompile.integrations.torchtitan as integration
+
+        def build() -> tuple[Any, Any]:
+            model, parallel_dims, _ = llama3_on_meta(_llama3_config(), world_size, tp)
+            model = simple_fsdp(model, parallel_dims)
+            load_simple_fsdp_weights(model, weights)
+            return model, parallel_dims
+
+        (eager, _), (model, parallel_dims) = build(), build()
+        loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+        dp_rank, dp = rank // tp, world_size // tp
+
+        def local(batch: Any) -> tuple[Any, Any, Any]:
+            """This rank's slice of the batch, and the tokens of the whole batch (torchtitan's loss scale)."""
+            tokens, labels = batch
+            return tokens.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank], torch.tensor(labels.numel())
+
+        def step(tokens: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
+            loss, _ = loss_fn(model(tokens), labels, valid)
+            params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+            return [loss, *torch.autograd.grad(loss, params)]
+
+        traced = minimal_fx_tracer(step, module=model)(*local(batches[0]))
+        integration.configure(**({"inductor": False, "disable_passes": set()} if rewrite else {"inductor": False}))
+        passes = integration.step_pipeline(traced, None, parallel_dims=parallel_dims)
+        traced.gm = _apply_graph_passes(traced.gm, traced.example_inputs, passes)
+        integration.configure()
+        run = run_traced(traced, module=model)
+        step_pass = passes[0]
+        equal, losses = [], []
+        for batch in batches:
+            tokens, labels, valid = local(batch)
+            loss, _ = loss_fn(eager(tokens), labels, valid)
+            loss.backward()
+            grads = [p.grad for p in eager.parameters()]
+            out = run(tokens, labels, valid)
+            equal.append([torch.equal(out[0], loss)] + [
+                torch.equal(g.full_tensor(), ref.full_tensor()) for g, ref in zip(out[1:], grads, strict=True)
+            ])
+            losses.append(loss.item())
+            _sgd(eager, grads)
+            eager.zero_grad(set_to_none=True)
+            _sgd(model, list(out[1:]))
+        (record,) = step_pass.records
+        return {
+            "equal": equal,
+            "losses": losses,
+            "ops": [c.op for c in record.collectives],
+            "axes": sorted({c.axis for c in record.collectives}),
+            "bucketing": [str(d) for p in record.passes if p.name == "bucketing" for d in p.decisions],
+            "checks": [c.outcome for c in step_pass.checks],
+            "graphs": len(step_pass.records),
+        }
+
+
+def _graph_trainer_passes_stand_in(monkeypatch: Any) -> None:
+    """graph_trainer's default passes (``graph_trainer.passes``, which needs ``torchdata``) as none:
+    the ``dtcompile`` pipeline is then dtcompile's pass alone."""
+    try:
+        import torchtitan.experiments.graph_trainer.passes  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("torchtitan.experiments.graph_trainer.passes")
+        stand_in.construct_default_graph_passes = lambda traced_result, config, *, parallel_dims=None: []
+        monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("plan", LLAMA_PLANS)
+def test_llama3_step_graph_with_the_dtcompile_pipeline_matches_eager(plan, titan, monkeypatch):
+    from _titan import global_batches, initial_weights
+    from test_torchtitan import GLOBAL_BATCH, SEQ_LEN, VOCAB_SIZE, _llama3_config
+
+    _graph_trainer_passes_stand_in(monkeypatch)
+    world_size, tp = LLAMA_PLANS[plan]
+    weights = initial_weights(_llama3_config())
+    batches = global_batches(STEPS, VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH)
+    # The gloo ranks' processes import the stand-in too (it is not in their sys.modules).
+    runs = run_gloo(world_size, _llama_on_rank_both, world_size, tp, weights, batches)
+    for rank, (described, rewritten) in enumerate(runs):
+        for name, run in (("described", described), ("rewritten", rewritten)):
+            where = f"{plan} rank {rank} {name}"
+            # One graph for the whole step, equal to eager bitwise, loss and every gradient, 3 steps.
+            assert run["graphs"] == 1, where
+            assert len(run["equal"]) == STEPS and all(all(s) for s in run["equal"]), f"{where}: {run['equal']}"
+            assert run["checks"] == ["agreed"], f"{where}: {run['checks']}"
+            assert run["axes"] == (["fsdp"] if tp == 1 else ["fsdp", "tp"]), f"{where}: {run['axes']}"
+        assert described["losses"] == rewritten["losses"], f"{plan} rank {rank}"
+        assert not described["bucketing"] and rewritten["bucketing"], f"{plan} rank {rank}"
+        assert len(rewritten["ops"]) < len(described["ops"]), f"{plan} rank {rank}: {rewritten['bucketing']}"
+    # The step graph's collectives as traced, pinned: SimpleFSDP's gathers and reduce-scatters
+    # (tensor parallel's too on 2 x 2), every rank the same.
+    ops = {op: runs[0][0]["ops"].count(op) for op in sorted(set(runs[0][0]["ops"]))}
+    assert ops == PINNED_LLAMA_OPS[plan], ops
+    assert all(run[0]["ops"] == runs[0][0]["ops"] for run in runs)
+
+
+def _llama_on_rank_both(rank: int, world_size: int, tp: int, weights: Any, batches: Any) -> tuple[Any, Any]:
+    import pytest as _pytest
+
+    with _pytest.MonkeyPatch.context() as monkeypatch:
+        _graph_trainer_passes_stand_in(monkeypatch)
+        return (
+            _llama_step_on_rank(rank, world_size, tp, False, weights, batches),
+            _llama_step_on_rank(rank, world_size, tp, True, weights, batches),
+        )
+
+
+PINNED_LLAMA_OPS: dict[str, dict[str, int]] = {"fsdp": {"all_gather": 18, "reduce_scatter": 17}, "fsdp_tp": {"all_gather": 28, "all_reduce": 8, "reduce_scatter": 27}}
