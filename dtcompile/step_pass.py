@@ -39,7 +39,7 @@ from dtcompile.cost.simulate import simulate
 from dtcompile.graph_compile import devices_of
 from dtcompile.memory import MemoryPlan, estimate_memory
 from dtcompile.passes import PassContext, run_passes
-from dtcompile.passes._graph import alias_roots, written_args
+from dtcompile.passes._graph import alias_roots, read_inputs, written_args
 from dtcompile.rank_check import RanksDisagree, agree, check_groups, world_can_disagree
 from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, bucketed, decided_from, scheduled_collectives
 from dtcompile.records import CompiledGraph, RankCheck
@@ -65,7 +65,8 @@ def mesh_axes_of(meshes: Iterable[Any]) -> dict[str, str]:
 
 def input_mutations(graph: fx.Graph) -> dict[str, tuple[str, list[str]]]:
     """Every graph input the graph writes in place (an optimizer's step): input name ->
-    (the first node that writes it, the nodes that read it or a view of it before that write).
+    (the first node that writes it, the nodes that read it or a view of it before that write,
+    a collective's wait among them: the collective reads its input until then).
     A pass that moves a read after the write, or drops the write, changes what the step computes."""
     roots = alias_roots(graph)
     found: dict[str, tuple[str, list[str]]] = {}
@@ -74,7 +75,7 @@ def input_mutations(graph: fx.Graph) -> dict[str, tuple[str, list[str]]]:
         if node.op != "call_function":
             continue
         written = {roots[w] for w in written_args(node) if roots[w].op == "placeholder"}
-        for source in node.all_input_nodes:
+        for source in read_inputs(node):
             root = roots[source]
             if root.op == "placeholder" and root not in written and root.name not in found:
                 readers.setdefault(root, []).append(node.name)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["alias_roots", "first_use_index", "refresh_metadata", "single_wait", "written_args"]
+__all__ = ["alias_roots", "first_use_index", "read_inputs", "refresh_metadata", "single_wait", "written_args"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -80,4 +80,15 @@ def written_args(node: fx.Node) -> list[fx.Node]:
         if arg.alias_info is not None and arg.alias_info.is_write:
             written.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node))
     return written
+
+
+def read_inputs(node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` reads, for ordering it against in-place writes: its inputs, and
+    for a ``wait_tensor`` its collective's inputs too (a collective runs, reading its
+    input, until its wait returns: gloo's and NCCL's in the background)."""
+    inputs = list(node.all_input_nodes)
+    if node.target is _WAIT:
+        for collective in node.all_input_nodes:
+            inputs.extend(collective.all_input_nodes)
+    return inputs
 

@@ -7,7 +7,8 @@ update node to just after the last node it must follow:
 
 - its inputs (the gradient: for a bucketed reduce-scatter, after the bucket's wait);
 - every read, outside the optimizer, of a tensor it touches (a parameter the backward
-  still reads, through any view: the update writes it in place);
+  still reads, through any view: the update writes it in place), a collective's
+  read lasting until its wait (gloo and NCCL read the input in the background);
 - the optimizer's earlier nodes on the same tensors, in their order.
 
 An update then runs while the rest of the backward and its reduce-scatters do, and
@@ -28,7 +29,7 @@ from torch import fx
 
 from dtcompile.base.channels import Meta
 from dtcompile.memory import estimate_memory
-from dtcompile.passes._graph import alias_roots
+from dtcompile.passes._graph import alias_roots, read_inputs
 from dtcompile.passes.context import PassContext
 
 __all__ = ["is_optimizer_node", "place_optimizer_updates"]
@@ -58,7 +59,7 @@ def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], c
     for node in graph.nodes:
         if node in moving or node.op == "output":
             continue
-        for source in node.all_input_nodes:
+        for source in read_inputs(node):
             last_reader[roots[source]] = node
     last_touch: dict[fx.Node, fx.Node] = {}
     deferred: list[fx.Node] = []

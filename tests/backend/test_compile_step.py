@@ -194,6 +194,9 @@ def _build(case: str, rank: int) -> tuple[nn.Module, nn.Module, nn.Module, list[
     elif case == "fsdp_stack":
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         build, dp = lambda m: models.build_norm_mlp_stack(m, rows=4, dim=16, hidden=32, layers=2), 0
+    elif case == "fsdp_stack_wide":  # collectives long enough to race an update placed too early
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        build, dp = lambda m: models.build_norm_mlp_stack(m, rows=8, dim=512, hidden=2048, layers=4), 0
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         build, dp = models.build_block_fsdp_tp, 0
@@ -256,6 +259,21 @@ def test_shared_models_step_with_adamw_inside_like_eager(case, world):
         assert sum(per_dp) / len(per_dp) == pytest.approx(runs[0]["reference_loss"], rel=1e-5), losses
     if case == "fsdp_tp_block":
         assert runs[0]["axes"] == ["dp", "tp"], runs[0]["axes"]
+
+
+@pytest.mark.gloo
+def test_fsdp_stack_with_adamw_inside_on_gloo_equals_eager():
+    """gloo runs a collective in the background until its wait: an update placed after a
+    gather of its parameter but before the gather's wait changed what the gather sent
+    (loss 2.212187 against eager's 2.212232 at the first compiled step, a different
+    value each run; threaded ranks, whose collectives finish before they return, never
+    showed it).  Bitwise now, every step; with the pass planted back, StepPass's check of
+    the reads and writes stops the compile ("a pass moved wait_tensor_2 (reading input
+    arg2_1) after its in-place write")."""
+    for rank, run in enumerate(run_gloo(2, _train_on_rank, "fsdp_stack_wide", NO_INDUCTOR)):
+        where = f"rank {rank}"
+        assert run["loss"] == [True] * STEPS and run["params"] == [True] * STEPS, f"{where}: {run}"
+        assert run["state"] == [True] * STEPS and all(run["grads"]), f"{where}: {run}"
 
 
 def _options_on_rank(rank: int, options_by_rank: list[dict[str, Any]]) -> str:

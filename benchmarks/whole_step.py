@@ -1,0 +1,235 @@
+"""The whole training step as one graph, six ways, on 2 gloo ranks: time, memory, collectives.
+
+Two of the shared models (:mod:`dtcompile._testing.models`), float32, on gloo over
+127.0.0.1 (one process per rank), AdamW (``foreach=False``, lr 1e-3) for the
+optimizer, loss ``out.pow(2).mean()``:
+
+- ``fsdp``: :class:`~dtcompile._testing.models.NormMLPStack` under SimpleFSDP over
+  2 ranks (4 x LayerNorm, Linear 512->2048, GELU, Linear 2048->512; 8 rows per
+  rank: the gradients outweigh the activations, as in a large model's step);
+- ``tp_sp``: the Llama-style block under tensor + sequence parallelism over 2 ranks.
+
+The ways, each on a fresh copy of the model, built alike:
+
+- ``eager``: ``loss.backward()``, ``optimizer.step()``, ``zero_grad``;
+- ``dynamo``: the model compiled by ``torch.compile(backend=dtcompile.backend(...))``
+  (forward and backward graphs), the optimizer eager;
+- ``gt traced``: torchtitan graph_trainer's tracer (``minimal_fx_tracer``: forward,
+  loss, backward as one graph) run as traced, the optimizer eager.  graph_trainer's
+  default pass pipeline cannot run here (``graph_trainer.passes`` imports its trainer,
+  which needs ``torchdata``, and ends in CUDA graphs): this is the graph it starts from;
+- ``gt + dtcompile``: the same graph through the ``dtcompile`` pipeline's pass
+  (:class:`dtcompile.step_pass.StepPass`, rewrites on);
+- ``compile_step``: :func:`dtcompile.compile_step` without the optimizer, which runs
+  eagerly after it;
+- ``compile_step + opt``: with AdamW inside the graph (its first step eager: AdamW
+  makes its state there).
+
+Per way, rank 0's numbers after two warm steps: the median step time over
+``--steps`` steps, the measured peak of one step (:func:`dtcompile.testing.measure_memory`:
+parameters, optimizer state and input alive before it), the estimated peak
+(:mod:`dtcompile.memory`, of the step graph, or of the largest Dynamo graph, plus
+the optimizer state the graph does not hold), the collectives per step, and the
+compile seconds (the calls that traced and compiled, less an eager step).  Every
+way's losses are checked equal to eager's.  Then, for ``compile_step``, the peak the
+optimizer inside saves against the full gradients' bytes and the largest
+reduce-scatter bucket.
+
+    python benchmarks/whole_step.py [--steps 5] [--inductor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import dtcompile  # noqa: E402
+from dtcompile.memory import format_bytes  # noqa: E402
+from dtcompile.testing import measure_memory, run_gloo, storage_bytes  # noqa: E402
+
+WAYS = ("eager", "dynamo", "gt traced", "gt + dtcompile", "compile_step", "compile_step + opt")
+WORLD = 2
+LR = 1e-3
+
+
+def _build(layout: str, rank: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtcompile._testing import models
+
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        _, model, x = models.build_norm_mlp_stack(mesh, rows=8, dim=512, hidden=2048)
+        return model, x.chunk(WORLD)[rank]
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    _, model, x = models.build_block(mesh, batch=4, seq=64)
+    return model, x
+
+
+def _loss(model: Any, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _graph_trainer(model: torch.nn.Module, x: torch.Tensor, step_pass: Any) -> Any:
+    """graph_trainer's traced step (forward, loss, backward), ``step_pass`` applied if given."""
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer, run_traced
+
+    def step(x: torch.Tensor) -> list[torch.Tensor]:
+        loss = _loss(model, x)
+        params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+        return [loss, *torch.autograd.grad(loss, params)]
+
+    traced = minimal_fx_tracer(step, module=model)(x)
+    if step_pass is not None:
+        traced.gm = step_pass(traced.gm, list(traced.example_inputs))
+    return run_traced(traced, module=model)
+
+
+def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    from dtcompile.step_pass import StepPass
+
+    model, x = _build(layout, rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    records: list[Any] = []
+    compiled: Any = None
+    if way == "dynamo":
+        backend = dtcompile.backend(**options)
+        forward = torch.compile(model, backend=backend)
+        records = backend.records
+
+        def step() -> torch.Tensor:
+            loss = _loss(forward, x)
+            loss.backward()
+            _optimizer_step(optimizer)
+            return loss.detach()
+    elif way in ("gt traced", "gt + dtcompile"):
+        step_pass = StepPass(options, []) if way == "gt + dtcompile" else None
+        start = time.perf_counter()
+        run = _graph_trainer(model, x, step_pass)
+        trace_s = time.perf_counter() - start
+        records = step_pass.records if step_pass is not None else []
+
+        def step() -> torch.Tensor:
+            loss, *grads = run(x)
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+            _optimizer_step(optimizer)
+            return loss
+    elif way.startswith("compile_step"):
+        inside = way.endswith("opt")
+        compiled = dtcompile.compile_step(
+            lambda x: _loss(model, x), model=model, optimizer=optimizer if inside else None, **options
+        )
+        records = compiled.records
+
+        def step() -> torch.Tensor:
+            loss = compiled(x)
+            if not inside:
+                _optimizer_step(optimizer)
+            return loss
+    else:
+        def step() -> torch.Tensor:
+            loss = _loss(model, x)
+            loss.backward()
+            _optimizer_step(optimizer)
+            return loss.detach()
+
+    warm, losses = [], []
+    for _ in range(3):  # compiles (compile_step + opt: its first step is eager, the second traces)
+        start = time.perf_counter()
+        losses.append(step())
+        warm.append(time.perf_counter() - start)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - start)
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    measured = measure_memory(step, [*model.parameters(), *state, x])
+    step_s = statistics.median(times)
+    compile_s = sum(warm) - len(warm) * step_s
+    if way in ("gt traced", "gt + dtcompile"):
+        compile_s = trace_s + sum(warm) - len(warm) * step_s
+    estimate = collectives = None
+    largest_bucket = 0
+    if records:
+        outside = 0 if way == "compile_step + opt" else storage_bytes(state)
+        estimate = max(r.memory.peak_bytes for r in records) + outside
+        collectives = sum(len(r.collectives) for r in records) if way == "dynamo" else len(records[-1].collectives)
+        largest_bucket = max((c.bytes for r in records for c in r.collectives if c.op == "reduce_scatter"), default=0)
+    elif way == "gt traced":
+        collectives = None
+    grads = 0
+    if way == "eager":  # the full gradients' bytes: this rank's shards, as eager holds them
+        loss = _loss(model, x)
+        loss.backward()
+        grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        optimizer.zero_grad(set_to_none=True)
+    return {
+        "step_s": step_s,
+        "peak": measured.peak_bytes,
+        "estimate": estimate,
+        "collectives": collectives,
+        "compile_s": max(compile_s, 0.0) if way != "eager" else None,
+        "losses": [float(v) for v in losses],
+        "grads": grads,
+        "largest_bucket": largest_bucket,
+    }
+
+
+def _rank(rank: int, layout: str, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    return {way: _way(layout, way, rank, steps, options) for way in WAYS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--inductor", action="store_true", help="lower the compiled ways with Inductor")
+    parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp_sp"], choices=["fsdp", "tp_sp"])
+    args = parser.parse_args()
+    options = {"inductor": args.inductor}
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks, options {options}, rank 0")
+    for layout in args.layouts:
+        rows = run_gloo(WORLD, _rank, layout, args.steps, options, timeout=1800)[0]
+        base = rows["eager"]
+        print()
+        print(f"{layout}:")
+        print("| way | step ms | vs eager | measured peak | estimated peak | vs eager peak | collectives | compile s |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for way, row in rows.items():
+            close = all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(row["losses"], base["losses"], strict=True))
+            if not close:
+                raise SystemExit(f"{layout} {way}: losses {row['losses']} differ from eager's {base['losses']}: {rows}")
+            estimate = format_bytes(row["estimate"]) if row["estimate"] is not None else "-"
+            collectives = row["collectives"] if row["collectives"] is not None else "-"
+            compile_s = f"{row['compile_s']:.1f}" if row["compile_s"] is not None else "-"
+            print(
+                f"| {way} | {row['step_s'] * 1e3:.1f} | {row['step_s'] / base['step_s']:.2f}x | {format_bytes(row['peak'])} | "
+                f"{estimate} | {row['peak'] / base['peak']:.2f}x | {collectives} | {compile_s} |"
+            )
+        without, inside = rows["compile_step"], rows["compile_step + opt"]
+        saved = without["peak"] - inside["peak"]
+        wanted = base["grads"] - inside["largest_bucket"]
+        print(
+            f"\ncompile_step: the optimizer inside saves {format_bytes(saved)} of peak; the full gradients are "
+            f"{format_bytes(base['grads'])}, the largest reduce-scatter bucket {format_bytes(inside['largest_bucket'])}: "
+            f"{'at least' if saved >= wanted else 'less than'} the gradients minus one bucket ({format_bytes(wanted)})"
+        )
+
+
+if __name__ == "__main__":
+    main()
