@@ -94,6 +94,9 @@ class DynamoGraphInfo:
     spmd_forward: dict[str, dict[str, str]] = field(default_factory=dict)
     """The forward graph's nodes' SPMD types by name, and its outputs' (the backward starts from them)."""
     spmd_forward_outputs: list[dict[str, str] | None] = field(default_factory=list)
+    step_parts: dict[str, str] = field(default_factory=dict)
+    """A whole-step graph's nodes (by name) -> the part of the step each is in, with the
+    code it was traced from (``forward at model.py:42``); empty for other graphs."""
     uneven: tuple[str, ...] = ()
     """DTensors sharded unevenly (or over a symbolic size): ranks hold shards of other
     shapes, so their AOT graphs can differ (padding on some ranks, empty shards)."""
@@ -259,6 +262,8 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: GraphKind, info: DynamoGraphInf
             placement = info.nodes.get(source)
             role = "grad of" if kind == GraphKind.BACKWARD and not node.meta.get("from_node") else "from"
             note = f"{role} {source}" + (f": {placement.output}" if placement is not None and placement.output else "")
+        elif node.name in info.step_parts:
+            note = info.step_parts[node.name]
         else:
             note = "local: no DTensor op (AOTAutograd bookkeeping)"
         types = format_types(node.meta.get(Meta.SPMD_TYPE))

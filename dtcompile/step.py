@@ -249,6 +249,17 @@ class CompiledStep:
         """One :class:`~dtcompile.records.CompiledGraph` per traced step graph, oldest first."""
         return self.step_pass.records
 
+    def explain(self) -> str:
+        """Every traced step graph as dtcompile describes a graph: each node with the part
+        of the step (forward, backward, optimizer) and the code it comes from, each
+        collective with its mesh axis, bytes and estimated time, what every pass did and
+        why, the estimated memory and the simulated timeline."""
+        from dtcompile.artifacts import format_compiled_graph
+
+        if not self.records:
+            return "compile_step: no step graph traced yet (call the step first)"
+        return "\n\n".join(format_compiled_graph(record) for record in self.records)
+
     @property
     def graph(self) -> fx.GraphModule | None:
         """The step graph the last call ran (after dtcompile's passes), None before one was traced."""

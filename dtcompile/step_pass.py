@@ -32,7 +32,7 @@ from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo
 from dtcompile.artifacts import emit_artifacts, format_compiled_graph
-from dtcompile.base.channels import GraphKind
+from dtcompile.base.channels import GraphKind, Meta
 from dtcompile.collectives import flattened_axes, graph_collectives, group_names_in, profile_for_groups, spmd_axes
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost.simulate import simulate
@@ -44,7 +44,7 @@ from dtcompile.rank_check import RanksDisagree, agree, check_groups, world_can_d
 from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, bucketed, decided_from, scheduled_collectives
 from dtcompile.records import CompiledGraph, RankCheck
 
-__all__ = ["StepPass", "check_mutations_kept", "input_mutations", "mesh_axes_of"]
+__all__ = ["StepPass", "check_mutations_kept", "input_mutations", "mesh_axes_of", "step_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,46 @@ def mesh_axes_of(meshes: Iterable[Any]) -> dict[str, str]:
             for group, name in flattened_axes(mesh).items():
                 axes.setdefault(group, name)
     return axes
+
+
+def step_parts(graph: fx.Graph) -> dict[str, str]:
+    """Each call node of a whole-step graph -> ``forward`` (what its first output, the loss,
+    is computed from), ``optimizer <name>`` (nodes :func:`dtcompile.compile_step` marked) or
+    ``backward``, with the line of user code it was traced from where the trace kept one."""
+    outputs = graph.output_node().args[0]
+    first = outputs[0] if isinstance(outputs, (list, tuple)) and outputs else outputs
+    forward: set[fx.Node] = set()
+    stack = [first] if isinstance(first, fx.Node) else []
+    while stack:
+        node = stack.pop()
+        if node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    parts = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        optimizer = (node.meta.get("custom") or {}).get(Meta.OPTIMIZER)
+        part = f"optimizer {optimizer}" if optimizer else "forward" if node in forward else "backward"
+        where = _code_line(node.meta.get("stack_trace"))
+        parts[node.name] = f"{part} at {where}" if where else part
+    return parts
+
+
+def _code_line(stack_trace: str | None) -> str | None:
+    """``file:line in function`` of the innermost frame outside torch of a traced node's
+    stack trace (the user's model code; torch's own module code if that is all there is)."""
+    if not stack_trace:
+        return None
+    frames = [line.strip() for line in stack_trace.strip().splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return None
+    own = [frame for frame in frames if "/torch/" not in frame and "/dtcompile/step" not in frame]
+    parts = (own or frames)[-1].split(", ")
+    if len(parts) < 3:
+        return None
+    path, line, function = parts[0][len('File "'):-1], parts[1].removeprefix("line "), parts[2].removeprefix("in ")
+    return f"{path.rsplit('/', 1)[-1]}:{line} in {function}"
 
 
 def input_mutations(graph: fx.Graph) -> dict[str, tuple[str, list[str]]]:
@@ -129,6 +169,7 @@ class StepPass:
         priced = profile_for_groups(self.config.cost_profile, devices_of(example_inputs), list(axes) or group_names_in(gm))
         info = DynamoGraphInfo(compile_id, axes, priced.profile, priced.why)
         info.node_names = frozenset(node.name for node in gm.graph.nodes)
+        info.step_parts = step_parts(gm.graph)
         ctx = PassContext(kind=GraphKind.STEP, config=self.config, info=info, memory=MemoryPlan())
         before = input_mutations(gm.graph)
         gm, passes = run_passes(gm, example_inputs, ctx)
