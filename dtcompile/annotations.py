@@ -264,6 +264,8 @@ def annotate_aot_graph(gm: fx.GraphModule, kind: GraphKind, info: DynamoGraphInf
             note = f"{role} {source}" + (f": {placement.output}" if placement is not None and placement.output else "")
         elif node.name in info.step_parts:
             note = info.step_parts[node.name]
+        elif kind == GraphKind.STEP:
+            note = "added by dtcompile's passes"
         else:
             note = "local: no DTensor op (AOTAutograd bookkeeping)"
         types = format_types(node.meta.get(Meta.SPMD_TYPE))

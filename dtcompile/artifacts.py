@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtcompile.base.channels import Artifact, Meta
+from dtcompile.base.channels import Artifact, GraphKind, Meta
 from dtcompile.memory import format_bytes
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
@@ -254,8 +254,8 @@ def format_compiled_graph(record: CompiledGraph) -> str:
     return "\n".join(
         [
             f"== dtcompile {record.compile_id} {record.kind} (cost profile {profile.name}: {record.info.profile_why}) ==",
-            "-- DTensor placements (Dynamo graph) --",
-            record.info.format(),
+            # A whole-step graph has no Dynamo graph: its nodes say which part of the step they are.
+            *(["-- DTensor placements (Dynamo graph) --", record.info.format()] if record.kind != GraphKind.STEP else []),
             f"-- {record.kind} graph --",
             record.annotated(),
             *region_lines(record, "-- local_map regions (one op each until lowering) --"),
