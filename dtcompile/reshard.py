@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dtcompile.base.sizes import nbytes_hint
 from dtcompile.records import Action, Outcome
 
-__all__ = ["ParamNames", "Resharding", "kept_by_name", "param_names", "resharded", "tag_reshard_after_forward"]
+__all__ = [
+    "ParamNames",
+    "Resharding",
+    "kept_by_name",
+    "module_fqn",
+    "param_names",
+    "reshard_step_graph",
+    "resharded",
+    "tag_reshard_after_forward",
+]
 
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -68,8 +77,12 @@ def _fqn(source: str) -> str:
     root = re.match(r"^[A-Z]\['[^']*'\]", source)
     rest = source[root.end():] if root else source
     parts = [next(g for g in m.groups() if g is not None) for m in _SOURCE_PART.finditer(rest)]
-    name = ".".join(parts) if parts else source
-    # torch.nn.utils.parametrize keeps ``w`` as ``parametrizations.w.original``: the user's name is ``w``.
+    return module_fqn(".".join(parts) if parts else source)
+
+
+def module_fqn(name: str) -> str:
+    """A parameter's name as its module reads it: torch.nn.utils.parametrize keeps ``w`` as
+    ``parametrizations.w.original``, the user's name is ``w``."""
     return re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", name)
 
 
@@ -113,7 +126,11 @@ def _dynamo_input(placeholder: fx.Node) -> int | None:
     return getattr(desc, "idx", None)
 
 
-def _unshard_chain(primal: fx.Node) -> tuple[fx.Node, ...]:
+def _partitioner_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def _unshard_chain(primal: fx.Node, is_backward: Callable[[fx.Node], bool] = _partitioner_backward) -> tuple[fx.Node, ...]:
     """The forward nodes computed from ``primal`` alone through ops of :data:`_UNSHARD_OPS`
     that lead to or come from an all-gather; empty without one."""
     chain: dict[fx.Node, None] = {primal: None}
@@ -123,7 +140,7 @@ def _unshard_chain(primal: fx.Node) -> tuple[fx.Node, ...]:
         for user in node.users:
             if user in chain or user.op != "call_function":
                 continue
-            if user.meta.get("partitioner_tag") == "is_backward":
+            if is_backward(user):
                 continue
             if _op_name(user) not in _UNSHARD_OPS and user.target is not operator.getitem:
                 continue
@@ -152,9 +169,9 @@ def _within(start: fx.Node, chain: Mapping[fx.Node, None], *, up: bool) -> set[f
     return seen
 
 
-def _saved_by_backward(chain: Sequence[fx.Node]) -> bool:
+def _saved_by_backward(chain: Sequence[fx.Node], is_backward: Callable[[fx.Node], bool] = _partitioner_backward) -> bool:
     """Whether a backward node reads a value of the chain: what the partitioner would save."""
-    return any(user.meta.get("partitioner_tag") == "is_backward" for n in chain for user in n.users)
+    return any(is_backward(user) for n in chain for user in n.users)
 
 
 @dataclass(frozen=True)
@@ -216,3 +233,60 @@ def tag_reshard_after_forward(
             Outcome(Action.RESHARDED, f"resharded after forward: gathered again in the backward, not held ({held})", name)
         )
     return Resharding(tuple(outcomes), gathered_bytes)
+
+
+def reshard_step_graph(
+    gm: fx.GraphModule,
+    names: Sequence[str],
+    forward: Set[fx.Node],
+    *,
+    enabled: bool,
+    keep: Set[str] = frozenset(),
+) -> Resharding:
+    """Reshard after forward in a whole-step graph (forward and backward in one graph, no
+    partitioner): each parameter's gather chain whose value the backward reads is copied
+    to just before its first backward reader, which reads the copy; the forward's gathered
+    weight is then freed after its last forward use.  ``names``: each graph input's name
+    (a parameter's FQN; the placeholder's name where not given); ``forward``: the forward's
+    nodes (what the loss is computed from).  Decisions as :func:`tag_reshard_after_forward`'s."""
+    outcomes = []
+    gathered_bytes: dict[str, int] = {}
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    def is_backward(node: fx.Node) -> bool:
+        return node.op == "call_function" and node not in forward
+
+    for index, primal in enumerate(gm.graph.find_nodes(op="placeholder")):
+        if not isinstance(primal.meta.get("val"), torch.Tensor):
+            continue
+        chain = _unshard_chain(primal, is_backward)
+        if not chain:
+            continue
+        name = names[index] if index < len(names) else primal.name
+        gathered = sum(nbytes_hint(n.meta["val"]) for n in chain if n.target is _WAIT and "val" in n.meta)
+        gathered_bytes[name] = gathered
+        if not _saved_by_backward(chain, is_backward):
+            continue
+        held = f"{gathered} B gathered"
+        kept_by = kept_by_name(name, keep)
+        if not enabled or kept_by is not None:
+            why = "reshard_after_forward=False" if not enabled else f"keep_gathered names {kept_by!r}"
+            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): {why}"))
+            continue
+        readers = [u for n in chain for u in n.users if is_backward(u)]
+        first = min(readers, key=order.__getitem__)
+        copies: dict[fx.Node, fx.Node] = {primal: primal}
+        with gm.graph.inserting_before(first):
+            for node in sorted(chain, key=order.__getitem__):
+                copies[node] = gm.graph.node_copy(node, copies.__getitem__)
+        for node in chain:
+            for user in [u for u in node.users if is_backward(u) and u not in copies.values()]:
+                user.replace_input_with(node, copies[node])
+        outcomes.append(
+            Outcome(Action.RESHARDED, f"resharded after forward: gathered again in the backward, not held ({held})", name)
+        )
+    if outcomes:
+        gm.graph.lint()
+        gm.recompile()
+    return Resharding(tuple(outcomes), gathered_bytes)
+

@@ -379,6 +379,7 @@ class CompiledStep:
             return plain_out
 
         gm = _make_graph(make_fx, step, flat, self.loss_fn)
+        self.step_pass.input_names = _input_names(state, user_flat, tensor_at, in_layouts)
         self.traces += 1
         if self.traces > 1:
             log.info("compile_step: traced the step again (%d graphs): a new shape, placement or hyperparameter", self.traces)
@@ -440,6 +441,22 @@ def _params_swapped(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
     finally:
         for group, own in zip(optimizer.param_groups, kept):
             group["params"] = own
+
+
+def _input_names(
+    state: dict[str, Any], user_flat: Sequence[Any], tensor_at: Sequence[int], layouts: Sequence[_Layout | None]
+) -> list[str]:
+    """The step graph's inputs' names: parameters and buffers by their FQN (a parametrized
+    one by the name its module reads it by), the optimizer's state and the arguments by place."""
+    from dtcompile.reshard import module_fqn
+
+    names = [module_fqn(name) for name, v in state["model"].items() if isinstance(v, torch.Tensor)]
+    names += [f"optimizer state {i}" for i, v in enumerate(pytree.tree_leaves(state["optim"])) if isinstance(v, torch.Tensor)]
+    names += [f"argument {i}" for i in tensor_at]
+    flat_names = []
+    for name, layout in zip(names, layouts, strict=True):
+        flat_names += [name] * (1 if layout is None else layout.count)
+    return flat_names
 
 
 def _check_loss(loss: Any, loss_fn: Callable[..., Any]) -> None:

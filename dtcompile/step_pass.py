@@ -37,14 +37,15 @@ from dtcompile.collectives import flattened_axes, graph_collectives, group_names
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost.simulate import simulate
 from dtcompile.graph_compile import devices_of
-from dtcompile.memory import MemoryPlan, estimate_memory
+from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.passes._graph import alias_roots, read_inputs, written_args
 from dtcompile.rank_check import RanksDisagree, agree, check_groups, world_can_disagree
 from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, bucketed, decided_from, scheduled_collectives
-from dtcompile.records import CompiledGraph, RankCheck
+from dtcompile.records import CompiledGraph, PassRecord, RankCheck
+from dtcompile.reshard import reshard_step_graph
 
-__all__ = ["StepPass", "check_mutations_kept", "input_mutations", "mesh_axes_of", "step_parts"]
+__all__ = ["StepPass", "check_mutations_kept", "forward_nodes", "input_mutations", "mesh_axes_of", "step_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,8 @@ def mesh_axes_of(meshes: Iterable[Any]) -> dict[str, str]:
     return axes
 
 
-def step_parts(graph: fx.Graph) -> dict[str, str]:
-    """Each call node of a whole-step graph -> ``forward`` (what its first output, the loss,
-    is computed from), ``optimizer <name>`` (nodes :func:`dtcompile.compile_step` marked) or
-    ``backward``, with the line of user code it was traced from where the trace kept one."""
+def forward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """A whole-step graph's forward: the nodes its first output (the loss) is computed from."""
     outputs = graph.output_node().args[0]
     first = outputs[0] if isinstance(outputs, (list, tuple)) and outputs else outputs
     forward: set[fx.Node] = set()
@@ -76,6 +75,14 @@ def step_parts(graph: fx.Graph) -> dict[str, str]:
         if node not in forward:
             forward.add(node)
             stack.extend(node.all_input_nodes)
+    return forward
+
+
+def step_parts(graph: fx.Graph) -> dict[str, str]:
+    """Each call node of a whole-step graph -> ``forward`` (:func:`forward_nodes`),
+    ``optimizer <name>`` (nodes :func:`dtcompile.compile_step` marked) or ``backward``,
+    with the line of user code it was traced from where the trace kept one."""
+    forward = forward_nodes(graph)
     parts = {}
     for node in graph.nodes:
         if node.op != "call_function":
@@ -153,6 +160,8 @@ class StepPass:
     def __init__(self, options: Mapping[str, Any] | None = None, meshes: Sequence[Any] = ()) -> None:
         self.config = DTCompileConfig.from_options(dict(options or {}))
         self.meshes = tuple(meshes)
+        self.input_names: Sequence[str] = ()
+        """The next graph's inputs' names (parameters' FQNs), for the decisions; placeholder names where empty."""
         self.records: list[CompiledGraph] = []
         """One :class:`~dtcompile.records.CompiledGraph` per step graph this pass saw."""
         self.checks: list[RankCheck] = []
@@ -170,9 +179,22 @@ class StepPass:
         info = DynamoGraphInfo(compile_id, axes, priced.profile, priced.why)
         info.node_names = frozenset(node.name for node in gm.graph.nodes)
         info.step_parts = step_parts(gm.graph)
-        ctx = PassContext(kind=GraphKind.STEP, config=self.config, info=info, memory=MemoryPlan())
+        # FSDP's gathered weights gathered again in the backward, as the Dynamo path's partitioner does.
+        nodes, collectives = len(gm.graph.nodes), len(graph_collectives(gm.graph, axes))
+        resharding = reshard_step_graph(
+            gm, self.input_names, forward_nodes(gm.graph),
+            enabled=self.config.reshard_after_forward, keep=self.config.keep_gathered,
+        )
+        resharded = PassRecord(
+            "reshard_after_forward", True, nodes, len(gm.graph.nodes), collectives,
+            len(graph_collectives(gm.graph, axes)), resharding.decisions,
+        )
+        memory = MemoryPlan(prefetch_bytes=prefetch_window(resharding.gathered))
+        ctx = PassContext(kind=GraphKind.STEP, config=self.config, info=info, memory=memory)
         before = input_mutations(gm.graph)
         gm, passes = run_passes(gm, example_inputs, ctx)
+        if resharding.decisions:
+            passes.insert(0, resharded)
         gm.recompile()
         check_mutations_kept(before, gm.graph, compile_id)
         record = CompiledGraph(

@@ -13,7 +13,8 @@ the step graph.
 
 The options of the registered pipeline are :func:`configure`'s (graph_trainer's
 config has no place for them), dtcompile's rewrites off unless it switches them on
-(:data:`REWRITES`: graph_trainer's own passes bucket and reorder after it); a
+(:data:`REWRITES`, and the re-gather of FSDP's weights in the backward: graph_trainer's
+own passes bucket and reorder after it, and its memory policy decides what to keep); a
 :class:`StepPass` made directly takes its own options, rewrites on by default.
 """
 
@@ -42,16 +43,20 @@ REWRITES = frozenset({"async_tp", "bucketing", "overlap"})
 :func:`configure` says otherwise, since graph_trainer's default passes after it bucket and
 reorder the FSDP collectives themselves, matching the gather chains as traced."""
 
-_options: dict[str, Any] = {"disable_passes": REWRITES}
+_DEFAULTS: dict[str, Any] = {"disable_passes": REWRITES, "reshard_after_forward": False}
+"""The registered pipeline's options unless :func:`configure` gives them: dtcompile's rewrites
+off, and its re-gather of FSDP's weights in the backward (graph_trainer's memory policy decides that)."""
+
+_options: dict[str, Any] = dict(_DEFAULTS)
 pipeline_passes: list[StepPass] = []
 """The :class:`StepPass` each call of the registered pipeline made, oldest first (their records)."""
 
 
 def configure(**options: Any) -> None:
     """The dtcompile options of the ``dtcompile`` pipeline's passes made from now on
-    (validated now: an unknown option is a ``ValueError``); ``disable_passes`` is
-    :data:`REWRITES` unless given (``disable_passes=set()`` lets dtcompile rewrite)."""
-    options = {"disable_passes": REWRITES, **options}
+    (validated now: an unknown option is a ``ValueError``), over :data:`_DEFAULTS`
+    (``disable_passes=set(), reshard_after_forward=True`` lets dtcompile rewrite)."""
+    options = {**_DEFAULTS, **options}
     DTCompileConfig.from_options(dict(options))
     _options.clear()
     _options.update(options)
@@ -71,12 +76,28 @@ def _meshes_of(parallel_dims: Any) -> list[Any]:
     return meshes
 
 
+def _input_names(traced_result: Any) -> list[str]:
+    """The traced graph's inputs' names: a parameter's or buffer's FQN (as its module reads it)
+    for each plain tensor its state unwraps into, the arguments by place."""
+    from dtcompile.reshard import module_fqn
+
+    fqns = list(getattr(traced_result, "state_fqns", None) or ())
+    layouts = getattr(traced_result, "input_subclass_layouts", None) or {}
+    names = []
+    for index in range(getattr(traced_result, "num_flat_inputs", 0)):
+        name = module_fqn(fqns[index]) if index < len(fqns) else f"argument {index - len(fqns)}"
+        layout = layouts.get(index)
+        names += [name] * (layout.num_tensors if layout is not None else 1)
+    return names
+
+
 def step_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = None) -> list[Callable[..., Any]]:
     """graph_trainer's default passes with dtcompile's :class:`StepPass` first (the
     ``dtcompile`` pipeline; its options are :func:`configure`'s)."""
     from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
 
     step = StepPass(_options, _meshes_of(parallel_dims))
+    step.input_names = _input_names(traced_result)
     pipeline_passes.append(step)
     return [step, *construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)]
 

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.gloo
 DIM, LAYERS, BATCH, STEPS, LR = 64, 2, 8, 3, 0.1
 WORLD = 2
 # dtcompile's rewrites switched off: the step graph as graph_trainer traced it.
-UNCHANGED = {"inductor": False, "disable_passes": {"async_tp", "bucketing", "overlap"}}
+UNCHANGED = {"inductor": False, "disable_passes": {"async_tp", "bucketing", "overlap"}, "reshard_after_forward": False}
 REWRITTEN = {"inductor": False}
 # Per block: norm weight and bias, up weight and bias, down weight and bias.
 PARAMS = 6 * LAYERS
@@ -211,10 +211,16 @@ def test_step_graph_matches_eager_described_and_checked(titan, tmp_path, monkeyp
         assert unchanged["ops"] == ["all_gather"] * PARAMS + ["reduce_scatter"] * PARAMS, unchanged["ops"]
         assert unchanged["nodes"] == unchanged["traced_nodes"], "rewrites off: the graph is as traced"
         assert unchanged["passes"]["bucketing"][0] is False and unchanged["passes"]["annotate"][0] is True
-        # Bucketing rewrites the whole-step graph: gathers and reduce-scatters merged, under the memory budget.
-        assert rewritten["passes"]["bucketing"][:3] == (True, 2 * PARAMS, 5), (rewritten["passes"]["bucketing"], rewritten["ops"], rewritten["decisions"])
+        # FSDP's re-gather: each weight the backward reads (the linears' and norms', 8) is gathered
+        # again there, not held from the forward.
+        assert rewritten["passes"]["reshard_after_forward"][:3] == (True, 2 * PARAMS, 2 * PARAMS + 8)
+        assert set(rewritten["passes"]["reshard_after_forward"][3]) == {"resharded"}
+        # Bucketing rewrites the whole-step graph: gathers and reduce-scatters merged, under the
+        # memory budget (the forward's gathers per module, FSDP's prefetch window).
+        assert rewritten["passes"]["bucketing"][:3] == (True, 2 * PARAMS + 8, 12), rewritten["passes"]["bucketing"][:3]
         assert "bucketed" in rewritten["passes"]["bucketing"][3]
-        assert rewritten["ops"] == ["all_gather"] * 2 + ["reduce_scatter"] * 3, rewritten["ops"]
+        assert rewritten["ops"] == [*["all_gather"] * 5, "reduce_scatter", "all_gather", "reduce_scatter",
+                                    *["all_gather"] * 3, "reduce_scatter"], rewritten["ops"]
         assert rewritten["total_us"] < unchanged["total_us"], (rewritten["total_us"], unchanged["total_us"])
     # Every rank bucketed alike (the check compared them; here the test does too).
     assert runs[0][1]["ops"] == runs[1][1]["ops"] and runs[0][1]["passes"] == runs[1][1]["passes"]
@@ -228,7 +234,7 @@ def test_step_graph_matches_eager_described_and_checked(titan, tmp_path, monkeyp
     for rank, ranked in trace.ranks.items():
         (record,) = ranked.compiles.values()
         data = record.collectives[GraphKind.STEP]
-        assert (data["kind"], data["totals"]["count"]) == (GraphKind.STEP, 5), f"rank {rank}: {data['totals']}"
+        assert (data["kind"], data["totals"]["count"]) == (GraphKind.STEP, 12), f"rank {rank}: {data['totals']}"
         assert "reduce_scatter_tensor" in record.graphs[GraphKind.STEP], f"rank {rank}"
     assert "step graph" in render_html(trace)
 
@@ -293,6 +299,7 @@ def test_registered_pipeline_puts_dtcompile_first(titan, monkeypatch):
     passes = PASS_PIPELINE_REGISTRY["dtcompile"]("traced", "config", parallel_dims=None)
     # By default dtcompile describes and checks the step; graph_trainer's passes after it bucket.
     assert passes[0].config.disable_passes == {"async_tp", "bucketing", "overlap"}, passes[0].config
+    assert passes[0].config.reshard_after_forward is False
     integration.configure(inductor=False, bucket_cap_bytes=1 << 20, disable_passes=set())
     passes = PASS_PIPELINE_REGISTRY["dtcompile"]("traced", "config", parallel_dims=None)
     assert passes[0].config.disable_passes == set(), passes[0].config
@@ -345,7 +352,8 @@ def _llama_step_on_rank(rank: int, world_size: int, tp: int, rewrite: bool, weig
             return [loss, *torch.autograd.grad(loss, params)]
 
         traced = minimal_fx_tracer(step, module=model)(*local(batches[0]))
-        integration.configure(**({"inductor": False, "disable_passes": set()} if rewrite else {"inductor": False}))
+        rewrites = {"disable_passes": set(), "reshard_after_forward": True} if rewrite else {}
+        integration.configure(inductor=False, **rewrites)
         passes = integration.step_pipeline(traced, None, parallel_dims=parallel_dims)
         traced.gm = _apply_graph_passes(traced.gm, traced.example_inputs, passes)
         integration.configure()
@@ -372,6 +380,9 @@ def _llama_step_on_rank(rank: int, world_size: int, tp: int, rewrite: bool, weig
             "ops": [c.op for c in record.collectives],
             "axes": sorted({c.axis for c in record.collectives}),
             "bucketing": [str(d) for p in record.passes if p.name == "bucketing" for d in p.decisions],
+            "bucketed": [(p.collectives_before, p.collectives_after) for p in record.passes if p.name == "bucketing"],
+            "resharded": [d.node for p in record.passes if p.name == "reshard_after_forward" for d in p.decisions
+                          if d.action.value == "resharded"],
             "checks": [c.outcome for c in step_pass.checks],
             "graphs": len(step_pass.records),
         }
@@ -409,8 +420,12 @@ def test_llama3_step_graph_with_the_dtcompile_pipeline_matches_eager(plan, titan
             assert run["checks"] == ["agreed"], f"{where}: {run['checks']}"
             assert run["axes"] == (["fsdp"] if tp == 1 else ["fsdp", "tp"]), f"{where}: {run['axes']}"
         assert described["losses"] == rewritten["losses"], f"{plan} rank {rank}"
-        assert not described["bucketing"] and rewritten["bucketing"], f"{plan} rank {rank}"
-        assert len(rewritten["ops"]) < len(described["ops"]), f"{plan} rank {rank}: {rewritten['bucketing']}"
+        assert not described["bucketing"] and not described["resharded"], f"{plan} rank {rank}"
+        # Rewritten: FSDP's gathered weights gathered again in the backward (not held from the
+        # forward), and the step's collectives bucketed.
+        assert "lm_head.weight" in rewritten["resharded"], f"{plan} rank {rank}: {rewritten['resharded']}"
+        (before, after), = rewritten["bucketed"]
+        assert after < before, f"{plan} rank {rank}: {rewritten['bucketing']}"
     # The step graph's collectives as traced, pinned: SimpleFSDP's gathers and reduce-scatters
     # (tensor parallel's too on 2 x 2), every rank the same.
     ops = {op: runs[0][0]["ops"].count(op) for op in sorted(set(runs[0][0]["ops"]))}
