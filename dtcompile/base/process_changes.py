@@ -73,6 +73,9 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
     ("dtcompile.cache_keys", "_register_mesh_reducer.undo", _C, "puts copyreg's entry back as it was"),
     ("dtcompile.cache_keys", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     ("dtcompile.lowering", "inline_regions", _O, "removes a region body from the graph module being lowered"),
+    ("dtcompile.step", "_make_graph", _C,
+     "autograd's engine runs the backward on the calling thread while compile_step traces the step "
+     "(make_fx traces what that thread runs), for the trace only"),
     ("dtcompile.ops", "<module>", _P,
      "defines dtcompile::fused_all_gather_matmul and dtcompile::fused_matmul_reduce_scatter in "
      "torch.library: new names in our own namespace, changing no existing op"),

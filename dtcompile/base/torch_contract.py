@@ -217,6 +217,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._ops", "OpOverloadPacket", None),
     ("torch", "ops._c10d_functional.wait_tensor.default", None),
     ("torch", "ops._c10d_functional.all_gather_into_tensor.default", None),
+    # dtcompile.step: the training step traced as one graph (forward, backward, optimizer)
+    ("torch._guards", "TracingContext", None),
+    ("torch._guards", "tracing", ("context",)),
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException", None),
+    ("torch._subclasses.fake_tensor", "DynamicOutputShapeException", None),
+    ("torch.nn.utils.stateless", "_reparametrize_module", ("module", "parameters_and_buffers")),
     # dtcompile.testing.memory: a subclass's inner tensors hold its bytes
     ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass", ("t",)),
     ("torch.distributed.distributed_c10d", "_get_default_group", ()),

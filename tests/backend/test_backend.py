@@ -49,7 +49,7 @@ def test_unknown_option_names_valid_ones():
 
 
 def test_unknown_pass_and_inductor_setting_are_rejected():
-    with pytest.raises(ValueError, match=r"unknown passes \['overlapp'\]; the passes are \['annotate', 'async_tp', 'bucketing', 'overlap'\]"):
+    with pytest.raises(ValueError, match=r"unknown passes \['overlapp'\]; the passes are \['annotate', 'async_tp', 'bucketing', 'optimizer_updates', 'overlap'\]"):
         dtcompile.backend(disable_passes={"overlapp"})
     with pytest.raises(ValueError, match=r"inductor_config has unknown settings \['no_such_knob'\]"):
         dtcompile.backend(inductor_config={"no_such_knob": 1})
@@ -104,7 +104,7 @@ def test_switched_off_pass_does_not_run_and_passes_log(caplog):
     torch.compile(torch.sin, backend=backend_off)(x)
     on = backend_on.records[0].passes[-1]
     off = backend_off.records[0].passes[-1]
-    assert [p.name for p in PASSES] == ["async_tp", "bucketing", "overlap", "annotate"]
+    assert [p.name for p in PASSES] == ["async_tp", "bucketing", "overlap", "optimizer_updates", "annotate"]
     assert tuple(p.name for p in PASSES) == PASS_NAMES  # config.py validates against these
     assert (on.name, on.ran, off.ran) == ("annotate", True, False)
     assert "inference: pass annotate: nodes 3 -> 3, collectives 0 -> 0" in caplog.text
