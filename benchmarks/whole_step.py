@@ -1,13 +1,18 @@
-"""The whole training step as one graph, six ways, on 2 gloo ranks: time, memory, collectives.
+"""The whole training step as one graph, six ways, on gloo ranks: time, memory, collectives.
 
-Two of the shared models (:mod:`dtcompile._testing.models`), float32, on gloo over
-127.0.0.1 (one process per rank), AdamW (``foreach=False``, lr 1e-3) for the
-optimizer, loss ``out.pow(2).mean()``:
+Two of the shared models (:mod:`dtcompile._testing.models`, loss ``out.pow(2).mean()``)
+and torchtitan's Llama3, float32, on gloo over 127.0.0.1 (one process per rank),
+AdamW (``foreach=False``, lr 1e-3) for the optimizer:
 
 - ``fsdp``: :class:`~dtcompile._testing.models.NormMLPStack` under SimpleFSDP over
   2 ranks (4 x LayerNorm, Linear 512->2048, GELU, Linear 2048->512; 8 rows per
   rank: the gradients outweigh the activations, as in a large model's step);
-- ``tp_sp``: the Llama-style block under tensor + sequence parallelism over 2 ranks.
+- ``tp_sp``: the Llama-style block under tensor + sequence parallelism over 2 ranks;
+- ``llama3_fsdp`` and ``llama3_fsdp_tp``: torchtitan 0.3.0's Llama3 from its own
+  builders (dim 256, 8 heads, 4 layers, hidden 768, vocabulary 2048, as
+  ``benchmarks/memory.py``'s; 2 x 128 tokens per data-parallel rank) under
+  graph_trainer's SimpleFSDP over 2 ranks, and after torchtitan's tensor
+  parallelism on 2 x 2 (4 ranks), torchtitan's cross-entropy loss.
 
 The ways, each on a fresh copy of the model, built alike:
 
@@ -35,7 +40,7 @@ way's losses are checked equal to eager's.  Then, for ``compile_step``, the peak
 optimizer inside saves against the full gradients' bytes and the largest
 reduce-scatter bucket.
 
-    python benchmarks/whole_step.py [--steps 5] [--inductor]
+    python benchmarks/whole_step.py [--steps 5] [--inductor] [--layouts fsdp tp_sp llama3_fsdp llama3_fsdp_tp]
 """
 
 from __future__ import annotations
@@ -51,32 +56,57 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "clients"))  # torchtitan's harness: CPU device, SDPA
 
 import dtcompile  # noqa: E402
 from dtcompile.memory import format_bytes  # noqa: E402
 from dtcompile.testing import measure_memory, run_gloo, storage_bytes  # noqa: E402
 
 WAYS = ("eager", "dynamo", "gt traced", "gt + dtcompile", "compile_step", "compile_step + opt")
-WORLD = 2
+LAYOUTS = {"fsdp": 2, "tp_sp": 2, "llama3_fsdp": 2, "llama3_fsdp_tp": 4}
+"""Each layout's world size."""
 LR = 1e-3
+LLAMA = dict(dim=256, n_heads=8, n_layers=4, hidden_dim=768, vocab_size=2048, seq_len=128)
+LLAMA_BATCH = 2
 
 
-def _build(layout: str, rank: int) -> tuple[torch.nn.Module, torch.Tensor]:
+def _build(layout: str, rank: int, weights: Any) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """The model of ``layout`` on this rank, and its inputs: ``(x,)``, or a Llama's
+    ``(tokens, labels, tokens in the global batch)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dtcompile._testing import models
 
+    world = LAYOUTS[layout]
     if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         _, model, x = models.build_norm_mlp_stack(mesh, rows=8, dim=512, hidden=2048)
-        return model, x.chunk(WORLD)[rank]
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    _, model, x = models.build_block(mesh, batch=4, seq=64)
-    return model, x
+        return model, (x.chunk(world)[rank],)
+    if layout == "tp_sp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        _, model, x = models.build_block(mesh, batch=4, seq=64)
+        return model, (x,)
+    import _titan
+
+    tp = 2 if layout == "llama3_fsdp_tp" else 1
+    model, parallel_dims, _ = _titan.llama3_on_meta(_titan.llama3_config(**LLAMA), world, tp)
+    model = _titan.simple_fsdp(model, parallel_dims)
+    _titan.load_simple_fsdp_weights(model, weights)
+    dp, dp_rank = world // tp, rank // tp
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, LLAMA["vocab_size"], (LLAMA_BATCH * dp, LLAMA["seq_len"] + 1), generator=generator)
+    inputs, labels = tokens[:, :-1].chunk(dp)[dp_rank].contiguous(), tokens[:, 1:].chunk(dp)[dp_rank].contiguous()
+    return model, (inputs, labels, torch.tensor(labels.numel() * dp))
 
 
-def _loss(model: Any, x: torch.Tensor) -> torch.Tensor:
-    return model(x).pow(2).mean()
+def _loss(model: Any, *inputs: torch.Tensor) -> torch.Tensor:
+    if len(inputs) == 1:
+        return model(inputs[0]).pow(2).mean()
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    tokens, labels, count = inputs
+    loss, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(model(tokens), labels, count)
+    return loss
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -84,25 +114,25 @@ def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _graph_trainer(model: torch.nn.Module, x: torch.Tensor, step_pass: Any) -> Any:
+def _graph_trainer(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], step_pass: Any) -> Any:
     """graph_trainer's traced step (forward, loss, backward), ``step_pass`` applied if given."""
     from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer, run_traced
 
-    def step(x: torch.Tensor) -> list[torch.Tensor]:
-        loss = _loss(model, x)
+    def step(*inputs: torch.Tensor) -> list[torch.Tensor]:
+        loss = _loss(model, *inputs)
         params = [p for _, p in model.named_parameters(remove_duplicate=False)]
         return [loss, *torch.autograd.grad(loss, params)]
 
-    traced = minimal_fx_tracer(step, module=model)(x)
+    traced = minimal_fx_tracer(step, module=model)(*inputs)
     if step_pass is not None:
         traced.gm = step_pass(traced.gm, list(traced.example_inputs))
     return run_traced(traced, module=model)
 
 
-def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any], weights: Any) -> dict[str, Any]:
     from dtcompile.step_pass import StepPass
 
-    model, x = _build(layout, rank)
+    model, x = _build(layout, rank, weights)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     records: list[Any] = []
     compiled: Any = None
@@ -112,7 +142,7 @@ def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) 
         records = backend.records
 
         def step() -> torch.Tensor:
-            loss = _loss(forward, x)
+            loss = _loss(forward, *x)
             loss.backward()
             _optimizer_step(optimizer)
             return loss.detach()
@@ -124,7 +154,7 @@ def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) 
         records = step_pass.records if step_pass is not None else []
 
         def step() -> torch.Tensor:
-            loss, *grads = run(x)
+            loss, *grads = run(*x)
             for p, g in zip(model.parameters(), grads, strict=True):
                 p.grad = g
             _optimizer_step(optimizer)
@@ -132,18 +162,18 @@ def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) 
     elif way.startswith("compile_step"):
         inside = way.endswith("opt")
         compiled = dtcompile.compile_step(
-            lambda x: _loss(model, x), model=model, optimizer=optimizer if inside else None, **options
+            lambda *inputs: _loss(model, *inputs), model=model, optimizer=optimizer if inside else None, **options
         )
         records = compiled.records
 
         def step() -> torch.Tensor:
-            loss = compiled(x)
+            loss = compiled(*x)
             if not inside:
                 _optimizer_step(optimizer)
             return loss
     else:
         def step() -> torch.Tensor:
-            loss = _loss(model, x)
+            loss = _loss(model, *x)
             loss.backward()
             _optimizer_step(optimizer)
             return loss.detach()
@@ -159,7 +189,7 @@ def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) 
         losses.append(step())
         times.append(time.perf_counter() - start)
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    measured = measure_memory(step, [*model.parameters(), *state, x])
+    measured = measure_memory(step, [*model.parameters(), *model.buffers(), *state, *x])
     step_s = statistics.median(times)
     compile_s = sum(warm) - len(warm) * step_s
     if way in ("gt traced", "gt + dtcompile"):
@@ -175,7 +205,7 @@ def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) 
         collectives = None
     grads = 0
     if way == "eager":  # the full gradients' bytes: this rank's shards, as eager holds them
-        loss = _loss(model, x)
+        loss = _loss(model, *x)
         loss.backward()
         grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
         optimizer.zero_grad(set_to_none=True)
@@ -191,23 +221,34 @@ def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any]) 
     }
 
 
-def _rank(rank: int, layout: str, steps: int, options: dict[str, Any]) -> dict[str, Any]:
-    return {way: _way(layout, way, rank, steps, options) for way in WAYS}
+def _rank(rank: int, layout: str, steps: int, options: dict[str, Any], weights: Any) -> dict[str, Any]:
+    if not layout.startswith("llama3"):
+        return {way: _way(layout, way, rank, steps, options, weights) for way in WAYS}
+    import _titan
+
+    with _titan.torchtitan_on_cpu():
+        return {way: _way(layout, way, rank, steps, options, weights) for way in WAYS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--inductor", action="store_true", help="lower the compiled ways with Inductor")
-    parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp_sp"], choices=["fsdp", "tp_sp"])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
     options = {"inductor": args.inductor}
-    print(f"torch {torch.__version__}, {WORLD} gloo ranks, options {options}, rank 0")
+    print(f"torch {torch.__version__}, gloo ranks, options {options}, rank 0")
     for layout in args.layouts:
-        rows = run_gloo(WORLD, _rank, layout, args.steps, options, timeout=1800)[0]
+        weights = None
+        if layout.startswith("llama3"):
+            import _titan
+
+            with _titan.torchtitan_on_cpu():
+                weights = _titan.initial_weights(_titan.llama3_config(**LLAMA))
+        rows = run_gloo(LAYOUTS[layout], _rank, layout, args.steps, options, weights, timeout=1800)[0]
         base = rows["eager"]
         print()
-        print(f"{layout}:")
+        print(f"{layout} ({LAYOUTS[layout]} ranks):")
         print("| way | step ms | vs eager | measured peak | estimated peak | vs eager peak | collectives | compile s |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for way, row in rows.items():

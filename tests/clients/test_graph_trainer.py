@@ -401,7 +401,7 @@ def _graph_trainer_passes_stand_in(monkeypatch: Any) -> None:
 
 @pytest.mark.models
 @pytest.mark.parametrize("plan", LLAMA_PLANS)
-def test_llama3_step_graph_with_the_dtcompile_pipeline_matches_eager(plan, titan, monkeypatch):
+def test_llama3_step_graph_with_the_dtcompile_pipeline_matches_eager(plan, titan, torchtitan_on_cpu, monkeypatch):
     from _titan import global_batches, initial_weights
     from test_torchtitan import GLOBAL_BATCH, SEQ_LEN, VOCAB_SIZE, _llama3_config
 
