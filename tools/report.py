@@ -168,12 +168,29 @@ def read_trace(trace_dir: str | Path) -> Trace:
     for file in track(files, "dtcompile-report: reading logs", unit="log"):
         rank = int(_RANK_FILE.search(file.name).group(1))
         trace = ranks.setdefault(rank, RankTrace(rank))
+        # Artifacts logged outside a torch compile (a whole-step graph's: graph_trainer's
+        # pipeline, compile_step) carry no compile id of torch's: each is keyed by the id its
+        # collectives artifact names (step/0), the graph logged before it gathered meanwhile.
+        unkeyed = CompileRecord()
         for number, meta, payload in _entries(file, warnings):
             artifact = meta.get("artifact")
             if not artifact:
                 continue
             name, cid = artifact.get("name", ""), _compile_id(meta)
             what, kind = parse_artifact(name) or (name, None)
+            if cid == "-" and what in ("placements", "graph"):
+                if what == "graph":
+                    unkeyed.graphs[str(kind)] = payload
+                else:
+                    unkeyed.placements = payload
+                continue
+            if cid == "-" and what == "collectives":
+                data = _json_payload(file, number, name, payload)
+                key = _unused(trace.compiles, str(data.get("compile_id") or cid))
+                trace.compiles[key] = unkeyed
+                unkeyed.collectives[data["kind"]] = data
+                unkeyed = CompileRecord()
+                continue
             if what == "auto_parallel_solution":
                 trace.plans.append(payload)
             elif what == "eager_fallback":
@@ -195,6 +212,17 @@ def read_trace(trace_dir: str | Path) -> Trace:
                 reasons = _json_payload(file, number, name, payload) if payload.startswith("[") else payload.splitlines()
                 trace.recompiles += [f"{cid}: recompiled because {r}" for r in reasons if r.strip()]
     return Trace(ranks, warnings)
+
+
+def _unused(compiles: dict[str, CompileRecord], key: str) -> str:
+    """``key``, or ``key (2)``, ``key (3)``... where a record of that key was read already
+    (two whole-step graphs made by different passes of one process)."""
+    if key not in compiles:
+        return key
+    n = 2
+    while f"{key} ({n})" in compiles:
+        n += 1
+    return f"{key} ({n})"
 
 
 def _schedule_key(record: CompileRecord) -> list[tuple[Any, ...]]:
