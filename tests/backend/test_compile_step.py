@@ -238,6 +238,7 @@ def _train_on_rank(rank: int, case: str, options: dict[str, Any]) -> dict[str, A
     got["grads"] = [_equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters(), strict=True)]
     record = step.records[-1]
     got["ops"] = [c.op for c in record.collectives]
+    got["fused"] = [str(d) for p in record.passes if p.name == "async_tp" for d in p.decisions if d.action.value == "fused"]
     got["axes"] = sorted({c.axis for c in record.collectives})
     got["traces"], got["eager_steps"] = step.traces, step.eager_steps
     return got
@@ -256,6 +257,12 @@ def test_shared_models_step_with_adamw_inside_like_eager(case, world):
         assert run["ops"] == runs[0]["ops"], f"{where}: ranks' step graphs differ"
         if case in PINNED:
             assert run["ops"] == PINNED[case], f"{where}: {run['ops']}"
+        if case == "tp_sp_block":
+            # async-TP in the step graph (threaded ranks are priced as the h100 they stand for):
+            # the forward's and the backward's gathers and reduce-scatters fused with their
+            # matmuls, and still bitwise.
+            assert len(run["fused"]) >= 6, f"{where}: {run['fused']}"
+            assert any("fused matmul + reduce_scatter" in f for f in run["fused"]), run["fused"]
     losses = [run["first_loss"] for run in runs]
     if case == "tp_sp_block":
         assert all(loss == pytest.approx(runs[0]["reference_loss"], rel=1e-5) for loss in losses), losses
