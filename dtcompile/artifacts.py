@@ -175,7 +175,21 @@ def memory_lines(record: CompiledGraph) -> list[str]:
 
 
 def _artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
-    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
+    # The rank that logs it: ranks run as threads of one process share one log, which
+    # torch names for one of them; dtcompile-report splits the log by this.
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding, **_rank()}, payload_fn=payload
+    )
+
+
+def _rank() -> dict[str, Any]:
+    """``{"rank": r, "world": backend}``: this rank (this thread's, for ranks run as threads)
+    and its process group's backend (``threaded``, ``fake``, ``gloo``...); nothing outside one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return {"rank": dist.get_rank(), "world": str(dist.get_backend())}
+    return {}
 
 
 def _artifacts(record: CompiledGraph) -> list[tuple[str, str, Callable[[], str]]]:

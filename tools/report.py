@@ -166,30 +166,50 @@ def read_trace(trace_dir: str | Path) -> Trace:
     ranks: dict[int, RankTrace] = {}
     warnings: list[str] = []
     for file in track(files, "dtcompile-report: reading logs", unit="log"):
-        rank = int(_RANK_FILE.search(file.name).group(1))
-        trace = ranks.setdefault(rank, RankTrace(rank))
+        file_rank = int(_RANK_FILE.search(file.name).group(1))
+        entries = _entries(file, warnings)
+        logged = sorted({meta["artifact"]["rank"] for _, meta, _ in entries if _threaded(meta)})
+        threads = len(logged) > 1
+        if threads:
+            warnings.append(
+                f"{file.name}: ranks {logged} ran as threads of one process and share this log: dtcompile's "
+                "entries are read per rank (each rank's compiles numbered in its own order), Dynamo's "
+                "graph-break and recompile entries cannot be attributed to a rank and are left out (a "
+                "thread's first compile reads as a recompile of another's there)"
+            )
+            simulated = sum(1 for _, meta, _ in entries if _in_world(meta) and not _threaded(meta))
+            if simulated:
+                warnings.append(
+                    f"{file.name}: {simulated} entries of a compile in a one-process simulated world "
+                    "(fake_world, explain()) beside the threads: left out of the per-rank view"
+                )
+            entries = [e for e in entries if not (_in_world(e[1]) and not _threaded(e[1]))]
+        renumber = _per_rank_compile_ids(entries) if threads else {}
         # Artifacts logged outside a torch compile (a whole-step graph's: graph_trainer's
         # pipeline, compile_step) carry no compile id of torch's: each is keyed by the id its
         # collectives artifact names (step/0), the graph logged before it gathered meanwhile.
-        unkeyed = CompileRecord()
-        for number, meta, payload in _entries(file, warnings):
+        unkeyed: dict[int, CompileRecord] = defaultdict(CompileRecord)
+        for number, meta, payload in entries:
             artifact = meta.get("artifact")
-            if not artifact:
+            if not artifact or (threads and "rank" not in artifact):  # threads: Dynamo's own, not attributable
                 continue
+            # A log of its own rank (gloo, torchrun, one process) is that rank's, as torch named it.
+            rank = artifact["rank"] if threads else file_rank
             name, cid = artifact.get("name", ""), _compile_id(meta)
+            cid = renumber.get((rank, cid), cid)
+            trace = ranks.setdefault(rank, RankTrace(rank))
             what, kind = parse_artifact(name) or (name, None)
             if cid == "-" and what in ("placements", "graph"):
                 if what == "graph":
-                    unkeyed.graphs[str(kind)] = payload
+                    unkeyed[rank].graphs[str(kind)] = payload
                 else:
-                    unkeyed.placements = payload
+                    unkeyed[rank].placements = payload
                 continue
             if cid == "-" and what == "collectives":
                 data = _json_payload(file, number, name, payload)
                 key = _unused(trace.compiles, str(data.get("compile_id") or cid))
-                trace.compiles[key] = unkeyed
-                unkeyed.collectives[data["kind"]] = data
-                unkeyed = CompileRecord()
+                trace.compiles[key] = unkeyed.pop(rank, CompileRecord())
+                trace.compiles[key].collectives[data["kind"]] = data
                 continue
             if what == "auto_parallel_solution":
                 trace.plans.append(payload)
@@ -212,6 +232,33 @@ def read_trace(trace_dir: str | Path) -> Trace:
                 reasons = _json_payload(file, number, name, payload) if payload.startswith("[") else payload.splitlines()
                 trace.recompiles += [f"{cid}: recompiled because {r}" for r in reasons if r.strip()]
     return Trace(ranks, warnings)
+
+
+def _in_world(meta: dict[str, Any]) -> bool:
+    artifact = meta.get("artifact")
+    return isinstance(artifact, dict) and "rank" in artifact
+
+
+def _threaded(meta: dict[str, Any]) -> bool:
+    """An artifact dtcompile logged on a rank run as a thread (the threaded process group)."""
+    return _in_world(meta) and meta["artifact"].get("world") == "threaded"
+
+
+def _per_rank_compile_ids(entries: list[tuple[int, dict[str, Any], str]]) -> dict[tuple[int, str], str]:
+    """For a log that ranks run as threads share: ``(rank, compile id) -> the id renumbered in
+    that rank's own order`` (a frame's compiles 0/0, 0/1, 0/2 by threads 0, 1, 2 are each
+    thread's first, 0/0), from the ranks dtcompile's artifacts name."""
+    seen: dict[tuple[int, str], list[str]] = defaultdict(list)
+    for _, meta, _ in entries:
+        artifact = meta.get("artifact")
+        cid = _compile_id(meta)
+        if not isinstance(artifact, dict) or "rank" not in artifact or cid == "-":
+            continue
+        frame, _, rest = cid.partition("/")
+        ids = seen[(artifact["rank"], frame)]
+        if cid not in ids:
+            ids.append(cid)
+    return {(rank, cid): f"{frame}/{i}" for (rank, frame), ids in seen.items() for i, cid in enumerate(ids)}
 
 
 def _unused(compiles: dict[str, CompileRecord], key: str) -> str:

@@ -46,11 +46,21 @@ def test_keeping_collectives_leaves_torchs_partitioner_module_as_it_was():
 
 @pytest.mark.subprocess
 @pytest.mark.inductor
-def test_the_demo_prints_no_cache_tracebacks():
+def test_the_demo_prints_no_cache_tracebacks(tmp_path):
     """Inductor's FX graph cache pickles the partitioner; a local class made it print
-    'Failed to pickle cache key' with a traceback per graph and rank, and bypass the cache."""
+    'Failed to pickle cache key' with a traceback per graph and rank, and bypass the cache.
+
+    Run under ``TORCH_TRACE`` too: its 4 ranks are threads writing one log, which
+    ``dtcompile-report`` read as one rank with 12 compile ids, 18 recompiles and 4 times the
+    per-rank collectives; it reads 4 ranks now, each with the 9 collectives the demo's
+    ``explain()`` prints, no recompile, and the ranks agreeing."""
+    import os
+
+    from dtcompile_tools.report import divergence, read_trace
+
+    env = {**os.environ, "TORCH_TRACE": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-m", "dtcompile.demo"], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-m", "dtcompile.demo"], capture_output=True, text=True, timeout=600, check=False, env=env
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
@@ -59,3 +69,11 @@ def test_the_demo_prints_no_cache_tracebacks():
     assert "Traceback" not in text
     # A quiet demo: no warning of ours or of torch's (numpy is a dependency: torch warns without it).
     assert "Warning" not in out.stderr and "warn" not in out.stderr.lower(), out.stderr[-3000:]
+    trace = read_trace(tmp_path)
+    assert sorted(trace.ranks) == [0, 1, 2, 3], sorted(trace.ranks)
+    for rank, ranked in trace.ranks.items():
+        counts = sum(d["totals"]["count"] for c in ranked.compiles.values() for d in c.collectives.values())
+        assert (counts, ranked.recompiles) == (9, []), f"rank {rank}: {counts} collectives, {ranked.recompiles}"
+        assert sorted(ranked.compiles) == ["0/0", "1/0", "2/0"], f"rank {rank}: {sorted(ranked.compiles)}"
+    assert divergence(trace) == []
+    assert any("ran as threads of one process" in w for w in trace.warnings), trace.warnings
