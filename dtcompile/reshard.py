@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +184,33 @@ class Resharding:
     """Every parameter gathered in the forward -> its gathered bytes."""
 
 
+def _gather_chains(
+    graph: fx.Graph, name_of: Callable[[int, fx.Node], str | None], is_backward: Callable[[fx.Node], bool]
+) -> Iterator[tuple[str, fx.Node, tuple[fx.Node, ...], int, bool]]:
+    """``(name, primal, chain, gathered bytes, whether the backward reads it)`` for every
+    parameter input (``name_of(placeholder index, placeholder)`` names it, None: not a
+    parameter) whose shard is gathered in the forward."""
+    for index, primal in enumerate(graph.find_nodes(op="placeholder")):
+        name = name_of(index, primal)
+        if name is None or not isinstance(primal.meta.get("val"), torch.Tensor):
+            continue
+        chain = _unshard_chain(primal, is_backward)
+        if chain:
+            gathered = sum(nbytes_hint(n.meta["val"]) for n in chain if n.target is _WAIT and "val" in n.meta)
+            yield name, primal, chain, gathered, _saved_by_backward(chain, is_backward)
+
+
+def _decision(name: str, gathered: int, *, enabled: bool, keep: Set[str], refused: str = "") -> Outcome:
+    """Whether a gathered parameter the backward reads is resharded (``Action.RESHARDED``) or
+    kept gathered, and why."""
+    held = f"{gathered} B gathered"
+    kept_by = kept_by_name(name, keep)
+    if refused or not enabled or kept_by is not None:
+        why = refused or ("reshard_after_forward=False" if not enabled else f"keep_gathered names {kept_by!r}")
+        return Outcome.skipped(name, f"kept gathered ({held}): {why}")
+    return Outcome(Action.RESHARDED, f"resharded after forward: gathered again in the backward, not held ({held})", name)
+
+
 def tag_reshard_after_forward(
     joint: fx.GraphModule,
     params: ParamNames,
@@ -202,36 +229,18 @@ def tag_reshard_after_forward(
     outcomes = []
     gathered_bytes: dict[str, int] = {}
     group = 0
-    for primal in joint.graph.find_nodes(op="placeholder"):
-        index = _dynamo_input(primal)
-        if index not in params or not isinstance(primal.meta.get("val"), torch.Tensor):
-            continue
-        chain = _unshard_chain(primal)
-        if not chain:
-            continue
-        name = params[index]
-        gathered = sum(nbytes_hint(n.meta["val"]) for n in chain if n.target is _WAIT and "val" in n.meta)
+    chains = _gather_chains(joint.graph, lambda _, primal: params.get(_dynamo_input(primal)), _partitioner_backward)
+    for name, _, chain, gathered, read_by_backward in chains:
         gathered_bytes[name] = gathered
-        if not _saved_by_backward(chain):
+        if not read_by_backward:
             continue
-        held = f"{gathered} B gathered"
-        if refused:
-            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): {refused}"))
-            continue
-        if not enabled:
-            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): reshard_after_forward=False"))
-            continue
-        kept_by = kept_by_name(name, keep)
-        if kept_by is not None:
-            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): keep_gathered names {kept_by!r}"))
+        outcomes.append(_decision(name, gathered, enabled=enabled, keep=keep, refused=refused))
+        if outcomes[-1].action is not Action.RESHARDED:
             continue
         for node in chain:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = group
         group += 1
-        outcomes.append(
-            Outcome(Action.RESHARDED, f"resharded after forward: gathered again in the backward, not held ({held})", name)
-        )
     return Resharding(tuple(outcomes), gathered_bytes)
 
 
@@ -256,37 +265,26 @@ def reshard_step_graph(
     def is_backward(node: fx.Node) -> bool:
         return node.op == "call_function" and node not in forward
 
-    for index, primal in enumerate(gm.graph.find_nodes(op="placeholder")):
-        if not isinstance(primal.meta.get("val"), torch.Tensor):
-            continue
-        chain = _unshard_chain(primal, is_backward)
-        if not chain:
-            continue
-        name = names[index] if index < len(names) else primal.name
-        gathered = sum(nbytes_hint(n.meta["val"]) for n in chain if n.target is _WAIT and "val" in n.meta)
+    def name_of(index: int, primal: fx.Node) -> str:
+        return names[index] if index < len(names) else primal.name
+
+    for name, primal, chain, gathered, read_by_backward in _gather_chains(gm.graph, name_of, is_backward):
         gathered_bytes[name] = gathered
-        if not _saved_by_backward(chain, is_backward):
+        if not read_by_backward:
             continue
-        held = f"{gathered} B gathered"
-        kept_by = kept_by_name(name, keep)
-        if not enabled or kept_by is not None:
-            why = "reshard_after_forward=False" if not enabled else f"keep_gathered names {kept_by!r}"
-            outcomes.append(Outcome.skipped(name, f"kept gathered ({held}): {why}"))
+        outcomes.append(_decision(name, gathered, enabled=enabled, keep=keep))
+        if outcomes[-1].action is not Action.RESHARDED:
             continue
-        readers = [u for n in chain for u in n.users if is_backward(u)]
-        first = min(readers, key=order.__getitem__)
+        first = min((u for n in chain for u in n.users if is_backward(u)), key=order.__getitem__)
         copies: dict[fx.Node, fx.Node] = {primal: primal}
         with gm.graph.inserting_before(first):
             for node in sorted(chain, key=order.__getitem__):
                 copies[node] = gm.graph.node_copy(node, copies.__getitem__)
+        made = set(copies.values())
         for node in chain:
-            for user in [u for u in node.users if is_backward(u) and u not in copies.values()]:
+            for user in [u for u in node.users if is_backward(u) and u not in made]:
                 user.replace_input_with(node, copies[node])
-        outcomes.append(
-            Outcome(Action.RESHARDED, f"resharded after forward: gathered again in the backward, not held ({held})", name)
-        )
     if outcomes:
         gm.graph.lint()
         gm.recompile()
     return Resharding(tuple(outcomes), gathered_bytes)
-

@@ -175,28 +175,27 @@ def _unwrap_all(values: Sequence[Any]) -> tuple[list[Any], list[_Layout | None]]
 
 
 def _wrap_all(flat: Sequence[Any], layouts: Sequence[_Layout | None]) -> list[Any]:
-    values, at = [], 0
+    parts = _split(flat, layouts)
+    return [part[0] if layout is None else _rebuild(part, layout) for part, layout in zip(parts, layouts)]
+
+
+def _split(flat: Sequence[Any], layouts: Sequence[_Layout | None]) -> Iterator[Sequence[Any]]:
+    """``flat`` cut into each value's plain tensors (one for a plain tensor)."""
+    at = 0
     for layout in layouts:
-        if layout is None:
-            values.append(flat[at])
-            at += 1
-        else:
-            values.append(_rebuild(flat[at:at + layout.count], layout))
-            at += layout.count
-    return values
+        count = 1 if layout is None else layout.count
+        yield flat[at:at + count]
+        at += count
 
 
-def _signature(value: Any) -> Any:
-    """What a graph traced for ``value`` baked in: a tensor's type, shape, dtype, device,
-    whether it requires grad and (a subclass) its layout; any other value itself."""
-    if not isinstance(value, torch.Tensor):
-        return (type(value).__name__, repr(value))
-    plain, layout = _flatten_subclass(value)
+def _signature(value: Any, layout: _Layout | None, plain: Sequence[torch.Tensor]) -> Any:
+    """What a graph traced for tensor ``value`` baked in: its type, shape, dtype, device,
+    whether it requires grad and, a subclass (``layout``, its ``plain`` tensors), its layout."""
     described = (type(value).__name__, tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
     if layout is not None:
         described += (
             repr(layout.ctx),
-            tuple(id(value) for _, value in layout.constants),
+            tuple(id(constant) for _, constant in layout.constants),
             tuple((tuple(t.shape), tuple(t.stride())) for t in plain),
         )
     return described
@@ -211,9 +210,6 @@ class _Traced:
     """One traced step graph and what running it needs."""
 
     gm: fx.GraphModule
-    state_names: tuple[str, ...]
-    in_layouts: list[_Layout | None]
-    tensor_at: tuple[int, ...]
     out_layouts: list[_Layout | None]
     out_spec: Any
 
@@ -270,18 +266,20 @@ class CompiledStep:
             return self._eager_step(args, kwargs)
         self._refuse_held_grads()
         state = self._state()
+        state_leaves, state_spec = pytree.tree_flatten(state)
         user_flat, user_spec = pytree.tree_flatten((args, kwargs))
-        state_tensors = [v for v in pytree.tree_leaves(state) if isinstance(v, torch.Tensor)]
+        # The graph's inputs: the state's tensors, then the arguments', subclasses unwrapped, once a call.
+        tensors = [v for v in [*state_leaves, *user_flat] if isinstance(v, torch.Tensor)]
+        flat, layouts = _unwrap_all(tensors)
         key = (
+            state_spec,
             user_spec,
-            tuple(_signature(v) for v in user_flat),
-            tuple(_signature(v) for v in pytree.tree_leaves(state)),
-            tuple(state["model"]),
+            tuple((type(v).__name__, repr(v)) for v in [*state_leaves, *user_flat] if not isinstance(v, torch.Tensor)),
+            tuple(_signature(t, layout, plain) for t, layout, plain in zip(tensors, layouts, _split(flat, layouts))),
         )
         traced = self._graphs.get(key)
         if traced is None:
-            traced = self._graphs[key] = self._trace(state, user_flat, user_spec)
-        flat, _ = _unwrap_all([*state_tensors, *(user_flat[i] for i in traced.tensor_at)])
+            traced = self._graphs[key] = self._trace(state_leaves, state_spec, user_flat, user_spec, flat, layouts)
         with torch.no_grad():
             outputs = traced.gm(*flat)
         loss, grads = pytree.tree_unflatten(_wrap_all(outputs, traced.out_layouts), traced.out_spec)
@@ -339,20 +337,25 @@ class CompiledStep:
 
     # -- tracing --------------------------------------------------------------
 
-    def _trace(self, state: dict[str, Any], user_flat: list[Any], user_spec: Any) -> _Traced:
+    def _trace(
+        self,
+        state_leaves: list[Any],
+        state_spec: Any,
+        user_flat: list[Any],
+        user_spec: Any,
+        flat: list[torch.Tensor],
+        in_layouts: list[_Layout | None],
+    ) -> _Traced:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        state_flat, state_spec = pytree.tree_flatten(state)
-        state_at = [i for i, v in enumerate(state_flat) if isinstance(v, torch.Tensor)]
-        tensor_at = tuple(i for i, v in enumerate(user_flat) if isinstance(v, torch.Tensor))
-        inputs = [state_flat[i] for i in state_at] + [user_flat[i] for i in tensor_at]
-        flat, in_layouts = _unwrap_all(inputs)
+        state_at = [i for i, v in enumerate(state_leaves) if isinstance(v, torch.Tensor)]
+        tensor_at = [i for i, v in enumerate(user_flat) if isinstance(v, torch.Tensor)]
         trainable = [name for name, _ in self._trainable()]
         out: dict[str, Any] = {}
 
         def step(*plain: Any) -> list[Any]:
             values = _wrap_all(plain, in_layouts)
-            state_values = list(state_flat)
+            state_values = list(state_leaves)
             for i, value in zip(state_at, values):
                 state_values[i] = value
             user_values = list(user_flat)
@@ -379,14 +382,15 @@ class CompiledStep:
             return plain_out
 
         gm = _make_graph(make_fx, step, flat, self.loss_fn)
-        self.step_pass.input_names = _input_names(state, user_flat, tensor_at, in_layouts)
+        state = pytree.tree_unflatten(state_leaves, state_spec)
+        self.step_pass.input_names = _input_names(state, tensor_at, in_layouts)
         self.traces += 1
         if self.traces > 1:
             log.info("compile_step: traced the step again (%d graphs): a new shape, placement or hyperparameter", self.traces)
         example = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         gm = self.step_pass(gm, example)
         run = self._lower(gm, example) if self.config.inductor else gm
-        return _Traced(run, tuple(state["model"]), in_layouts, tensor_at, out["layouts"], out["spec"])
+        return _Traced(run, out["layouts"], out["spec"])
 
     def _lower(self, gm: fx.GraphModule, example: Sequence[Any]) -> Callable[..., Any]:
         """The step graph after the passes, through Inductor (``compile_fx``: AOTAutograd
@@ -409,21 +413,20 @@ class CompiledStep:
         with contextlib.ExitStack() as stack:
             if self.optimizer is not None:
                 by_id = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-                missing = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in by_id]
-                if missing:
+                # The optimizer's parameters by name, in its param_groups' flat order.
+                names = [by_id.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
+                if None in names:
                     raise ValueError(
-                        f"compile_step: the optimizer holds {len(missing)} tensor(s) that are not parameters "
+                        f"compile_step: the optimizer holds {names.count(None)} tensor(s) that are not parameters "
                         "of model (its param_groups must hold the model's own parameters)"
                     )
-                params = {by_id[id(p)]: traced_state["model"][by_id[id(p)]]
-                          for g in self.optimizer.param_groups for p in g["params"]}
                 if self.optimizer.state:
+                    params = {name: traced_state["model"][name] for name in names}
                     stack.enter_context(
                         torch.optim.swap_in_optimizer_params_and_state(self.optimizer, params, traced_state["optim"])
                     )
                 else:  # a stateless optimizer (plain SGD): only its parameters swapped in
-                    stack.enter_context(_params_swapped(self.optimizer, [params[by_id[id(p)]] for g in
-                                                                          self.optimizer.param_groups for p in g["params"]]))
+                    stack.enter_context(_params_swapped(self.optimizer, [traced_state["model"][n] for n in names]))
             stack.enter_context(_reparametrize_module(self.model, traced_state["model"]))
             yield
 
@@ -443,9 +446,7 @@ def _params_swapped(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
             group["params"] = own
 
 
-def _input_names(
-    state: dict[str, Any], user_flat: Sequence[Any], tensor_at: Sequence[int], layouts: Sequence[_Layout | None]
-) -> list[str]:
+def _input_names(state: dict[str, Any], tensor_at: Sequence[int], layouts: Sequence[_Layout | None]) -> list[str]:
     """The step graph's inputs' names: parameters and buffers by their FQN (a parametrized
     one by the name its module reads it by), the optimizer's state and the arguments by place."""
     from dtcompile.reshard import module_fqn

@@ -32,7 +32,7 @@ from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo
 from dtcompile.artifacts import emit_artifacts, format_compiled_graph
-from dtcompile.base.channels import GraphKind, Meta
+from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import flattened_axes, graph_collectives, group_names_in, profile_for_groups, spmd_axes
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost.simulate import simulate
@@ -40,6 +40,7 @@ from dtcompile.graph_compile import devices_of
 from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.passes._graph import alias_roots, read_inputs, written_args
+from dtcompile.passes.optimizer_updates import optimizer_of
 from dtcompile.rank_check import RanksDisagree, agree, check_groups, world_can_disagree
 from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, bucketed, decided_from, scheduled_collectives
 from dtcompile.records import CompiledGraph, PassRecord, RankCheck
@@ -78,16 +79,15 @@ def forward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return forward
 
 
-def step_parts(graph: fx.Graph) -> dict[str, str]:
-    """Each call node of a whole-step graph -> ``forward`` (:func:`forward_nodes`),
+def step_parts(graph: fx.Graph, forward: set[fx.Node]) -> dict[str, str]:
+    """Each call node of a whole-step graph -> ``forward`` (in ``forward``, :func:`forward_nodes`),
     ``optimizer <name>`` (nodes :func:`dtcompile.compile_step` marked) or ``backward``,
     with the line of user code it was traced from where the trace kept one."""
-    forward = forward_nodes(graph)
     parts = {}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        optimizer = (node.meta.get("custom") or {}).get(Meta.OPTIMIZER)
+        optimizer = optimizer_of(node)
         part = f"optimizer {optimizer}" if optimizer else "forward" if node in forward else "backward"
         where = _code_line(node.meta.get("stack_trace"))
         parts[node.name] = f"{part} at {where}" if where else part
@@ -178,11 +178,12 @@ class StepPass:
         priced = profile_for_groups(self.config.cost_profile, devices_of(example_inputs), list(axes) or group_names_in(gm))
         info = DynamoGraphInfo(compile_id, axes, priced.profile, priced.why)
         info.node_names = frozenset(node.name for node in gm.graph.nodes)
-        info.step_parts = step_parts(gm.graph)
+        forward = forward_nodes(gm.graph)
+        info.step_parts = step_parts(gm.graph, forward)
         # FSDP's gathered weights gathered again in the backward, as the Dynamo path's partitioner does.
         nodes, collectives = len(gm.graph.nodes), len(graph_collectives(gm.graph, axes))
         resharding = reshard_step_graph(
-            gm, self.input_names, forward_nodes(gm.graph),
+            gm, self.input_names, forward,
             enabled=self.config.reshard_after_forward, keep=self.config.keep_gathered,
         )
         resharded = PassRecord(

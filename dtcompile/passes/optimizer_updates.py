@@ -32,12 +32,12 @@ from dtcompile.memory import estimate_memory
 from dtcompile.passes._graph import alias_roots, read_inputs
 from dtcompile.passes.context import PassContext
 
-__all__ = ["is_optimizer_node", "place_optimizer_updates"]
+__all__ = ["optimizer_of", "place_optimizer_updates"]
 
 
-def is_optimizer_node(node: fx.Node) -> bool:
-    """Whether ``node`` is part of an optimizer's step traced into the graph."""
-    return bool((node.meta.get("custom") or {}).get(Meta.OPTIMIZER))
+def optimizer_of(node: fx.Node) -> str | None:
+    """The optimizer (its class name) whose step traced ``node`` into the graph, or None."""
+    return (node.meta.get("custom") or {}).get(Meta.OPTIMIZER)
 
 
 def _is_marker(node: fx.Node) -> bool:
@@ -46,7 +46,7 @@ def _is_marker(node: fx.Node) -> bool:
 
 def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    updates = [n for n in graph.nodes if n.op == "call_function" and is_optimizer_node(n) and not _is_marker(n)]
+    updates = [n for n in graph.nodes if n.op == "call_function" and optimizer_of(n) and not _is_marker(n)]
     if not updates:
         return gm
     peak_before = estimate_memory(gm, ctx.kind).peak_bytes
@@ -105,7 +105,9 @@ def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], c
 
 
 def _updates_many(node: fx.Node) -> bool:
-    """A foreach op: a list of tensors in place."""
-    return any(isinstance(arg, (list, tuple)) and len(arg) > 1 for arg in node.args) and str(node.target).startswith(
-        "aten._foreach"
-    ) and isinstance(node.target, torch._ops.OpOverload)
+    """A foreach op (``aten._foreach_*``) over more than one tensor."""
+    return (
+        isinstance(node.target, torch._ops.OpOverload)
+        and node.target._schema.name.startswith("aten::_foreach_")
+        and any(isinstance(arg, (list, tuple)) and len(arg) > 1 for arg in node.args)
+    )
