@@ -177,13 +177,13 @@ def read_trace(trace_dir: str | Path) -> Trace:
                 "graph-break and recompile entries cannot be attributed to a rank and are left out (a "
                 "thread's first compile reads as a recompile of another's there)"
             )
-            simulated = sum(1 for _, meta, _ in entries if _in_world(meta) and not _threaded(meta))
+            simulated = [e for e in entries if _in_world(e[1]) and not _threaded(e[1])]
             if simulated:
                 warnings.append(
-                    f"{file.name}: {simulated} entries of a compile in a one-process simulated world "
+                    f"{file.name}: {len(simulated)} entries of a compile in a one-process simulated world "
                     "(fake_world, explain()) beside the threads: left out of the per-rank view"
                 )
-            entries = [e for e in entries if not (_in_world(e[1]) and not _threaded(e[1]))]
+                entries = [e for e in entries if not (_in_world(e[1]) and not _threaded(e[1]))]
         renumber = _per_rank_compile_ids(entries) if threads else {}
         # Artifacts logged outside a torch compile (a whole-step graph's: graph_trainer's
         # pipeline, compile_step) carry no compile id of torch's: each is keyed by the id its
@@ -250,12 +250,10 @@ def _per_rank_compile_ids(entries: list[tuple[int, dict[str, Any], str]]) -> dic
     thread's first, 0/0), from the ranks dtcompile's artifacts name."""
     seen: dict[tuple[int, str], list[str]] = defaultdict(list)
     for _, meta, _ in entries:
-        artifact = meta.get("artifact")
         cid = _compile_id(meta)
-        if not isinstance(artifact, dict) or "rank" not in artifact or cid == "-":
+        if not _in_world(meta) or cid == "-":
             continue
-        frame, _, rest = cid.partition("/")
-        ids = seen[(artifact["rank"], frame)]
+        ids = seen[(meta["artifact"]["rank"], cid.partition("/")[0])]
         if cid not in ids:
             ids.append(cid)
     return {(rank, cid): f"{frame}/{i}" for (rank, frame), ids in seen.items() for i, cid in enumerate(ids)}
