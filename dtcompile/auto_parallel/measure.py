@@ -181,13 +181,17 @@ def measure_op(
     mesh: Any,
     profile: HardwareProfile,
     fake_mode: Any,
-) -> OpMeasure:
+    expected_outs: Sequence[Layout | None] | None = None,
+) -> OpMeasure | None:
     """Trace ``target`` on DTensors of layouts ``in_layouts`` and its backward.
 
     ``args``/``kwargs`` hold :class:`_TensorSlot` markers where tensors go;
     ``tensors[i]`` is ``(global shape, dtype, requires_grad)`` of the i-th;
     ``out_metas`` are the outputs' global ``(shape, dtype)``, and
     ``grad_layouts`` the layouts their gradients arrive in (``None``: no gradient).
+    With ``expected_outs`` (the strategy's output layouts), ``None`` when DTensor's
+    forward runs another strategy (other output layouts, or a collective before the op),
+    found before the backward is traced: such a strategy is not a candidate.
     """
     num_in = len(tensors)
     differentiable = [
@@ -219,6 +223,8 @@ def measure_op(
         out_layouts = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
         out_rg = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
         boundary = len(recorder.graph.nodes)
+        if expected_outs is not None and not _ran_as_chosen(recorder.graph, out_layouts, expected_outs, mesh):
+            return None
         grad_layouts_in: tuple[Layout | None, ...] = (None,) * num_in
         # Only outputs autograd differentiates take a gradient (not an op's saved statistics).
         kept = [j for j, i in enumerate(differentiable) if out_rg[i]] if grad_outs else []
@@ -237,6 +243,15 @@ def measure_op(
     forward, backward, found = _read_graph(recorder.graph, boundary, mesh, profile)
     saved = _read_by_backward(recorder.graph, boundary, num_in)
     return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved)
+
+
+def _ran_as_chosen(graph: fx.Graph, out_layouts: Sequence[Any], expected: Sequence[Layout | None], mesh: Any) -> bool:
+    """Whether the forward recorded in ``graph`` ran the chosen strategy: the expected output
+    layouts, and no collective (a redistribution of an input before the op)."""
+    if not all(e is None or tuple(o or ()) == tuple(e) for o, e in zip(out_layouts, expected)):
+        return False
+    axes = _axis_names(mesh)
+    return not any(collective_info(node, axes) is not None for node in graph.nodes)
 
 
 _NOT_WORK = {"empty", "empty_strided", "detach", "alias", "device", "lift_fresh", "lift_fresh_copy"}

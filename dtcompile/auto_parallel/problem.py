@@ -60,7 +60,6 @@ from dtcompile.auto_parallel.placements import (
 from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
-from dtcompile.base.channels import GraphKind
 from dtcompile.base.notation import source_of
 from dtcompile.base.progress import track
 from dtcompile.cost import HardwareProfile
@@ -284,22 +283,20 @@ class _Builder:
                 key = (signature, ins, outs, grad_out, local)
                 if key not in self.measures:
                     try:
+                        # None: DTensor, handed ``ins``, runs another strategy (other outputs, or
+                        # a collective before the op).
                         m = measure_op(
                             target, args, kwargs, [(s, d, rg) for (s, d), rg in zip(in_metas, in_rg)], ins, metas,
-                            grad_out, self.mesh, self.profile, self.traced.fake_mode,
+                            grad_out, self.mesh, self.profile, self.traced.fake_mode, expected_outs=outs,
                         )
                     except Exception as e:  # DTensor cannot run it (forward or backward): not a candidate
                         log.debug("auto_parallel: %s %s -> %s dropped: %s", node.name, ins, outs, e)
                         self.measures[key] = None
                         self.errors[(signature, ins, outs, local)] = f"{type(e).__name__}: {e}"
                         continue
-                    # DTensor ran the strategy as chosen: nothing moved before the op, same outputs.
-                    same = all(o is None or g == o for g, o in zip(m.out_layouts, outs)) and not any(
-                        c.direction == GraphKind.FORWARD for c in m.collectives
-                    )
                     # An output autograd does not differentiate takes no gradient.
-                    grads_back = tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))
-                    self.measures[key] = None if not same else Candidate(
+                    grads_back = m and tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))
+                    self.measures[key] = None if m is None else Candidate(
                         ins, outs, m.grad_layouts, grads_back, m.forward_us, m.backward_us, m.collectives,
                         sum(c.time_us(self.profile) for c in m.collectives), local, m.saved,
                     )

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtcompile.auto_parallel.graph import Problem
+from dtcompile.auto_parallel.prune import EdgeBlock, edge_blocks, undominated
 from dtcompile.auto_parallel.transfer import launch_latency_us
 
 __all__ = ["Infeasible", "SolveResult", "conflicting_constraints", "solve"]
@@ -88,9 +89,19 @@ class _Program:
     rows: list[tuple[str, list[int], list[float], float, float]] = field(default_factory=list)
     """``(family, columns, coefficients, lower, upper)``."""
     x: dict[str, int] = field(default_factory=dict)
-    """Group -> its first choice column."""
+    """Group -> its first choice column (one column per candidate in ``alive``)."""
     z: dict[Any, int] = field(default_factory=dict)
     """Bucket -> its column."""
+    alive: dict[str, list[int]] = field(default_factory=dict)
+    """Group -> the indices of the candidates it may take (all, unless dominated ones were
+    removed: :mod:`~dtcompile.auto_parallel.prune`)."""
+
+    position: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Group -> candidate index -> its offset from the group's first column."""
+
+    def col(self, group: str, candidate: int) -> int:
+        """The column of ``group`` taking its candidate ``candidate`` (one in ``alive``)."""
+        return self.x[group] + self.position[group][candidate]
 
     def column(self, cost: float, integer: bool) -> int:
         self.cost.append(cost)
@@ -102,44 +113,44 @@ class _Program:
 
 
 def _one_choice_per_group(problem: Problem, program: _Program, groups: dict[str, list[str]]) -> None:
-    """``x[g, s]`` binary, cost times copies; family ``one candidate of <group>``: ``sum_s x[g, s] = 1``."""
+    """``x[g, s]`` binary, cost times copies; family ``one candidate of <group>``: ``sum_s x[g, s] = 1``.
+    Over the candidates in ``program.alive`` (all of a group it does not name)."""
     for g, names in groups.items():
+        candidates = problem.nodes[g].candidates
+        kept = program.alive.setdefault(g, list(range(len(candidates))))
         program.x[g] = len(program.cost)
-        for c in problem.nodes[g].candidates:
-            program.column(c.cost_us * len(names), True)
-        n = len(problem.nodes[g].candidates)
+        program.position[g] = {s: i for i, s in enumerate(kept)}
+        for s in kept:
+            program.column(candidates[s].cost_us * len(names), True)
+        n = len(kept)
         program.row(f"one candidate of {g}", list(range(program.x[g], program.x[g] + n)), [1.0] * n, 1.0, 1.0)
 
 
-def _edge_blocks(problem: Problem, program: _Program) -> None:
+def _edge_blocks(problem: Problem, program: _Program, blocks: dict[tuple[str, str], EdgeBlock] | None = None) -> None:
     """``y`` per possible pair of each edge block; family ``edge <producer> -> <consumer>``: its
     rows and columns sum to the two groups' choices; family ``bucket <key>``: ``z[k] >= y``."""
     import numpy as np
 
-    blocks: dict[tuple[str, str], Any] = {}
-    block_buckets: dict[tuple[str, str], Any] = {}
-    for edge in problem.edges:
-        gp, gc = problem.nodes[edge.producer].group, problem.nodes[edge.consumer].group
-        if gp == gc:
-            raise AssertionError(f"edge {edge.producer} -> {edge.consumer} inside one tied group")
-        matrix = np.asarray(edge.cost, dtype=float)  # its shape was checked where it was built
-        key = (gp, gc)
-        blocks[key] = matrix if key not in blocks else blocks[key] + matrix
-        if edge.buckets is not None:
-            block_buckets[key] = edge.buckets  # tied copies of one edge join the same buckets
-    for (gp, gc), matrix in blocks.items():
+    for (gp, gc), block in (blocks if blocks is not None else edge_blocks(problem)).items():
         family = f"edge {gp} -> {gc}"
+        rows, cols_kept = program.alive[gp], program.alive[gc]
+        matrix = block.cost[np.ix_(rows, cols_kept)]
         by_row: dict[int, list[int]] = {}
         by_col: dict[int, list[int]] = {}
-        buckets = block_buckets.get((gp, gc))
+        by_bucket: dict[Any, list[int]] = {}
         for i, j in zip(*np.nonzero(np.isfinite(matrix))):
             col = program.column(float(matrix[i, j]), False)
             by_row.setdefault(int(i), []).append(col)
             by_col.setdefault(int(j), []).append(col)
-            for bucket in buckets[i][j] if buckets is not None else ():
-                if bucket not in program.z:
-                    program.z[bucket] = program.column(launch_latency_us(bucket, problem.profile), True)
-                program.row(f"bucket {bucket}", [col, program.z[bucket]], [1.0, -1.0], -math.inf, 0.0)
+            for bucket in block.buckets[rows[i]][cols_kept[j]] if block.buckets is not None else ():
+                by_bucket.setdefault(bucket, []).append(col)
+        # One pair of the block is chosen, so its pairs that join a bucket sum to at most 1:
+        # the bucket is used when that sum is (one row per block and bucket, tighter than one
+        # per pair where the relaxation splits the choice).
+        for bucket, cols in by_bucket.items():
+            if bucket not in program.z:
+                program.z[bucket] = program.column(launch_latency_us(bucket, problem.profile), True)
+            program.row(f"bucket {bucket}", cols + [program.z[bucket]], [1.0] * len(cols) + [-1.0], -math.inf, 0.0)
         for i in range(matrix.shape[0]):
             cols = by_row.get(i, [])
             program.row(family, cols + [program.x[gp] + i], [1.0] * len(cols) + [-1.0], 0.0, 0.0)
@@ -157,9 +168,9 @@ def _fanout_agreement(problem: Problem, program: _Program) -> None:
         if key in seen:
             continue
         seen.add(key)
-        for a, ok in enumerate(link.ok):
-            cols = [program.x[gc] + j for j, good in enumerate(ok) if good]
-            program.row(f"readers of {gf}", [program.x[gf] + a] + cols, [1.0] + [-1.0] * len(cols), -math.inf, 0.0)
+        for a in program.alive[gf]:
+            cols = [program.col(gc, j) for j in program.alive[gc] if link.ok[a][j]]
+            program.row(f"readers of {gf}", [program.col(gf, a)] + cols, [1.0] + [-1.0] * len(cols), -math.inf, 0.0)
 
 
 def _memory_budget(problem: Problem, program: _Program, budget: int | None) -> None:
@@ -169,8 +180,9 @@ def _memory_budget(problem: Problem, program: _Program, budget: int | None) -> N
     per_col: dict[int, float] = {}
     for name, sizes in problem.param_bytes.items():
         g = problem.nodes[name].group  # tied parameters: each copy's bytes count
-        for s, size in enumerate(sizes):
-            per_col[program.x[g] + s] = per_col.get(program.x[g] + s, 0.0) + float(size)
+        for s in program.alive[g]:
+            col = program.col(g, s)
+            per_col[col] = per_col.get(col, 0.0) + float(sizes[s])
     program.row("param_memory_budget_bytes", list(per_col), list(per_col.values()), -math.inf, float(budget))
 
 
@@ -184,6 +196,10 @@ def _run(program: _Program, time_limit_s: float, skip: frozenset[str] = frozense
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-9)
+    # HiGHS's presolve took most of the time on these programs (4.6 of 8.1 s on a one-layer
+    # Llama on 2 x 2) and found little to remove: the rows are already one per choice, pair
+    # and bucket, and dominated candidates are gone (prune.py).
+    h.setOptionValue("presolve", "off")
     lp = highspy.HighsLp()
     lp.num_col_ = len(program.cost)
     lp.num_row_ = len(rows)
@@ -259,9 +275,10 @@ def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, tim
     highspy = _highspy()
     start = time.perf_counter()
     groups = problem.groups()
-    program = _Program()
+    blocks = edge_blocks(problem)
+    program = _Program(alive=undominated(problem, groups, blocks, param_memory_budget_bytes is not None))
     _one_choice_per_group(problem, program, groups)
-    _edge_blocks(problem, program)
+    _edge_blocks(problem, program, blocks)
     _fanout_agreement(problem, program)
     _memory_budget(problem, program, param_memory_budget_bytes)
     h, status = _run(program, time_limit_s)
@@ -270,8 +287,7 @@ def solve(problem: Problem, *, param_memory_budget_bytes: int | None = None, tim
     values = h.getSolution().col_value
     choice: dict[str, int] = {}
     for g, names in groups.items():
-        n = len(problem.nodes[g].candidates)
-        best = max(range(n), key=lambda s: values[program.x[g] + s])
+        best = max(program.alive[g], key=lambda s: values[program.col(g, s)])
         for name in names:
             choice[name] = best
     used = tuple(bucket for bucket, col in program.z.items() if values[col] > 0.5)
