@@ -242,4 +242,7 @@ def auto_parallel(
         model, mesh, example_inputs, input_placements=input_placements, output_placements=output_placements,
         param_memory_budget_bytes=param_memory_budget_bytes, fixed=fixed, cost_profile=cost_profile, config=config,
     )
-    return parallelize(model, solution), solution
+    start = time.perf_counter()
+    parallel = parallelize(model, solution)
+    solution.problem.seconds["apply"] = time.perf_counter() - start
+    return parallel, solution

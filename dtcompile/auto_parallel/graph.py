@@ -118,6 +118,9 @@ class Problem:
     bucket takes; ``None`` where that config disables the ``bucketing`` pass."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where building took its time: ``trace``, ``strategies``, ``measure``, ``edges``."""
+    measurements: dict[str, int] = field(default_factory=dict)
+    """``made``: candidates measured for this problem; ``reused``: found measured already (by an
+    earlier node with the same signature, or an earlier plan on a mesh like this one)."""
     regathered: frozenset[str] = frozenset()
     """Parameter nodes the compile config reshards after forward (:func:`dtcompile.reshard.resharded`):
     gathered again in the backward where the backward reads them (``Edge.regather``)."""

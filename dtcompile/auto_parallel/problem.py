@@ -132,6 +132,7 @@ class _Builder:
         """Measured candidates (``None``: DTensor cannot run it); why a measurement failed,
         for the error when nothing can run an op."""
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
+        self.measurements = {"made": 0, "reused": 0}
 
     def _layouts_for(self, name: str, shape: tuple[int, ...], kind: str) -> list[Layout]:
         if name in self.fixed:
@@ -281,6 +282,7 @@ class _Builder:
             target = functools.partial(run_local, node.target, outs) if local else node.target
             for grad_out in _grad_variants(node.target, outs, out_rg, weight_only and not local):
                 key = (signature, ins, outs, grad_out, local)
+                self.measurements["reused" if key in self.measures else "made"] += 1
                 if key not in self.measures:
                     try:
                         # None: DTensor, handed ``ins``, runs another strategy (other outputs, or
@@ -443,4 +445,5 @@ def build_problem(
         pnode = b.nodes[node.name]
         shape, dtype = pnode.outputs[0]
         param_bytes[node.name] = [local_numel(shape, c.outputs[0], mesh.shape) * dtype.itemsize for c in pnode.candidates]
-    return Problem(mesh, profile, b.nodes, edges, fanout_rules, traced, param_bytes, bucket_cap_bytes, b.seconds, regathered)
+    return Problem(mesh, profile, b.nodes, edges, fanout_rules, traced, param_bytes, bucket_cap_bytes, b.seconds,
+                   b.measurements, regathered)

@@ -56,6 +56,20 @@ class Solution:
         return self.problem.nodes[name].candidates[self.result.choice[name]]
 
     @property
+    def stats(self) -> dict[str, float]:
+        """How the plan was made: seconds per stage (``trace_s``, ``strategies_s``, ``measure_s``,
+        ``edges_s``, ``solve_s``, and ``apply_s`` once :func:`~dtcompile.auto_parallel.auto_parallel`
+        applied it), measurements ``made`` and ``reused`` (from earlier nodes and plans), the
+        ``candidates`` of the program before and after dominated ones were removed
+        (``candidates_kept``), its ``variables`` and ``constraints``."""
+        stats: dict[str, float] = {f"{stage}_s": s for stage, s in self.problem.seconds.items()}
+        stats.update({f"measurements_{k}": n for k, n in self.problem.measurements.items()})
+        r = self.result
+        stats.update(candidates=r.num_candidates, candidates_kept=r.num_kept, variables=r.num_variables,
+                     constraints=r.num_constraints)
+        return stats
+
+    @property
     def cost_us(self) -> float:
         """The step's estimated time (the objective): every node's own cost and every edge's."""
         return self.result.objective_us

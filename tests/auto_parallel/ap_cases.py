@@ -126,6 +126,16 @@ def step_against_reference(
     )
 
 
+def assert_same_optimum(solution: Any) -> None:
+    """The solver's reduced program (dominated candidates removed, one bucket row per edge block,
+    presolve off) reached the optimum of the plain one (every candidate, a bucket row per pair)."""
+    from dtcompile.auto_parallel.solver import solve
+
+    plain = solve(solution.problem, param_memory_budget_bytes=solution.param_memory_budget_bytes, reduced=False)
+    reduced = solution.result.objective_us
+    assert abs(plain.objective_us - reduced) <= 1e-6 * max(1.0, abs(plain.objective_us)), (plain.objective_us, reduced)
+
+
 def sharded_budget(model: Any, ways: int = 2) -> int:
     """The model's replicated parameter bytes over ``ways``: under it the solver must shard."""
     return sum(p.numel() * p.element_size() for p in model.parameters()) // ways

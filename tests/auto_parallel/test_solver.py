@@ -100,3 +100,26 @@ def test_the_cost_profile_comes_from_the_compile_config(tp_mesh):
         dtcompile.auto_parallel.plan(reference, tp_mesh, (x,), cost_profile="h100", config=DTCompileConfig(cost_profile="a100"))
     with pytest.raises(TypeError, match="config must be the DTCompileConfig"):
         dtcompile.auto_parallel.plan(reference, tp_mesh, (x,), config={"inductor": False})
+
+
+def test_stats_say_where_planning_took_its_time_and_repeated_layers_are_measured_once(tp_mesh, monkeypatch):
+    import collections
+
+    from ap_cases import build_block_stack
+
+    from dtcompile.auto_parallel import problem as problem_module
+
+    monkeypatch.setattr(problem_module, "_MEASURE_TABLES", collections.OrderedDict())  # a cold process
+    made = {}
+    for layers in (2, 3):
+        reference, _, x = build_block_stack(tp_mesh, layers)
+        stats = dtcompile.auto_parallel.plan(reference, tp_mesh, (x,)).stats
+        assert all(stats[f"{stage}_s"] >= 0 for stage in ("trace", "strategies", "measure", "edges", "solve"))
+        assert 0 < stats["candidates_kept"] <= stats["candidates"] and stats["variables"] > 0
+        made[layers] = stats["measurements_made"]
+        assert stats["measurements_reused"] > 0  # the layers repeat each other's ops
+    # The third layer asks nothing the first two did not: every measurement of the second plan
+    # was made by the first.
+    assert made[2] > 0 and made[3] == 0
+    _, solution = dtcompile.auto_parallel(reference, tp_mesh, (x,))
+    assert solution.stats["apply_s"] > 0 and solution.stats["measurements_made"] == 0

@@ -22,6 +22,7 @@ from ap_cases import (
     KEEP_COLLECTIVES,
     KEPT_GATHERED,
     assert_matches_reference,
+    assert_same_optimum,
     predicted_collectives,
     step_against_reference,
 )
@@ -57,6 +58,7 @@ def _plan(case):
             return model, args, None, "infeasible"
         except Exception as e:
             raise AssertionError(f"{case.describe()}: planning raised {type(e).__name__}: {e}") from e
+    assert_same_optimum(solution)
     return model, args, solution, ""
 
 

@@ -15,6 +15,7 @@ from ap_cases import (
     KEPT_GATHERED,
     apply_and_step,
     assert_matches_reference,
+    assert_same_optimum,
     predicted_collectives,
     sharded_budget,
     step_against_reference,
@@ -39,6 +40,7 @@ def _rank_step(rank, reference, args, mesh_name, solution):
 
 
 def _check(solution, results):
+    assert_same_optimum(solution)
     assert_matches_reference(results, rtol=1e-4, atol=1e-5)
     predicted = predicted_collectives(solution)
     for rank, result in enumerate(results):
