@@ -16,12 +16,23 @@ families, tiny configs, random init), on the fake process group:
 - **peak RSS**: the process's peak resident memory so far (``ru_maxrss``; it only grows).
 
     python benchmarks/hf_zoo.py [--models llama,gpt2]
+
+``--stages``: instead, each model planned cold (a fresh process per model, nothing measured
+before it) on 2 x 2 (world 4) and 2 x 4 (world 8), one after the other, then applied: seconds
+per stage (trace, strategies, measure, edges, solve, apply), the program's variables and the
+plan's estimated step (objective), and plans per minute over the run.  It reads only what every
+version of the planner records (``solution.problem.seconds``), so the same command times an
+older checkout (``git worktree``) for a before/after table.
+
+    python benchmarks/hf_zoo.py --stages --models llama,mistral,qwen2,gpt2,gpt_neox,phi3,gemma,bert
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import subprocess
 import sys
 import time
 import warnings
@@ -41,10 +52,59 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+STAGE_MESHES = {"2 x 2": (4, (2, 2)), "2 x 4": (8, (2, 4))}
+STAGES = ("trace", "strategies", "measure", "edges", "solve", "apply")
+
+
+def _plan_stages(name: str) -> None:
+    """Plan ``name`` on each of :data:`STAGE_MESHES` in this (fresh) process; one JSON line per mesh."""
+    from dtcompile.auto_parallel import parallelize
+
+    model, args = build(name)
+    for mesh_name, (world, shape) in STAGE_MESHES.items():
+        with fake_world(world, shape, ("dp", "tp")) as mesh:
+            start = time.perf_counter()
+            solution = plan_hf(model, args, mesh)
+            applied = time.perf_counter()
+            parallelize(model, solution)
+            end = time.perf_counter()
+        seconds = dict(solution.problem.seconds, apply=end - applied)
+        print(json.dumps({"mesh": mesh_name, "total": end - start, "seconds": seconds,
+                          "variables": solution.result.num_variables, "objective": solution.result.objective_us}))
+
+
+def stages(names: list[str]) -> None:
+    print("| model | mesh | total s | " + " | ".join(f"{s} s" for s in STAGES) + " | variables | step us |")
+    print("| --- | --- | ---: | " + " | ".join("---:" for _ in STAGES) + " | ---: | ---: |")
+    begun, plans = time.perf_counter(), 0
+    for name in names:
+        child = subprocess.run([sys.executable, __file__, "--plan-stages", name], capture_output=True, text=True)
+        rows = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+        if child.returncode or not rows:
+            print(f"| {name} | - | failed: {child.stderr.strip().splitlines()[-1:]} |", flush=True)
+            continue
+        for row in rows:
+            plans += 1
+            cells = " | ".join(f"{row['seconds'].get(s, 0.0):.2f}" for s in STAGES)
+            print(f"| {name} | {row['mesh']} | {row['total']:.2f} | {cells} | {row['variables']} | {row['objective']:.4f} |",
+                  flush=True)
+    minutes = (time.perf_counter() - begun) / 60
+    print(f"\n{plans} plans in {minutes * 60:.0f} s with a fresh process per model (imports included): "
+          f"{plans / minutes:.1f} plans per minute")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(HF_ZOO), help="comma-separated zoo names")
-    names = parser.parse_args().models.split(",")
+    parser.add_argument("--stages", action="store_true", help="seconds per planning stage, cold, on 2 x 2 and 2 x 4")
+    parser.add_argument("--plan-stages", help=argparse.SUPPRESS)  # the child --stages runs per model
+    options = parser.parse_args()
+    if options.plan_stages:
+        warnings.filterwarnings("ignore")
+        return _plan_stages(options.plan_stages)
+    names = options.models.split(",")
+    if options.stages:
+        return stages(names)
     warnings.filterwarnings("ignore")
     print("| model | plan s, 1-D 4 | plan s, 2 x 2 | HF plan us | dtcompile us | dtcompile / HF | collectives HF / dtcompile | peak RSS MiB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -35,6 +35,9 @@ def pytest_configure(config):
         # No profile this machine's user calibrated (~/.cache/dtcompile/profiles) changes what
         # cost_profile="auto" picks in the tests.
         os.environ["DTCOMPILE_PROFILE_DIR"] = tempfile.mkdtemp(prefix="dtcompile-tests-profiles-")
+        # Nor does a plan read what this machine's earlier runs measured (its workers share one
+        # folder: what one measures, the others may read, as a job's ranks would).
+        os.environ["DTCOMPILE_AUTO_PARALLEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dtcompile-tests-plans-")
 
 
 def pytest_addoption(parser):

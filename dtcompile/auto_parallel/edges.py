@@ -94,13 +94,14 @@ def _consumers(nodes: Mapping[str, PNode]) -> dict[tuple[str, int], list[tuple[s
 
 def build_edges(
     nodes: dict[str, PNode], mesh: Any, profile: HardwareProfile, bucket_cap_bytes: int | None,
-    regathered: frozenset[str],
+    regathered: frozenset[str], transfers: dict[Any, Transfer | None] | None = None,
 ) -> tuple[list[Edge], list[FanoutRule]]:
     """Edges for single consumers; a fan-out node (added to ``nodes``), its edge and its rules
     for shared values.  ``bucket_cap_bytes`` and ``regathered`` are the
-    :class:`~dtcompile.auto_parallel.graph.Problem`'s."""
+    :class:`~dtcompile.auto_parallel.graph.Problem`'s; ``transfers``: the priced transfers on
+    this mesh under this profile, kept across plans (filled here)."""
     edges, rules = [], []
-    transfers: dict[Any, Transfer | None] = {}
+    transfers = {} if transfers is None else transfers
     consumers = _consumers(nodes)
     read = _read_in_backward(nodes, consumers)
     for (p, k), users in consumers.items():

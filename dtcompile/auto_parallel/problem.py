@@ -58,6 +58,7 @@ from dtcompile.auto_parallel.placements import (
     unstrided,
 )
 from dtcompile.auto_parallel.regions import region_of
+from dtcompile.auto_parallel.store import Table
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.base.notation import source_of
@@ -70,21 +71,24 @@ __all__ = ["Candidate", "Edge", "FanoutRule", "PNode", "Problem", "build_problem
 log = logging.getLogger(__name__)
 
 
-_MEASURE_TABLES: collections.OrderedDict[Any, tuple[dict[Any, Candidate | None], dict[Any, str]]] = (
-    collections.OrderedDict()
-)
+_Tables = tuple[Table, Table, Table]
+_MEASURE_TABLES: collections.OrderedDict[Any, _Tables] = collections.OrderedDict()
 
 
-def _measure_tables(mesh: Any, profile: HardwareProfile) -> tuple[dict[Any, Candidate | None], dict[Any, str]]:
-    """The measurements made on meshes like ``mesh`` under ``profile`` (the 8 latest such keys kept).
+def _measure_tables(mesh: Any, profile: HardwareProfile) -> _Tables:
+    """The measurements made on meshes like ``mesh`` under ``profile`` (the 8 latest such keys
+    kept in this process, and on disk across processes: :mod:`~dtcompile.auto_parallel.store`):
+    the measured candidates, why measurements failed, and the priced transfers
+    (:func:`~dtcompile.auto_parallel.transfer.transfer`'s cache).
 
     A measurement depends on the op, its arguments, shapes and layouts (its key in the
     table) and on the mesh's device, shape, axis names, ranks and flattenings (the
-    collectives' axes and spans) and the profile: the table's key."""
+    collectives' axes and spans) and the profile: the table's key; a transfer on the
+    value's shape, dtype and layouts, and the same."""
     key = (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()),
            flattenings(mesh), profile)
     if key not in _MEASURE_TABLES:
-        _MEASURE_TABLES[key] = ({}, {})
+        _MEASURE_TABLES[key] = (Table(key, "measures"), Table(key, "errors"), Table(key, "transfers"))
         while len(_MEASURE_TABLES) > 8:
             _MEASURE_TABLES.popitem(last=False)
     _MEASURE_TABLES.move_to_end(key)
@@ -128,7 +132,7 @@ class _Builder:
         self.nodes: dict[str, PNode] = {}
         # Measurements outlive one plan: planning again (other pins, another budget, the
         # next model of a batch) measures only what it has not seen on this mesh.
-        self.measures, self.errors = _measure_tables(mesh, profile)
+        self.measures, self.errors, self.transfers = _measure_tables(mesh, profile)
         """Measured candidates (``None``: DTensor cannot run it); why a measurement failed,
         for the error when nothing can run an op."""
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
@@ -438,8 +442,10 @@ def build_problem(
             b.tensor_constant(node)
     b.outputs(dict(output_layouts or {}))
     start = time.perf_counter()
-    edges, fanout_rules = build_edges(b.nodes, mesh, profile, bucket_cap_bytes, regathered)
+    edges, fanout_rules = build_edges(b.nodes, mesh, profile, bucket_cap_bytes, regathered, b.transfers)
     b.seconds["edges"] = time.perf_counter() - start
+    for table in (b.measures, b.errors, b.transfers):
+        table.save()
     param_bytes = {}
     for _, node in traced.params:
         pnode = b.nodes[node.name]

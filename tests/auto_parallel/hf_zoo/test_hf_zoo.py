@@ -8,8 +8,6 @@ comparison in ``benchmarks/RESULTS.md``."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from ap_cases import (
     apply_and_step,
@@ -34,27 +32,13 @@ def _transformers():
 MESHES = {"1d": ((4,), ("tp",)), "2x2": ((2, 2), ("dp", "tp"))}
 
 
-# The 2 x 2 plans CI runs (one of each kind: decoder, encoder, MoE, images; 7 to 21 s each on 2
-# cores); the other thirteen take 15 to 48 s each and run in the soak tier (pytest -m soak).
-# Every model plans on the 1-D mesh in CI.
-TWO_D_IN_CI = ("gpt2", "bert", "gemma", "olmo2", "starcoder2", "vit", "mixtral")
-
-
 # Models whose plans are also solved as the plain program, which must reach the same optimum as
 # the reduced one the solver builds (the plain one takes up to 10 s here; the zoo and the plan
 # fuzzer check every plan).
 SAME_OPTIMUM_CHECKED = ("llama", "phi3", "gpt2", "bert")
 
 
-def _plan_cases() -> list[Any]:
-    return [
-        pytest.param(name, mesh_name, marks=() if mesh_name == "1d" or name in TWO_D_IN_CI else pytest.mark.soak)
-        for name in HF_ZOO
-        for mesh_name in MESHES
-    ]
-
-
-@pytest.mark.parametrize(("name", "mesh_name"), _plan_cases())
+@pytest.mark.parametrize(("name", "mesh_name"), [(name, mesh_name) for name in HF_ZOO for mesh_name in MESHES])
 def test_hf_model_plans_and_keeps_the_users_names(name, mesh_name):
     model, args = build(name)
     shape, names = MESHES[mesh_name]
