@@ -117,26 +117,23 @@ def build_edges(
         regather = _param_of(nodes, p) in regathered and any(read(c, slot) for c, slot in users)
 
         def edge(consumer: PNode, slot: int) -> Edge:
-            rows, buckets = [], []
-            for pc in producer.candidates:
-                row, row_buckets = [], []
-                for cc in consumer.candidates:
-                    grad = cc.grads[slot] if rg and cc.grads else None
-                    want = pc.grad_out[k] if pc.grad_out else None
-                    t = transfer(shape, dtype, pc.outputs[k], want, cc.inputs[slot], grad, mesh, profile,
-                                 transfers, regather)
+            # A pair's price depends only on what the producer gives (and wants back) and what
+            # the consumer reads (and hands back): priced once per distinct such pair.
+            gives = [(pc.outputs[k], pc.grad_out[k] if pc.grad_out else None) for pc in producer.candidates]
+            reads = [(cc.inputs[slot], cc.grads[slot] if rg and cc.grads else None) for cc in consumer.candidates]
+            priced: dict[tuple[Any, Any], tuple[float, tuple[Any, ...]]] = {}
+            for give in dict.fromkeys(gives):
+                for take in dict.fromkeys(reads):
+                    t = transfer(shape, dtype, give[0], give[1], take[0], take[1], mesh, profile, transfers, regather)
                     if t is None:
-                        row.append(INF)
-                        row_buckets.append(())
+                        priced[give, take] = (INF, ())
                     elif bucketed:
-                        time_us, keys = bucketed_time_us(t, profile, bucket_cap_bytes)
-                        row.append(time_us)
-                        row_buckets.append(keys)
+                        priced[give, take] = bucketed_time_us(t, profile, bucket_cap_bytes)
                     else:
-                        row.append(t.time_us)
-                rows.append(row)
-                buckets.append(row_buckets)
-            edge = Edge(p, k, consumer.name, slot, rows, buckets if bucketed else None, regather)
+                        priced[give, take] = (t.time_us, ())
+            rows = [[priced[give, take][0] for take in reads] for give in gives]
+            buckets = [[priced[give, take][1] for take in reads] for give in gives] if bucketed else None
+            edge = Edge(p, k, consumer.name, slot, rows, buckets, regather)
             return _checked(edge, producer, consumer)
 
         if len(users) == 1:

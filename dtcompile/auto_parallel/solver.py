@@ -208,18 +208,41 @@ def _memory_budget(problem: Problem, program: _Program, budget: int | None) -> N
 def _run(program: _Program, time_limit_s: float, skip: frozenset[str] = frozenset()) -> tuple[Any, Any]:
     """Solve ``program`` without the families in ``skip``; ``(HiGHS, status)``."""
     highspy = _highspy()
-    import numpy as np
-
     rows = [r for r in program.rows if r[0] not in skip]
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-9)
-    # HiGHS's presolve took most of the time on these programs (4.6 of 8.1 s on a one-layer
-    # Llama on 2 x 2) and found little to remove: the rows are already one per choice, pair
-    # and bucket, and dominated candidates are gone (prune.py).
+    h.passModel(_lp(program, rows))
     if program.reduced:
+        # HiGHS's presolve took most of the time on these programs (4.6 of 8.1 s on a one-layer
+        # Llama on 2 x 2, solved at the root without it); but without it some need thousands of
+        # nodes to close the last 1e-5 of the gap (DeepSeek-V3's on a 1-D mesh: over 500 s, with
+        # it 0.3 s).  So: first without, up to a number of nodes (a limit of work, not of time:
+        # the same program gets the same answer on every rank and machine), then with it.
         h.setOptionValue("presolve", "off")
+        h.setOptionValue("mip_max_nodes", _NODES_WITHOUT_PRESOLVE)
+        h.run()
+        status = h.getModelStatus()
+        if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
+            return h, status
+        h.clearSolver()
+        h.setOptionValue("presolve", "on")
+        h.setOptionValue("mip_max_nodes", _NO_LIMIT)
+    h.run()
+    return h, h.getModelStatus()
+
+
+# The first try's limit (see _run): the programs it serves close at the root.
+_NODES_WITHOUT_PRESOLVE = 100
+_NO_LIMIT = 2**31 - 1
+
+
+def _lp(program: _Program, rows: list[Any]) -> Any:
+    """HiGHS's model of ``program`` with these ``rows``."""
+    highspy = _highspy()
+    import numpy as np
+
     lp = highspy.HighsLp()
     lp.num_col_ = len(program.cost)
     lp.num_row_ = len(rows)
@@ -238,9 +261,7 @@ def _run(program: _Program, time_limit_s: float, skip: frozenset[str] = frozense
     lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
     lp.a_matrix_.value_ = np.asarray(value, dtype=float)
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in program.integer]
-    h.passModel(lp)
-    h.run()
-    return h, h.getModelStatus()
+    return lp
 
 
 # Families every choice needs (one candidate per group): never among the conflicting ones.
