@@ -286,8 +286,9 @@ class _Builder:
             target = functools.partial(run_local, node.target, outs) if local else node.target
             for grad_out in _grad_variants(node.target, outs, out_rg, weight_only and not local):
                 key = (signature, ins, outs, grad_out, local)
-                self.measurements["reused" if key in self.measures else "made"] += 1
-                if key not in self.measures:
+                measured = key in self.measures
+                self.measurements["reused" if measured else "made"] += 1
+                if not measured:
                     try:
                         # None: DTensor, handed ``ins``, runs another strategy (other outputs, or
                         # a collective before the op).
@@ -300,9 +301,12 @@ class _Builder:
                         self.measures[key] = None
                         self.errors[(signature, ins, outs, local)] = f"{type(e).__name__}: {e}"
                         continue
+                    if m is None:
+                        self.measures[key] = None
+                        continue
                     # An output autograd does not differentiate takes no gradient.
-                    grads_back = m and tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))
-                    self.measures[key] = None if m is None else Candidate(
+                    grads_back = tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))
+                    self.measures[key] = Candidate(
                         ins, outs, m.grad_layouts, grads_back, m.forward_us, m.backward_us, m.collectives,
                         sum(c.time_us(self.profile) for c in m.collectives), local, m.saved,
                     )

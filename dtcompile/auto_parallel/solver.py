@@ -112,8 +112,8 @@ class _Program:
 
     reduced: bool = True
     """The program as :func:`solve` builds it by default: one bucket row per edge block and bucket,
-    HiGHS's presolve off.  ``False``: the plain formulation of the module docstring (one bucket
-    row per pair, presolve on), kept to check the reduced one against."""
+    solved first without HiGHS's presolve (:func:`_run`).  ``False``: the plain formulation of the
+    module docstring (one bucket row per pair, presolve on), kept to check the reduced one against."""
     position: dict[str, dict[int, int]] = field(default_factory=dict)
     """Group -> candidate index -> its offset from the group's first column."""
 

@@ -68,7 +68,7 @@ class Table(MutableMapping):
 
     def __init__(self, table_key: Any, part: str) -> None:
         self._memory: dict[Any, Any] = {}
-        self._new: dict[str, bytes] = {}
+        self._new: dict[Any, Any] = {}  # measured here, not yet written
         folder = store_dir()
         name = hashlib.sha256(repr((_planner_version(), table_key)).encode()).hexdigest()[:24]
         self.path = None if folder is None else folder / f"{name}.{part}.pkl"
@@ -88,8 +88,8 @@ class Table(MutableMapping):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._memory[key] = value
-        if _plain(value):
-            self._new[repr(key)] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.path is not None:
+            self._new[key] = value
 
     def __delitem__(self, key: Any) -> None:
         raise TypeError("measurements are not removed")
@@ -104,7 +104,8 @@ class Table(MutableMapping):
         """Write what this process measured, merged with what the file holds now."""
         if self.path is None or not self._new:
             return
-        merged = {**_read(self.path), **self._new}
+        fresh = {repr(k): pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for k, v in self._new.items() if _plain(v)}
+        merged = {**_read(self.path), **fresh}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
