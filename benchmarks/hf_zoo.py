@@ -19,8 +19,8 @@ families, tiny configs, random init), on the fake process group:
 
 ``--stages``: instead, each model planned cold (a fresh process per model, nothing measured
 before it) on 2 x 2 (world 4) and 2 x 4 (world 8), one after the other, then applied: seconds
-per stage (trace, strategies, measure, edges, solve, apply), the program's variables and the
-plan's estimated step (objective), and plans per minute over the run.  It reads only what every
+per stage (trace, strategies, measure, edges, solve, apply), the program's variables, the
+plan's estimated step (objective) and the process's peak RSS so far, and plans per minute over the run.  It reads only what every
 version of the planner records (``solution.problem.seconds``), so the same command times an
 older checkout (``git worktree``) for a before/after table.
 
@@ -70,12 +70,13 @@ def _plan_stages(name: str) -> None:
             end = time.perf_counter()
         seconds = dict(solution.problem.seconds, apply=end - applied)
         print(json.dumps({"mesh": mesh_name, "total": end - start, "seconds": seconds,
-                          "variables": solution.result.num_variables, "objective": solution.result.objective_us}))
+                          "variables": solution.result.num_variables, "objective": solution.result.objective_us,
+                          "peak_mib": _peak_mib()}))
 
 
 def stages(names: list[str]) -> None:
-    print("| model | mesh | total s | " + " | ".join(f"{s} s" for s in STAGES) + " | variables | step us |")
-    print("| --- | --- | ---: | " + " | ".join("---:" for _ in STAGES) + " | ---: | ---: |")
+    print("| model | mesh | total s | " + " | ".join(f"{s} s" for s in STAGES) + " | variables | step us | peak RSS MiB |")
+    print("| --- | --- | ---: | " + " | ".join("---:" for _ in STAGES) + " | ---: | ---: | ---: |")
     begun, plans = time.perf_counter(), 0
     for name in names:
         child = subprocess.run([sys.executable, __file__, "--plan-stages", name], capture_output=True, text=True)
@@ -86,8 +87,8 @@ def stages(names: list[str]) -> None:
         for row in rows:
             plans += 1
             cells = " | ".join(f"{row['seconds'].get(s, 0.0):.2f}" for s in STAGES)
-            print(f"| {name} | {row['mesh']} | {row['total']:.2f} | {cells} | {row['variables']} | {row['objective']:.4f} |",
-                  flush=True)
+            print(f"| {name} | {row['mesh']} | {row['total']:.2f} | {cells} | {row['variables']} | {row['objective']:.4f} "
+                  f"| {row.get('peak_mib', 0):.0f} |", flush=True)
     minutes = (time.perf_counter() - begun) / 60
     print(f"\n{plans} plans in {minutes * 60:.0f} s with a fresh process per model (imports included): "
           f"{plans / minutes:.1f} plans per minute")
