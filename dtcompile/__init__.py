@@ -2,7 +2,7 @@
 
 ``torch.compile(model, backend="dtcompile")`` works once the package is
 installed; ``dtcompile.backend(**options)`` makes a configured one.
-``dtcompile.local_map`` is :func:`hops.local_map`: torch's ``local_map`` as one
+``dtcompile.local_map`` is :func:`dtcompile.hops.local_map`: torch's ``local_map`` as one
 op that keeps its placements through to the backend.  ``dtcompile.auto_parallel``
 (a callable subpackage) chooses a model's placements.
 ``dtcompile.compile_step`` compiles a whole training step (forward, loss,
@@ -23,12 +23,12 @@ if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
     from dtcompile.compiler import DTCompileBackend
     from dtcompile.config import DTCompileConfig
     from dtcompile.cost.calibrate import calibrate
+    from dtcompile.hops.local_map import local_map
     from dtcompile.rank_check import RanksDisagree
     from dtcompile.records import CompiledGraph
     from dtcompile.registry import backend
     from dtcompile.report import Report, explain
     from dtcompile.step import CompiledStep, compile_step
-    from hops.local_map import local_map
 
 __all__ = [
     "CollectiveInfo",
@@ -59,7 +59,7 @@ _WHERE = {
     "calibrate": "dtcompile.cost.calibrate",
     "compile_step": "dtcompile.step",
     "explain": "dtcompile.report",
-    "local_map": "hops.local_map",
+    "local_map": "dtcompile.hops.local_map",
 }
 
 

@@ -29,8 +29,8 @@ from dtcompile.base.channels import GraphKind, Meta
 from dtcompile.base.notation import describe_mesh, real_object
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost import HardwareProfile, collective_time_us
+from dtcompile.hops.region_op import region_call_id
 from dtcompile.spmd_typing import format_types, type_graph
-from hops.region_op import region_call_id
 
 __all__ = [
     "Communication",

@@ -9,7 +9,7 @@ and Inductor's config, which carries dtcompile's partitioner
 :func:`compile_key`).  Two things make those keys right for dtcompile:
 
 - :func:`compile_key`: what else decides the graphs dtcompile makes: its own
-  source (the ``dtcompile``, ``hops`` and ``dynamo_vars`` packages), every
+  source (the ``dtcompile``, ``dtcompile.hops`` and ``dynamo_vars`` packages), every
   :class:`~dtcompile.config.DTCompileConfig` field that changes a graph (not
   ``report``, ``trace_pass_graphs``, ``aot_cache`` or ``eager_fallback``, which
   only say what is shown, whether a cache is read, or what happens where nothing
@@ -67,11 +67,12 @@ _NOT_IN_KEY = frozenset(
 @functools.cache
 def source_digest() -> str:
     """One digest of the sources of the packages that trace and rewrite dtcompile's graphs."""
+    import dtcompile.hops
     import dynamo_vars
-    import hops
 
     digest = hashlib.sha256()
-    for root in (Path(__file__).parent, Path(hops.__file__).parent, Path(dynamo_vars.__file__).parent):
+    roots = (Path(__file__).parent, Path(dtcompile.hops.__file__).parent, Path(dynamo_vars.__file__).parent)
+    for root in dict.fromkeys(roots):
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root.parent)).encode())
             digest.update(path.read_bytes())

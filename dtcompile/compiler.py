@@ -20,7 +20,7 @@ backend call (a method per stage):
    partitioner, or one that keeps collectives under uneven shards) splits it
    into a forward and a backward graph (exactly the graphs Inductor would get).
    ``local_map`` regions stay one ``local_map_region`` node each, forward and
-   backward (:func:`hops.keep_regions` is on while AOTAutograd traces).
+   backward (:func:`dtcompile.hops.keep_regions` is on while AOTAutograd traces).
 2. :func:`dtcompile.passes.run_passes` runs the ordered pass list on each.
 3. Lowering: the regions are inlined (:func:`dtcompile.lowering.inline_regions`),
    then Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph as
@@ -70,7 +70,7 @@ _MAX_RECORDS = 256
 
 # The packages whose own exceptions are deliberate errors (bad input, a region
 # the user declared wrongly), never a reason to run eagerly.
-_OWN_PACKAGES = ("dtcompile", "hops", "dynamo_vars")
+_OWN_PACKAGES = ("dtcompile", "dynamo_vars")
 
 
 def _raised_on_purpose(exc: BaseException) -> bool:

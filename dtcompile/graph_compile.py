@@ -49,6 +49,7 @@ from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, p
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost.simulate import simulate
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views
+from dtcompile.hops import keep_regions
 from dtcompile.lowering import inline_regions
 from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.partition import Partitioner
@@ -70,7 +71,6 @@ from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
 from dtcompile.spmd_typing import input_types, type_graph
 from dynamo_vars.dtensor_state import loss_parallel_backward
-from hops import keep_regions
 
 if TYPE_CHECKING:
     from dtcompile.compiler import DTCompileBackend

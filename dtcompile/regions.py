@@ -1,6 +1,6 @@
 """``local_map`` regions in the AOT graphs: found, described and formatted.
 
-While dtcompile's AOTAutograd traces, :func:`hops.keep_regions` is on, so each
+While dtcompile's AOTAutograd traces, :func:`dtcompile.hops.keep_regions` is on, so each
 ``local_map`` region stays one ``local_map_region(body, spec, *operands)`` node
 in the forward graph and one (``spec.backward``) in the backward graph.  The
 passes see the region as one op; :func:`dtcompile.lowering.inline_regions`,
@@ -15,8 +15,8 @@ import torch
 from torch import fx
 
 from dtcompile.collectives import collective_info
-from hops.region_op import local_map_region
-from hops.spec import RegionSpec
+from dtcompile.hops.region_op import local_map_region
+from dtcompile.hops.spec import RegionSpec
 
 __all__ = [
     "RegionInfo",
@@ -39,7 +39,7 @@ class RegionInfo:
     collectives: tuple[str, ...]
     """The collectives its body issues (``all_reduce[tp] x4 ...``)."""
     call: int | None = None
-    """The id pairing a forward region with its backward (:func:`hops.region_op.region_call_id`)."""
+    """The id pairing a forward region with its backward (:func:`dtcompile.hops.region_op.region_call_id`)."""
 
     def __str__(self) -> str:
         inner = f"; issues {', '.join(self.collectives)}" if self.collectives else ""

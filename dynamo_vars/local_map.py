@@ -1,13 +1,13 @@
-"""``hops.local_map`` in compiled code: one ``local_map_region`` node per call.
+"""``dtcompile.hops.local_map`` in compiled code: one ``local_map_region`` node per call.
 
 Stock Dynamo inlines ``local_map`` (the region and its placements are gone
 before a backend sees them), and its own local_map HOP, off by default,
 asserts on DTensor inputs, wants ``None`` placements last and the mesh given.
-Here a call to a function made by :func:`hops.local_map` becomes:
+Here a call to a function made by :func:`dtcompile.hops.local_map` becomes:
 
-1. the call's arguments read by name (:class:`hops.local_map.LocalMapCall`)
+1. the call's arguments read by name (:class:`dtcompile.hops.local_map.LocalMapCall`)
    and its placements checked against its flat arguments (the same checks,
-   and messages, as eager: :func:`hops.local_map.make_spec`);
+   and messages, as eager: :func:`dtcompile.hops.local_map.make_spec`);
 2. DTensor arguments redistributed in the graph when ``redistribute_inputs=True``;
 3. the region traced as a subgraph at local shapes: for the trace, each
    DTensor argument's example value is its local shard; closures over plain
@@ -143,8 +143,8 @@ class _Call:
 
     def checked_spec(self, what: str, num_outputs: int | None) -> Any:
         """The eager checks and messages (``make_spec``), as a refusal that names ``what``."""
-        from hops.local_map import make_spec
-        from hops.spec import LocalMapError
+        from dtcompile.hops.local_map import make_spec
+        from dtcompile.hops.spec import LocalMapError
 
         try:
             return make_spec(
@@ -165,7 +165,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
     """A call ``local_map(func, ...)(*args)``: see the module docstring.
 
     The call's own arguments come first, in the order of
-    :class:`hops.local_map.LocalMapCall` (read by field name), then the user's.
+    :class:`dtcompile.hops.local_map.LocalMapCall` (read by field name), then the user's.
     """
 
     supports_input_mutation = False
@@ -177,7 +177,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
         args: Sequence[VariableTracker],
         kwargs: dict[str, VariableTracker],
     ) -> VariableTracker:
-        from hops.local_map import LocalMapCall
+        from dtcompile.hops.local_map import LocalMapCall
 
         declared = LocalMapCall(*args[: len(LocalMapCall._fields)])
         user_args = list(args[len(LocalMapCall._fields) :])
@@ -213,7 +213,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
     @staticmethod
     def _read_call(declared: Any, user_args: list[VariableTracker]) -> _Call:
         """Step 1: the call's constants, and the user's arguments flattened as pytree does."""
-        from hops.local_map import region_name
+        from dtcompile.hops.local_map import region_name
 
         leaves: list[VariableTracker] = []
         rebuild = _flatten(TupleVariable(list(user_args)), leaves)
@@ -242,7 +242,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
     def _redistribute_inputs(tx: Any, call: _Call) -> dict[Any, tuple[Any, Any]]:
         """Step 2: DTensor arguments redistributed in the graph where asked; returns each
         tensor argument's node -> (its in placements, its gradient placements)."""
-        from hops.spec import format_placements, parse_placements
+        from dtcompile.hops.spec import format_placements, parse_placements
 
         tensor_leaves = [i for i, v in enumerate(call.values) if isinstance(v, torch.Tensor)]
         by_leaf = dict(zip(tensor_leaves, zip(call.spec.in_placements, call.spec.in_grad_placements)))
@@ -324,7 +324,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
         """
         from torch.distributed.tensor import DTensor
 
-        from hops.spec import parse_placements
+        from dtcompile.hops.spec import parse_placements
 
         seen = set()
         for i, (leaf, value) in enumerate(zip(call.leaves, call.values)):
@@ -369,8 +369,8 @@ class LocalMapVariable(WrapHigherOrderVariable):
         included, without placements) and per output, checked against ``out_placements``."""
         from torch.distributed.tensor import DTensor
 
-        from hops.region_op import check_output_kinds
-        from hops.spec import LocalMapError
+        from dtcompile.hops.region_op import check_output_kinds
+        from dtcompile.hops.spec import LocalMapError
 
         in_texts, grad_texts = [], []
         for proxy in operands:
@@ -408,7 +408,7 @@ class LocalMapVariable(WrapHigherOrderVariable):
         """Step 5: the region's outputs, DTensors placed per ``out_placements``."""
         from torch.distributed.tensor import DTensor
 
-        from hops.spec import parse_placements
+        from dtcompile.hops.spec import parse_placements
 
         hop_node = None
         wrapped = []
@@ -457,13 +457,13 @@ def _fix_hint(message: str) -> str:
 def _handler(builder: Any, value: Any) -> VariableTracker:
     from torch._dynamo.guards import GuardBuilder
 
-    from hops.region_op import local_map_region
+    from dtcompile.hops.region_op import local_map_region
 
     builder.install_guards(GuardBuilder.CLOSURE_MATCH)
     return LocalMapVariable(local_map_region, source=builder.source)
 
 
 def ID_HANDLERS() -> dict[Callable[..., Any], Any]:
-    from hops.local_map import _local_map_call
+    from dtcompile.hops.local_map import _local_map_call
 
     return {_local_map_call: _handler}

@@ -8,20 +8,20 @@
 - :func:`check_region_outputs` / ``local_map(..., check_placements=True)``:
   verify a region's declared output placements on all simulated ranks.
 
-Modules, bottom up: :mod:`hops.spec` (the placements as text, the spec, the
-shared messages), :mod:`hops.joint` (a region's forward and backward, traced
-once and partitioned), :mod:`hops.region_op` (the op, one implementation per
-dispatch key), :mod:`hops.local_map` (the user API), :mod:`hops.check`.
+Modules, bottom up: :mod:`dtcompile.hops.spec` (the placements as text, the spec, the
+shared messages), :mod:`dtcompile.hops.joint` (a region's forward and backward, traced
+once and partitioned), :mod:`dtcompile.hops.region_op` (the op, one implementation per
+dispatch key), :mod:`dtcompile.hops.local_map` (the user API), :mod:`dtcompile.hops.check`.
 
-Importing ``hops`` registers the op with torch's dispatcher (what defining a
+Importing ``dtcompile.hops`` registers the op with torch's dispatcher (what defining a
 HOP does) and changes nothing in Dynamo: the Dynamo side is
 :mod:`dynamo_vars.local_map`, installed with the backend.
 """
 
-from hops.check import PlacementCheckError, check_region_outputs
-from hops.local_map import LocalMapCall, local_map, local_map_call
-from hops.region_op import keep_regions, local_map_region, regions_kept
-from hops.spec import LocalMapError, RegionSpec, format_placements, parse_placements
+from dtcompile.hops.check import PlacementCheckError, check_region_outputs
+from dtcompile.hops.local_map import LocalMapCall, local_map, local_map_call
+from dtcompile.hops.region_op import keep_regions, local_map_region, regions_kept
+from dtcompile.hops.spec import LocalMapError, RegionSpec, format_placements, parse_placements
 
 __all__ = [
     "LocalMapCall",

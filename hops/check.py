@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hops.spec import LocalMapError, RegionSpec, parse_placements
+from dtcompile.hops.spec import LocalMapError, RegionSpec, parse_placements
 
 __all__ = ["PlacementCheckError", "check_region_outputs"]
 

@@ -5,7 +5,7 @@ autograd (the region may hold ops, like funcol's collectives, whose autograd
 formulas functorch cannot transform), functionalizes it, and splits it with
 the default partitioner into a forward graph (outputs, then what the backward
 saves) and a backward graph (saved values and output gradients in, input
-gradients out).  Inside :func:`hops.keep_regions` (one dtcompile compile) the
+gradients out).  Inside :func:`dtcompile.hops.keep_regions` (one dtcompile compile) the
 result is cached per (body structure, spec, operand metadata), so N identical layers
 trace their region once.
 """
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hops.spec import RegionSpec
+from dtcompile.hops.spec import RegionSpec
 
 __all__ = ["Joint", "call_body", "joint_graphs"]
 
@@ -246,7 +246,7 @@ def joint_graphs(
 ) -> Joint:
     """The region's partitioned forward and backward (see the module docstring).
 
-    With a ``cache`` (the one :func:`hops.keep_regions` opens per compile) a
+    With a ``cache`` (the one :func:`dtcompile.hops.keep_regions` opens per compile) a
     body that is a traced ``GraphModule`` is looked up by its structure, the spec
     and the operands' metadata: identical layers share one trace.  A plain
     Python body is traced each call (its code says nothing of its closure).

@@ -7,7 +7,7 @@ arguments of a call are one declared contract, :class:`LocalMapCall`: the
 function ``local_map`` returns is ``functools.partial(_local_map_call,
 *LocalMapCall(...))``, and Dynamo (:mod:`dynamo_vars.local_map`) reads them
 back by field name.  ``check_placements`` (run on all simulated ranks of a
-``LocalTensorMode``, :mod:`hops.check`) verifies that outputs declared
+``LocalTensorMode``, :mod:`dtcompile.hops.check`) verifies that outputs declared
 ``Replicate()`` agree across their mesh axis and ``Shard`` outputs have
 consistent shapes.
 """
@@ -23,8 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from dtcompile.base.notation import describe_mesh
-from hops.region_op import local_map_region
-from hops.spec import (
+from dtcompile.hops.region_op import local_map_region
+from dtcompile.hops.spec import (
     LocalMapError,
     RegionSpec,
     counted,
@@ -277,7 +277,7 @@ def _local_map_call(*call_and_args: Any, **kwargs: Any) -> Any:
         if call.check_placements:
             # On the local results, before from_local: a shard shape that differs
             # where it must not is what the check is for, and would not wrap.
-            from hops.check import check_region_outputs
+            from dtcompile.hops.check import check_region_outputs
 
             check_region_outputs(spec, mesh, flat_out)
         return tuple(flat_out)

@@ -16,7 +16,7 @@ Keys:
   :func:`keep_regions` the region is simply run (inlined into whatever traces
   it, which is what ``aot_eager`` and ``inductor`` get); inside it (the dtcompile
   backend), the region's forward and backward are traced and partitioned once
-  (:mod:`hops.joint`), and the forward and the backward are each one
+  (:mod:`dtcompile.hops.joint`), and the forward and the backward are each one
   ``local_map_region`` call, the backward's spec saying ``backward=True``.
 - Functionalization: unwrap, run the functionalized body, wrap.
 - FakeTensorMode: run the body on fake tensors.
@@ -55,8 +55,8 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_ten
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from dtcompile.base.channels import Meta
-from hops.joint import Joint, call_body, joint_graphs
-from hops.spec import (
+from dtcompile.hops.joint import Joint, call_body, joint_graphs
+from dtcompile.hops.spec import (
     LocalMapError,
     RegionSpec,
     format_placements,

@@ -23,7 +23,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
-from hops import local_map
+from dtcompile.hops import local_map
 
 __all__ = [
     "BACKENDS",

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtcompile._testing.data_parallel import _data_parallel
-from hops import local_map
+from dtcompile.hops import local_map
 
 __all__ = [
     "Attention",

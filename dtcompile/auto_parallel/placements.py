@@ -1,7 +1,7 @@
 """Placements as the solver sees them: enumeration, text, local sizes, and one collective.
 
 A *layout* is a tuple of placements, one per mesh axis (``(Shard(0), Replicate())``),
-written ``S(0)R`` (:func:`text`, the notation of :mod:`hops.spec`).  The solver
+written ``S(0)R`` (:func:`text`, the notation of :mod:`dtcompile.hops.spec`).  The solver
 offers a parameter or an input every layout that shards its dims evenly
 (:func:`layouts`): an uneven shard makes DTensor pad, and dtcompile's
 communication passes leave such graphs alone, so the solver does not choose them.
@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dtcompile.cost import HardwareProfile, collective_time_us
-from hops.spec import format_placements
+from dtcompile.hops.spec import format_placements
 
 __all__ = [
     "Layout",

@@ -3,9 +3,9 @@
 On plain tensors a ``local_map`` function runs its body as it is, so tracing the
 single-device model would inline the body and lose the region.  While
 :func:`tracing_regions` is active, every ``local_map`` function found on the model's
-modules (an attribute or class attribute that :func:`hops.local_map_call`
+modules (an attribute or class attribute that :func:`dtcompile.hops.local_map_call`
 recognises, such as ``RegionAttention.core``) is shadowed on its instance by a
-call of hops' own region op, :data:`hops.local_map_region`, below autograd: the
+call of hops' own region op, :data:`dtcompile.hops.local_map_region`, below autograd: the
 op's ``make_fx`` rule traces the body into a subgraph and records one node, whose
 ``meta[REGION]`` names the :class:`Region`.  The instance attributes are removed
 again on exit (the class keeps its own).
@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from dtcompile.base.channels import Meta
-from hops import RegionSpec, format_placements, local_map_call, local_map_region
+from dtcompile.hops import RegionSpec, format_placements, local_map_call, local_map_region
 
 __all__ = ["REGION", "REGION_ARGS", "Region", "tracing_regions", "region_of"]
 
@@ -44,7 +44,7 @@ class Region:
     """One ``local_map`` function of the model and its declared placements (per tensor input / output)."""
 
     fn: Any
-    """The ``hops.local_map`` result: what the applied model calls."""
+    """The ``dtcompile.hops.local_map`` result: what the applied model calls."""
     name: str
     in_placements: tuple[tuple[Any, ...], ...]
     out_placements: tuple[tuple[Any, ...], ...]
@@ -80,7 +80,7 @@ def _layouts(value: Any) -> tuple[tuple[Any, ...], ...]:
 
 
 def _as_region(value: Any) -> Region | None:
-    from hops.local_map import region_name
+    from dtcompile.hops.local_map import region_name
 
     call = local_map_call(value)
     if call is None:

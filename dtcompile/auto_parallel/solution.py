@@ -4,7 +4,7 @@
 
     mm = aten.mm(view, t)  # placement=(S(0), R) -> S(0), cost=[0.01, 0.00, 8.41]
 
-``placement=(inputs) -> outputs`` in the short notation of :mod:`hops.spec`
+``placement=(inputs) -> outputs`` in the short notation of :mod:`dtcompile.hops.spec`
 (``S(0)R``: ``Shard(0)`` on the first mesh axis, ``Replicate()`` on the second),
 and ``cost=[own, arg 0, arg 1, ...]`` in microseconds: the node's own forward and
 backward (roofline compute plus the collectives DTensor issues inside its

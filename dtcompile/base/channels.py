@@ -58,7 +58,7 @@ class Meta:
     REGION = "dtcompile_region"
     """On nodes spliced in from a ``local_map`` region: the region node's name (lowering)."""
     REGION_CALL = "dtcompile_region_call"
-    """In ``node.meta["custom"]``: which call of a ``local_map`` region a node belongs to (:mod:`hops`)."""
+    """In ``node.meta["custom"]``: which call of a ``local_map`` region a node belongs to (:mod:`dtcompile.hops`)."""
     OPTIMIZER = "dtcompile_optimizer"
     """In ``node.meta["custom"]``: the node is part of an optimizer's step traced into a whole-step graph (:mod:`dtcompile.step`)."""
     AUTOPARALLEL_REGION = "dtcompile_autoparallel_region"

@@ -115,12 +115,12 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "them, when the last one ends (ScopedPatch: counted across threads)"),
     ("dynamo_vars.dtensor_state", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     # ---- hops
-    ("hops.region_op", "_swapped_state", _T, "the region op's per-thread switches (a threading.local)"),
-    ("hops.region_op", "<module>", _P,
+    ("dtcompile.hops.region_op", "_swapped_state", _T, "the region op's per-thread switches (a threading.local)"),
+    ("dtcompile.hops.region_op", "<module>", _P,
      "registers the local_map_region HOP's fake implementation: our own op"),
-    ("hops.region_op", "_proxy", _T, "proxy modes off while one region is traced (a with block)"),
-    ("hops.joint", "_trace_joint", _T, "grad mode on while a region's joint graph is traced (a with block)"),
-    ("hops.joint", "_trace_joint.joint", _T, "grad mode on inside the joint function (a with block)"),
+    ("dtcompile.hops.region_op", "_proxy", _T, "proxy modes off while one region is traced (a with block)"),
+    ("dtcompile.hops.joint", "_trace_joint", _T, "grad mode on while a region's joint graph is traced (a with block)"),
+    ("dtcompile.hops.joint", "_trace_joint.joint", _T, "grad mode on inside the joint function (a with block)"),
     # ---- dtcompile.testing: the worlds users' CI runs in
     ("dtcompile.testing.worlds", "run_threaded", _C,
      "torch's threaded process group installed, thread isolation on, a reduce-scatter that keeps "

@@ -155,7 +155,7 @@ def _first_within(
     found: Callable[[fx.Node], bool],
     through: Callable[[fx.Node], bool],
 ) -> fx.Node | None:
-    """The first ``call_function`` node ``found`` accepts within ``hops`` steps of ``start``,
+    """The first ``call_function`` node ``found`` accepts within ``dtcompile.hops`` steps of ``start``,
     walking ``step`` only through nodes ``through`` accepts."""
     frontier, seen = start, set()
     for _ in range(hops):

@@ -16,7 +16,7 @@ tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Py
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("dtcompile", "dynamo_vars", "hops", "tools")
-OURS = {"dtcompile", "dynamo_vars", "hops", "dtcompile_tools", "tools"}
+OURS = {"dtcompile", "dynamo_vars", "dtcompile_tools", "tools"}
 
 
 def _requirement_name(requirement: str) -> str:

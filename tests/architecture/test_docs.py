@@ -25,7 +25,7 @@ PUBLIC_MODULES = (
     "dtcompile",
     "dtcompile.testing",
     "dtcompile.auto_parallel",
-    "hops",
+    "dtcompile.hops",
     "dynamo_vars",
     "dtcompile_tools.report",
 )

@@ -4,12 +4,12 @@ Packages, bottom first (the folders; a package imports its own or a lower one):
 
 0. ``dtcompile.base`` -- the names, notation, torch contract and compatibility layer,
    scoped patches, sizes, progress; it imports no other package of ours
-1. ``hops`` -- the ``local_map`` region op
+1. ``dtcompile.hops`` -- the ``local_map`` region op
 2. ``dynamo_vars`` -- Dynamo support
 3. ``dtcompile`` -- the backend and all that is built on it
 4. ``dtcompile_tools`` (``tools/``) -- the report command, the pytest plugin
 
-``hops`` and ``dynamo_vars`` reach the base without loading the backend: the
+``dtcompile.hops`` and ``dynamo_vars`` reach the base without loading the backend: the
 ``dtcompile`` package's ``__init__`` imports nothing of ours when it runs (its names
 load on first use), which :func:`test_the_package_face_imports_nothing_when_it_runs`
 checks here and ``tests/architecture/test_no_side_effects.py`` checks in a fresh
@@ -19,7 +19,7 @@ Module layers, bottom first (docs/layout.md says the same); a module may import
 modules of its own layer or below, never above:
 
 0. base -- ``dtcompile.base``
-1. ``hops``
+1. ``dtcompile.hops``
 2. ``dynamo_vars``
 3. graph facts -- ``dtcompile.collectives``, ``dtcompile.cost`` (formulas, profiles,
    the ``auto`` choice, ``simulate``), ``regions``, ``spmd_typing``, ``annotations``,
@@ -48,11 +48,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PACKAGE_LAYERS: tuple[str, ...] = ("dtcompile.base", "hops", "dynamo_vars", "dtcompile", "dtcompile_tools")
+PACKAGE_LAYERS: tuple[str, ...] = ("dtcompile.base", "dtcompile.hops", "dynamo_vars", "dtcompile", "dtcompile_tools")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtcompile.base",),
-    ("hops",),
+    ("dtcompile.hops",),
     ("dynamo_vars",),
     (
         "dtcompile.collectives",
@@ -85,7 +85,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 # Source folder -> installed package name.
-PACKAGES = {"dtcompile": "dtcompile", "dynamo_vars": "dynamo_vars", "hops": "hops", "tools": "dtcompile_tools"}
+PACKAGES = {"dtcompile": "dtcompile", "dynamo_vars": "dynamo_vars", "hops": "dtcompile.hops", "tools": "dtcompile_tools"}
 OURS = tuple(PACKAGES.values())
 
 
@@ -232,12 +232,12 @@ def test_layers_only_point_down_and_there_are_no_import_circles():
         ),
         (
             # hops back on the backend: the circle the folders had, hops -> dtcompile -> hops
-            {"hops.spec": "from dtcompile.collectives import CollectiveInfo\n", "dtcompile.collectives": ""},
-            "hops.spec:1 imports dtcompile.collectives: package hops imports dtcompile, a higher one",
+            {"dtcompile.hops.spec": "from dtcompile.collectives import CollectiveInfo\n", "dtcompile.collectives": ""},
+            "dtcompile.hops.spec:1 imports dtcompile.collectives: package dtcompile.hops imports dtcompile, a higher one",
         ),
         (
-            {"dtcompile.base.notation": "def f():\n    from hops.spec import RegionSpec\n", "hops.spec": ""},
-            "dtcompile.base.notation:2 imports hops.spec: package dtcompile.base imports hops, a higher one",
+            {"dtcompile.base.notation": "def f():\n    from dtcompile.hops.spec import RegionSpec\n", "dtcompile.hops.spec": ""},
+            "dtcompile.base.notation:2 imports dtcompile.hops.spec: package dtcompile.base imports dtcompile.hops, a higher one",
         ),
     ],
     ids=["upward", "upward-inside-a-function", "circle", "package-upward", "base-imports-a-package"],

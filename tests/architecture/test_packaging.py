@@ -5,6 +5,9 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,8 @@ def test_the_distribution_installs_no_package_called_tools():
     top = {f.parts[0] for f in files if f.suffix == ".py"}
     assert "tools" not in top
     if not any(name.startswith("__editable__") for name in top):  # an editable install lists only its finder
-        assert {"dtcompile", "dynamo_vars", "hops", "dtcompile_tools"} <= top
+        assert {"dtcompile", "dynamo_vars", "dtcompile_tools"} <= top
+        assert "hops" not in top  # installed as dtcompile.hops
 
 
 def test_entry_points_and_script_name_our_modules():
@@ -52,6 +56,41 @@ def test_every_package_folder_is_one_the_wheel_installs():
     from the wheel (an ImportError on users' machines only, not in an editable checkout)."""
     tomllib = pytest.importorskip("tomllib", reason="Python 3.10 has no tomllib")
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    folders = {"dtcompile_tools" if init.parent.name == "tools" else ".".join(init.parent.relative_to(ROOT).parts)
+    installed_as = {"tools": "dtcompile_tools", "hops": "dtcompile.hops"}
+    folders = {".".join([installed_as.get(init.parent.relative_to(ROOT).parts[0], init.parent.relative_to(ROOT).parts[0]),
+                         *init.parent.relative_to(ROOT).parts[1:]])
                for top in ("dtcompile", "dynamo_vars", "hops", "tools") for init in (ROOT / top).rglob("__init__.py")}
     assert folders == listed
+
+
+@pytest.mark.subprocess
+def test_another_distributions_hops_package_and_dtcompile_work_together(tmp_path):
+    """PyPI has an unrelated ``hops`` (Hopsworks' client): dtcompile installs its region op as
+    ``dtcompile.hops``, so both import, in either order, each as itself."""
+    other = tmp_path / "site" / "hops"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("WHOSE = 'hopsworks'\n")
+    script = textwrap.dedent(
+        """
+        import sys
+        import {first}
+        import {second}
+        import hops
+        import dtcompile
+        import dtcompile.hops
+        from dtcompile.hops.region_op import local_map_region
+
+        assert hops.WHOSE == "hopsworks", hops.__file__
+        assert dtcompile.local_map is dtcompile.hops.local_map, dtcompile.local_map
+        assert dtcompile.hops.local_map_region is local_map_region
+        assert sys.modules["hops"] is hops and not hasattr(dtcompile.hops, "WHOSE")
+        print("both")
+        """
+    )
+    for first, second in (("hops", "dtcompile.hops"), ("dtcompile.hops", "hops")):
+        out = subprocess.run(
+            [sys.executable, "-c", script.format(first=first, second=second)],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+        )
+        assert out.returncode == 0 and out.stdout.split()[-1:] == ["both"], out.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Every change the library makes outside its own objects is in :data:`dtcompile.base.process_changes.CHANGES`.
 
-The scan reads the code of ``dtcompile``, ``dynamo_vars``, ``hops`` and ``tools`` for
+The scan reads the code of ``dtcompile``, ``dynamo_vars``, ``dtcompile.hops`` and ``tools`` for
 the forms such a change takes, per function:
 
 - ``setattr``/``delattr`` on anything but ``self``/``cls``;

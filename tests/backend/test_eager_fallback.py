@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate
 import dtcompile
 from dtcompile.base.channels import Artifact, parse_artifact
 from dtcompile.compiler import _raised_on_purpose
+from dtcompile.hops.spec import LocalMapError
 from dtcompile.testing import run_threaded
-from hops.spec import LocalMapError
 
 
 def _two_views(x):

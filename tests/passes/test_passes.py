@@ -260,10 +260,10 @@ def test_cost_model_plays_a_region_as_its_inlined_body(fake_world):
 
     from dtcompile.cost import get_profile
     from dtcompile.cost.simulate import node_time_us, simulate
+    from dtcompile.hops import keep_regions
+    from dtcompile.hops.region_op import local_map_region
     from dtcompile.lowering import inline_regions
     from dtcompile.regions import is_region
-    from hops import keep_regions
-    from hops.region_op import local_map_region
 
     mesh = fake_world(4)
 

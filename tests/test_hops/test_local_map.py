@@ -1,4 +1,4 @@
-"""``hops.local_map``: one op from Dynamo to the backend, with its placements; numerics; bad input."""
+"""``dtcompile.hops.local_map``: one op from Dynamo to the backend, with its placements; numerics; bad input."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ import dtcompile
 from dtcompile._testing.regions import BACKENDS, REGION_CASES, reference_step, run_case
 from dtcompile.base.channels import Meta
 from dtcompile.base.torch_compat import subclass_outer_size_from_inner
-from dtcompile.regions import format_with_regions
-from dtcompile.testing import simulated_world
-from hops import (
+from dtcompile.hops import (
     LocalMapError,
     PlacementCheckError,
     RegionSpec,
     local_map,
     parse_placements,
 )
+from dtcompile.regions import format_with_regions
+from dtcompile.testing import simulated_world
 
 
 def _mesh(fake_world, case):
@@ -1081,7 +1081,7 @@ def test_the_report_lists_each_graphs_regions(fake_world):
 
 
 def test_local_map_call_recognises_a_region_and_nothing_else():
-    from hops import LocalMapCall, local_map, local_map_call
+    from dtcompile.hops import LocalMapCall, local_map, local_map_call
 
     def body(x):
         return x * 2

@@ -10,9 +10,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import dtcompile
-import hops.joint
+import dtcompile.hops.joint as joint
 from dtcompile.base.channels import Meta
-from hops import local_map, local_map_region
+from dtcompile.hops import local_map, local_map_region
 
 
 def _layer(a, w):
@@ -37,13 +37,13 @@ def _model(tp_mesh, widths):
 
 def _count_traces(monkeypatch):
     traces = []
-    original = hops.joint._trace_joint
+    original = joint._trace_joint
 
     def counting(*args, **kwargs):
         traces.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(hops.joint, "_trace_joint", counting)
+    monkeypatch.setattr(joint, "_trace_joint", counting)
     return traces
 
 
