@@ -27,6 +27,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from dtcompile.base.op_facts import COLLECTIVE_OPS
 from dtcompile.base.sizes import has_unbacked, nbytes_hint, shape_hint
 from dtcompile.cost import HardwareProfile, ProfileChoice, choose_profile
 
@@ -92,23 +93,6 @@ class CollectiveInfo:
         dtype = str(self.dtype).removeprefix("torch.")
         shape = "" if self.data_dependent else str(list(self.shape))
         return f"{self.label}[{self.axis}, group_size={self.group_size}] {dtype}{shape} {self.bytes_text}"
-
-
-# (namespace, op name) -> (kind, index of the group-name argument, whether bytes
-# are the output's); the dtcompile:: fused ops (see dtcompile/ops.py) count as
-# the collective they contain.
-_COLLECTIVES: dict[tuple[str, str], tuple[str, int, bool]] = {
-    ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 2, True),
-    ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", 2, True),
-    ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 3, False),
-    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 3, False),
-    ("_c10d_functional", "all_reduce"): ("all_reduce", 2, False),
-    ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", 2, False),
-    ("_c10d_functional", "all_to_all_single"): ("all_to_all", 3, False),
-    ("_c10d_functional", "broadcast"): ("broadcast", 2, False),
-    ("dtcompile", "fused_all_gather_matmul"): ("all_gather", 3, True),
-    ("dtcompile", "fused_matmul_reduce_scatter"): ("reduce_scatter", 5, False),
-}
 
 
 def _functional_op_name(node: fx.Node) -> tuple[str, str] | None:
@@ -201,21 +185,21 @@ def group_names_in(gm: fx.GraphModule) -> list[str]:
             continue
         packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
         namespace, _, name = packet._qualified_op_name.partition("::")
-        if (namespace, name) in _COLLECTIVES:
-            names.append(node.args[_COLLECTIVES[namespace, name][1]])
+        if (namespace, name) in COLLECTIVE_OPS:
+            names.append(node.args[COLLECTIVE_OPS[namespace, name][1]])
     return list(dict.fromkeys(names))
 
 
 def collective_kind(node: fx.Node) -> tuple[str, Any] | None:
     """``(kind, group name)`` of a collective node (kind as :attr:`CollectiveInfo.op`: ``all_gather``,
     ``reduce_scatter``...; a fused collective-matmul counts as its collective), else None."""
-    entry = _COLLECTIVES.get(_functional_op_name(node))
+    entry = COLLECTIVE_OPS.get(_functional_op_name(node))
     return (entry[0], node.args[entry[1]]) if entry is not None else None
 
 
 def is_collective(node: fx.Node) -> bool:
     """Whether ``node`` issues a functional collective (its ``wait_tensor`` is not one)."""
-    return _functional_op_name(node) in _COLLECTIVES
+    return _functional_op_name(node) in COLLECTIVE_OPS
 
 
 def axis_name(group_name: str, axes: Mapping[str, str] | None = None) -> str:
@@ -249,9 +233,9 @@ def _group_size_and_span(group_name: str) -> tuple[int, int]:
 def collective_info(node: fx.Node, axes: Mapping[str, str] | None = None) -> CollectiveInfo | None:
     """Describes ``node`` if it issues a functional collective, else ``None``."""
     opname = _functional_op_name(node)
-    if opname not in _COLLECTIVES:
+    if opname not in COLLECTIVE_OPS:
         return None
-    kind, group_arg, count_output = _COLLECTIVES[opname]
+    kind, group_arg, count_output = COLLECTIVE_OPS[opname]
     group_name = node.args[group_arg]
     vals = _moved_values(node, opname, count_output)
     if not vals or any(not isinstance(v, torch.Tensor) for v in vals):

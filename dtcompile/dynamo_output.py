@@ -17,12 +17,12 @@ are the user's again.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import fx
+
+from dtcompile.base.op_facts import VIEW_FUNCTIONS, VIEW_METHODS
 
 __all__ = ["split_constant_outputs", "split_input_views", "with_outputs_put_back"]
 
@@ -85,27 +85,12 @@ def split_input_views(gm: fx.GraphModule) -> dict[int, tuple[tuple[int, ...], fx
     return views
 
 
-# View and shape methods: an output that only these make from an input is a view of
-# it to AOTAutograd, also where DTensor moved data to make it (narrow of a sharded
-# dim gathers first), so its local shard shares no storage with the input's.
-_VIEW_METHODS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "narrow", "t", "transpose", "swapaxes", "permute", "movedim",
-    "unsqueeze", "squeeze", "expand", "expand_as", "select", "flatten", "unflatten", "split", "chunk", "unbind",
-    "diagonal", "__getitem__", "contiguous", "detach",
-})
-_VIEW_FUNCTIONS = frozenset({
-    torch.narrow, torch.t, torch.transpose, torch.swapaxes, torch.permute, torch.movedim, torch.unsqueeze,
-    torch.squeeze, torch.select, torch.flatten, torch.split, torch.chunk, torch.unbind, torch.diagonal,
-    torch.reshape, operator.getitem, torch.detach,
-})
-
-
 def _views_an_input(node: fx.Node) -> bool:
     """Whether ``node`` is made from a placeholder by view and shape ops alone."""
     while node.op != "placeholder":
         if not (
-            (node.op == "call_method" and node.target in _VIEW_METHODS)
-            or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+            (node.op == "call_method" and node.target in VIEW_METHODS)
+            or (node.op == "call_function" and node.target in VIEW_FUNCTIONS)
         ):
             return False
         source = node.args[0] if node.args else None

@@ -38,6 +38,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from dtcompile.base.channels import GraphKind
+from dtcompile.base.op_facts import WAIT
 from dtcompile.base.sizes import hint
 from dtcompile.collectives import is_collective
 
@@ -54,7 +55,6 @@ __all__ = [
     "prefetch_window",
 ]
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def format_bytes(num: float) -> str:
@@ -158,7 +158,7 @@ def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.N
     for node in nodes:
         if node.op == "output":
             continue
-        if node.target is _WAIT and isinstance(node.args[0], fx.Node):
+        if node.target is WAIT and isinstance(node.args[0], fx.Node):
             # wait_tensor returns its collective's buffer (its fake value does not say so).
             held[node] = held.get(node.args[0], [])
             for tensor, storage in zip(_tensors(node.meta.get("val")), held[node]):

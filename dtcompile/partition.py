@@ -32,10 +32,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from dtcompile.base.op_facts import WAIT
 from dtcompile.base.scoped_patch import ScopedPatch
 from dtcompile.collectives import is_collective
 from dtcompile.memory import held_during_backward
@@ -262,7 +262,7 @@ def _forward_collectives_stay_forward(original: Callable[[fx.Node], bool]) -> Ca
 
 
 def _collective_or_wait(node: fx.Node) -> bool:
-    return is_collective(node) or node.target is torch.ops._c10d_functional.wait_tensor.default
+    return is_collective(node) or node.target is WAIT
 
 
 def _traced_in_this_phase(node: fx.Node, backward: bool) -> bool:

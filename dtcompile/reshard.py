@@ -37,6 +37,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from dtcompile.base.op_facts import ALL_GATHER, UNSHARD_OPS, WAIT, op_name
 from dtcompile.base.sizes import nbytes_hint
 from dtcompile.records import Action, Outcome
 
@@ -51,17 +52,6 @@ __all__ = [
     "tag_reshard_after_forward",
 ]
 
-_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-# What may stand between a parameter's shard and the gathered weight its users read.
-_UNSHARD_OPS = frozenset(
-    {
-        "view", "_unsafe_view", "reshape", "slice", "narrow", "split", "split_with_sizes", "chunk", "cat",
-        "permute", "t", "transpose", "contiguous", "clone", "alias", "squeeze", "unsqueeze",
-        "convert_element_type", "_to_copy", "_to_dtype", "all_gather_into_tensor", "wait_tensor",
-    }
-)
 
 
 ParamNames = Mapping[int, str]
@@ -112,12 +102,6 @@ def resharded(name: str, config: object) -> bool:
     ) is None
 
 
-def _op_name(node: fx.Node) -> str:
-    if node.target is operator.getitem:
-        return "getitem"
-    return getattr(node.target, "__name__", "").split(".")[0]
-
-
 def _dynamo_input(placeholder: fx.Node) -> int | None:
     """The Dynamo graph input an AOT joint graph's primal came from (its AOT descriptor)."""
     desc = placeholder.meta.get("desc")
@@ -131,7 +115,7 @@ def _partitioner_backward(node: fx.Node) -> bool:
 
 
 def _unshard_chain(primal: fx.Node, is_backward: Callable[[fx.Node], bool] = _partitioner_backward) -> tuple[fx.Node, ...]:
-    """The forward nodes computed from ``primal`` alone through ops of :data:`_UNSHARD_OPS`
+    """The forward nodes computed from ``primal`` alone through ops of :data:`~dtcompile.base.op_facts.UNSHARD_OPS`
     that lead to or come from an all-gather; empty without one."""
     chain: dict[fx.Node, None] = {primal: None}
     frontier = [primal]
@@ -142,13 +126,13 @@ def _unshard_chain(primal: fx.Node, is_backward: Callable[[fx.Node], bool] = _pa
                 continue
             if is_backward(user):
                 continue
-            if _op_name(user) not in _UNSHARD_OPS and user.target is not operator.getitem:
+            if op_name(user.target) not in UNSHARD_OPS and user.target is not operator.getitem:
                 continue
             if not all(arg in chain for arg in user.all_input_nodes):
                 continue
             chain[user] = None
             frontier.append(user)
-    gathers = [n for n in chain if n.target is _GATHER]
+    gathers = [n for n in chain if n.target is ALL_GATHER]
     if not gathers:
         return ()
     related: set[fx.Node] = set()
@@ -196,7 +180,7 @@ def _gather_chains(
             continue
         chain = _unshard_chain(primal, is_backward)
         if chain:
-            gathered = sum(nbytes_hint(n.meta["val"]) for n in chain if n.target is _WAIT and "val" in n.meta)
+            gathered = sum(nbytes_hint(n.meta["val"]) for n in chain if n.target is WAIT and "val" in n.meta)
             yield name, primal, chain, gathered, _saved_by_backward(chain, is_backward)
 
 

@@ -45,6 +45,7 @@ from torch import fx
 
 from dtcompile.base.channels import GraphKind, Meta
 from dtcompile.base.notation import source_of
+from dtcompile.base.op_facts import SPMD_TYPE_PRESERVING, TRANSPOSES, op_name
 
 __all__ = ["AxisTypes", "SpmdTypeCheckError", "format_types", "input_types", "type_graph"]
 
@@ -68,11 +69,6 @@ def _shard_dim(t: str) -> int | None:
 
 def _local(t: str) -> str:
     return "V" if t.startswith("S(") else t
-
-
-def _op_name(target: Any) -> str:
-    """``mm`` for ``aten.mm.default``; ``""`` for what is not an op overload."""
-    return target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else ""
 
 
 # ---- reading the inputs' types
@@ -160,7 +156,7 @@ def _op_spec(target: Any) -> Any:
     """spmd_types' registered spec (linearity) for the torch function an aten op implements."""
     from spmd_types._checker import _OP_REGISTRY
 
-    name = _op_name(target)
+    name = op_name(target)
     name = {"_unsafe_view": "view", "alias": "view_as", "_to_copy": "clone", "expand_copy": "expand"}.get(name, name)
     for owner in (torch, torch.Tensor):
         fn = getattr(owner, name, None)
@@ -222,8 +218,6 @@ def _view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> in
     return None
 
 
-_VIEWS = {"view", "_unsafe_view", "reshape", "squeeze", "unsqueeze", "clone", "contiguous", "detach",
-          "alias", "_to_copy", "lift_fresh_copy", "view_as_complex", "view_as_real", "_conj"}
 # Ops that cut along one dim (argument 1, or ``dim=``; split's is argument 2): a shard of another dim stays.
 _CUTS = {"slice": 1, "split": 2, "split_with_sizes": 2, "chunk": 2, "narrow": 1}
 # Attention over (batch, heads, sequence, head dim): heads sharded alike on q, k and v stay sharded.
@@ -234,12 +228,12 @@ _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, str]], local: str) -> str:
     """Refines local type ``local`` (``V`` or ``P``) with shard dims where the op's inputs
     are ``S(d)``: views and transposes move the dim, matmuls contract it into ``P``."""
-    name = _op_name(node.target)
+    name = op_name(node.target)
     out_shape = _first_shape(node.meta.get("val"))
     dims = [_shard_dim(t) for _, _, t in typed]
     if local != "V" or out_shape is None:
         return local
-    if name in _VIEWS and len(typed) == 1 and dims[0] is not None:
+    if name in SPMD_TYPE_PRESERVING and len(typed) == 1 and dims[0] is not None:
         in_shape = _shape(typed[0][0].meta.get("val"))
         found = _view_dim(in_shape, out_shape, dims[0]) if in_shape is not None else None
         return f"S({found})" if found is not None else "V"
@@ -250,7 +244,7 @@ def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, str]],
         return f"S({dims[0]})" if cut % rank != dims[0] else "V"
     if name in _ATTENTION and len(typed) >= 3 and dims[:3] == [1, 1, 1]:
         return "S(1)"
-    if name in ("t", "transpose", "permute") and dims[0] is not None:
+    if name in TRANSPOSES and dims[0] is not None:
         rank = len(out_shape)
         if name == "t":
             order = list(range(rank))[::-1]
@@ -397,7 +391,7 @@ def _node_types(node: fx.Node, axis_set: list[str], of: Mapping[fx.Node, AxisTyp
 
     # Ops whose result holds one argument's value: an output of a multi-output op, a collective's
     # result once waited for, a copy's source.
-    held = 0 if node.target is operator.getitem else _HOLDS.get(_op_name(node.target))
+    held = 0 if node.target is operator.getitem else _HOLDS.get(op_name(node.target))
     if held is not None:
         return dict(of.get(node.args[held]) or dict.fromkeys(axis_set, UNKNOWN))
     tensors = [(i, a) for i, a in enumerate(node.args) if isinstance(a, fx.Node)]

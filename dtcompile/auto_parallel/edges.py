@@ -39,19 +39,12 @@ from dtcompile.auto_parallel.graph import Candidate, Edge, FanoutRule, PNode
 from dtcompile.auto_parallel.placements import Layout
 from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, transfer
 from dtcompile.base.notation import source_of
+from dtcompile.base.op_facts import GRADIENT_PASSTHROUGH
 from dtcompile.cost import HardwareProfile
 
 __all__ = ["build_edges"]
 
 INF = math.inf
-
-
-# Ops that only reshape or cast a value: a parameter read through them is read by the
-# backward where their result is (as :mod:`dtcompile.reshard` follows its gather chains).
-# :mod:`~dtcompile.auto_parallel.problem` looks through them too: for the value an
-# in-place op writes to, and for a gradient that may pass through them ``Partial``.
-_VIEWS = frozenset({"t", "view", "_unsafe_view", "reshape", "permute", "transpose", "squeeze", "unsqueeze",
-                    "_to_copy", "clone", "contiguous", "alias", "expand"})
 
 
 def _read_in_backward(nodes: Mapping[str, PNode], consumers: Mapping[tuple[str, int], list[tuple[str, int]]]) -> Callable[[str, int], bool]:
@@ -67,7 +60,7 @@ def _read_in_backward(nodes: Mapping[str, PNode], consumers: Mapping[tuple[str, 
             elif any(not c.saved or c.saved[slot] for c in node.candidates):
                 found = True
             else:
-                view = node.kind == "op" and node.target.rpartition(".")[2] in _VIEWS
+                view = node.kind == "op" and node.target.rpartition(".")[2] in GRADIENT_PASSTHROUGH
                 found = view and any(read(c, s) for c, s in consumers.get((name, 0), ()))
             memo[(name, slot)] = found
         return memo[(name, slot)]
@@ -78,7 +71,7 @@ def _read_in_backward(nodes: Mapping[str, PNode], consumers: Mapping[tuple[str, 
 def _param_of(nodes: Mapping[str, PNode], name: str) -> str | None:
     """The parameter node ``name`` is, or is a view of (``t(w)``), else ``None``."""
     node = nodes[name]
-    while node.kind == "op" and node.target.rpartition(".")[2] in _VIEWS and len(node.inputs) == 1:
+    while node.kind == "op" and node.target.rpartition(".")[2] in GRADIENT_PASSTHROUGH and len(node.inputs) == 1:
         node = nodes[node.inputs[0][0]]
     return node.name if node.kind == "param" else None
 

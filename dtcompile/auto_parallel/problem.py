@@ -46,7 +46,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
-from dtcompile.auto_parallel.edges import _VIEWS, build_edges
+from dtcompile.auto_parallel.edges import build_edges
 from dtcompile.auto_parallel.graph import Candidate, Edge, FanoutRule, PNode, Problem
 from dtcompile.auto_parallel.local_ops import BORROWED, REPLICATED, borrowed_strategies, replicated_strategy, run_local
 from dtcompile.auto_parallel.measure import _TensorSlot, flattenings, measure_op
@@ -62,6 +62,7 @@ from dtcompile.auto_parallel.store import Table
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
 from dtcompile.auto_parallel.trace import TracedModel
 from dtcompile.base.notation import source_of
+from dtcompile.base.op_facts import GRADIENT_PASSTHROUGH
 from dtcompile.base.progress import track
 from dtcompile.cost import HardwareProfile
 from dtcompile.cost.simulate import node_time_us
@@ -360,7 +361,7 @@ class _Builder:
 # A view's backward only moves the gradient (a view of it): a ``Partial`` gradient
 # passes through it unchanged, so a replicated output may take its gradient partial
 # (the transposed weight of a data-parallel matmul: its gradient reduces at the weight).
-# The views: :mod:`~dtcompile.auto_parallel.edges`'s ``_VIEWS``.
+# The views: :data:`~dtcompile.base.op_facts.GRADIENT_PASSTHROUGH`.
 def _grad_variants(
     target: Any, outs: tuple[Layout | None, ...], out_rg: list[bool], of_weights: bool
 ) -> list[tuple[Layout | None, ...]]:
@@ -369,7 +370,7 @@ def _grad_variants(
     of parameters alone, also ``Partial`` on any subset of its replicated axes."""
     base = tuple(output_grad_layout(o) if o is not None and rg else None for o, rg in zip(outs, out_rg))
     name = getattr(target, "_opname", "")
-    if not of_weights or name not in _VIEWS or len(outs) != 1 or base[0] is None:
+    if not of_weights or name not in GRADIENT_PASSTHROUGH or len(outs) != 1 or base[0] is None:
         return [base]
     layout = base[0]
     replicated = [axis for axis, p in enumerate(layout) if isinstance(p, Replicate) and not isinstance(outs[0][axis], Partial)]
@@ -401,7 +402,7 @@ def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
     names.update({n.name: f"input{i}" for i, n in enumerate(traced.inputs)})
 
     def origin(arg: fx.Node) -> fx.Node:
-        while arg.op == "call_function" and getattr(arg.target, "_opname", "") in _VIEWS and arg.args:
+        while arg.op == "call_function" and getattr(arg.target, "_opname", "") in GRADIENT_PASSTHROUGH and arg.args:
             arg = arg.args[0]
         return arg
 

@@ -18,16 +18,13 @@ from typing import Any
 
 import torch
 
+from dtcompile.base.op_facts import NO_WORK, WAIT
 from dtcompile.base.sizes import hint, nbytes_hint, numel_hint
 from dtcompile.collectives import collective_info
 from dtcompile.cost import HardwareProfile, collective_time_us
 from dtcompile.regions import is_region, region_body
 
 __all__ = ["Span", "Timeline", "fused_hidden_us", "node_time_us", "region_timeline", "simulate"]
-
-
-_FREE = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select",
-         "unsqueeze", "squeeze", "split", "split_with_sizes", "alias", "as_strided", "wait_tensor"}
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -61,7 +58,7 @@ def node_time_us(node: Any, profile: HardwareProfile) -> float:
         if name == "fused_matmul_reduce_scatter":
             a, out_shape = node.args[0].meta["val"], node.args[2]
             return profile.compute_time_us(2 * math.prod(hint(s) for s in out_shape) * hint(a.shape[-1]))
-    if name in _FREE or target.namespace == "_c10d_functional":
+    if name in NO_WORK or target.namespace == "_c10d_functional":
         return 0.0
     out = _tensors(node.meta.get("val"))
     if name in ("mm", "addmm", "bmm", "baddbmm") and out:
@@ -131,7 +128,6 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
     takes its body's time (:func:`region_timeline`); one that issues collectives
     starts once the communication stream is free and holds both streams.
     """
-    wait = torch.ops._c10d_functional.wait_tensor.default
     clock = comm_free = compute = comm = 0.0
     done: dict[Any, float] = {}
     bars = _Bars()
@@ -158,7 +154,7 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
             comm_free = start + cost
             done[node] = comm_free
             bars.add("comm", node.name, start, comm_free)
-        elif node.target is wait:
+        elif node.target is WAIT:
             ready = max(clock, done.get(node.args[0], clock))
             bars.expose(clock, ready, node.name)
             clock = ready

@@ -43,6 +43,7 @@ import torch
 from torch import fx
 
 from dtcompile.base.channels import Artifact
+from dtcompile.base.op_facts import PADDING_RESHAPES, WAIT, op_name
 from dtcompile.base.sizes import hint
 from dtcompile.collectives import is_collective
 from dtcompile.cost.simulate import simulate
@@ -107,16 +108,6 @@ def _rank_dependent(ctx: PassContext, gm: fx.GraphModule) -> Outcome | None:
     )
 
 
-# Ops DTensor puts between a padded shard and its collective, or between a
-# collective's result and the slice that takes the padding off.
-_RESHAPING = frozenset({"view", "_unsafe_view", "reshape", "cat", "split", "split_with_sizes", "chunk", "getitem",
-                        "contiguous", "clone", "permute", "transpose", "t"})
-
-
-def _op_name(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
-
-
 def padded_collective(gm: fx.GraphModule, hops: int = 6) -> str | None:
     """Whether DTensor padded an uneven shard for one of the graph's collectives, on every rank.
 
@@ -126,21 +117,20 @@ def padded_collective(gm: fx.GraphModule, hops: int = 6) -> str | None:
     of a part of it after its wait).  Only ranks whose own shard is short pad
     before an all-gather, so the slice after it is what every rank sees.
     """
-    wait = torch.ops._c10d_functional.wait_tensor.default
     for node in gm.graph.nodes:
         if not is_collective(node):
             continue
         pad = _first_within(
             node.all_input_nodes, hops, lambda n: n.all_input_nodes,
-            found=lambda n: _op_name(n) == "constant_pad_nd",
-            through=lambda n: _op_name(n) in _RESHAPING,
+            found=lambda n: op_name(n.target) == "constant_pad_nd",
+            through=lambda n: op_name(n.target) in PADDING_RESHAPES,
         )
         if pad is not None:
             return f"{node.name} (its input padded by {pad.name})"
         unpad = _first_within(
             list(node.users), hops, lambda n: list(n.users),
-            found=lambda n: _op_name(n) in ("slice", "narrow") and _takes_a_part(n),
-            through=lambda n: _op_name(n) in _RESHAPING or n.target is wait,
+            found=lambda n: op_name(n.target) in ("slice", "narrow") and _takes_a_part(n),
+            through=lambda n: op_name(n.target) in PADDING_RESHAPES or n.target is WAIT,
         )
         if unpad is not None:
             return f"{node.name} (its result unpadded by {unpad.name})"

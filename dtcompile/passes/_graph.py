@@ -8,15 +8,15 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["alias_roots", "first_use_index", "read_inputs", "refresh_metadata", "single_wait", "written_args"]
+from dtcompile.base.op_facts import WAIT
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+__all__ = ["alias_roots", "first_use_index", "read_inputs", "refresh_metadata", "single_wait", "written_args"]
 
 
 def single_wait(collective: fx.Node) -> fx.Node | None:
     """The one ``wait_tensor`` that consumes a collective, or None (several users, or none)."""
     users = list(collective.users)
-    if len(users) == 1 and users[0].target is _WAIT:
+    if len(users) == 1 and users[0].target is WAIT:
         return users[0]
     return None
 
@@ -87,7 +87,7 @@ def read_inputs(node: fx.Node) -> list[fx.Node]:
     for a ``wait_tensor`` its collective's inputs too (a collective runs, reading its
     input, until its wait returns: gloo's and NCCL's in the background)."""
     inputs = list(node.all_input_nodes)
-    if node.target is _WAIT:
+    if node.target is WAIT:
         for collective in node.all_input_nodes:
             inputs.extend(collective.all_input_nodes)
     return inputs

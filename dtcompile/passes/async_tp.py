@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from dtcompile.base.op_facts import MATMUL_RESHAPES
 from dtcompile.base.sizes import is_symbolic
 from dtcompile.collectives import collective_info
 from dtcompile.cost import collective_time_us
@@ -55,7 +56,6 @@ __all__ = ["fuse_async_tp"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _gathered(wait: fx.Node) -> tuple[fx.Node, int] | None:
@@ -110,7 +110,7 @@ def _matmul_consumers(gathered: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     lhs += [
         u
         for u in gathered.users
-        if u.target in _VIEWS and u.meta["val"].dim() == 2 and u.meta["val"].shape[-1] == value.shape[-1]
+        if u.target in MATMUL_RESHAPES and u.meta["val"].dim() == 2 and u.meta["val"].shape[-1] == value.shape[-1]
     ]
     for operand in lhs:
         for mm in operand.users:
@@ -128,7 +128,7 @@ def _hoist_before(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> 
     """
     if order[node] < order[anchor]:
         return True
-    if node.op != "call_function" or node.target not in (*_VIEWS, aten.permute.default, aten.t.default):
+    if node.op != "call_function" or node.target not in (*MATMUL_RESHAPES, aten.permute.default, aten.t.default):
         return False
     if not all(_hoist_before(arg, anchor, order) for arg in node.all_input_nodes):
         return False
@@ -248,7 +248,7 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> O
         if len(produced.users) != 1:
             return Outcome.skipped(rs.name, f"not fused: {produced.name} has {len(produced.users)} users")
     view = produced
-    mm = view.args[0] if view.target in _VIEWS else view
+    mm = view.args[0] if view.target in MATMUL_RESHAPES else view
     if mm.target is not aten.mm.default:
         return Outcome.skipped(rs.name, f"not fused: its input comes from {mm.target} ({mm.name}), not from one matmul")
     if len(mm.users) != 1:

@@ -39,9 +39,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
+from dtcompile.base.op_facts import WAIT
 from dtcompile.collectives import collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us, simulate
@@ -52,7 +52,6 @@ from dtcompile.regions import issues_collectives
 
 __all__ = ["reorder_for_overlap"]
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _DATA_DEPENDENT = "its sizes are data-dependent"
 
 
@@ -62,7 +61,7 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
 
 def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
     moved = 0
-    for wait in [n for n in gm.graph.nodes if n.target is _WAIT]:
+    for wait in [n for n in gm.graph.nodes if n.target is WAIT]:
         order = _order(gm.graph)
         users = [u for u in wait.users if u.op != "output"]
         if not users:
@@ -123,7 +122,7 @@ def _bytes_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any], order: dict[fx.
         info = infos.get(node)
         if info is None or info.fused:
             continue
-        waits = [u for u in node.users if u.target is _WAIT]
+        waits = [u for u in node.users if u.target is WAIT]
         if any(order[w] > position for w in waits):
             total += info.bytes
     return total
@@ -146,7 +145,7 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions
     moved = 0
     for node in list(gm.graph.nodes):
         info = infos.get(node)
-        waits = [u for u in node.users if u.target is _WAIT]
+        waits = [u for u in node.users if u.target is WAIT]
         if info is None or info.fused or len(waits) != 1:
             continue
         if info.data_dependent:
@@ -162,7 +161,7 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions
         ancestors = _ancestors(node)
         candidates = []
         for before in reversed([n for n in gm.graph.nodes if order[n] < order[node]]):
-            if before.op != "call_function" or before.target is _WAIT or before in infos or before in talking_regions:
+            if before.op != "call_function" or before.target is WAIT or before in infos or before in talking_regions:
                 break  # do not move compute across another collective or wait, or a region issuing one
             if before in ancestors:
                 continue
@@ -193,7 +192,7 @@ def _peak_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any]) -> int:
             continue
         position = order[node]
         in_flight = {c: held for c, held in in_flight.items() if held[0] > position}
-        waits = [order[u] for u in node.users if u.target is _WAIT]
+        waits = [order[u] for u in node.users if u.target is WAIT]
         if not info.fused and waits and max(waits) > position:
             in_flight[node] = (max(waits), info.bytes)
         peak = max(peak, sum(b for _, b in in_flight.values()))

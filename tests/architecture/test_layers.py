@@ -45,6 +45,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from support.library import OURS, modules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,9 +85,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtcompile._testing", "dtcompile.demo", "dtcompile.integrations", "dtcompile_tools"),
 )
 
-# Source folder -> installed package name.
-PACKAGES = {"dtcompile": "dtcompile", "dynamo_vars": "dynamo_vars", "hops": "dtcompile.hops", "tools": "dtcompile_tools"}
-OURS = tuple(PACKAGES.values())
 
 
 def layer_of(module: str) -> int:
@@ -107,17 +105,6 @@ def package_of(module: str) -> int:
     if not found:
         raise AssertionError(f"{module} is in no package: add its package to PACKAGE_LAYERS")
     return max(found)[1]
-
-
-def modules(root: Path = ROOT) -> dict[str, Path]:
-    found = {}
-    for folder, package in PACKAGES.items():
-        for path in sorted((root / folder).rglob("*.py")):
-            parts = list(path.relative_to(root / folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join([package, *parts])] = path
-    return found
 
 
 def _is_type_checking(node: ast.If) -> bool:

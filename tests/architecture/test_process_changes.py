@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from test_layers import modules
+from support.library import modules
 
 from dtcompile.base.process_changes import CHANGES, Change, Scope
 
