@@ -30,6 +30,7 @@ from dtcompile.base.notation import describe_mesh, real_object
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost import HardwareProfile, collective_time_us
 from dtcompile.hops.region_op import region_call_id
+from dtcompile.rank_dependence import uneven_sharding
 from dtcompile.spmd_typing import format_types, type_graph
 
 __all__ = [
@@ -186,27 +187,6 @@ def describe_dynamo_graph(
     info.node_names = frozenset(node.name for node in gm.graph.nodes)
     info.uneven = tuple(uneven)
     return info
-
-
-def uneven_sharding(dtensor: Any) -> str | None:
-    """Why ``dtensor``'s ranks may hold shards of different shapes, or ``None`` if every rank's
-    shard has one shape: each sharded dim a multiple of the ranks (and split factor) over it."""
-    import torch
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    mesh = real_object(dtensor.device_mesh)
-    ways: dict[int, int] = {}
-    for axis, placement in enumerate(dtensor.placements):
-        if placement.is_shard() or isinstance(placement, _StridedShard):
-            factor = getattr(placement, "split_factor", 1)
-            ways[placement.dim] = ways.get(placement.dim, 1) * mesh.size(axis) * int(factor)
-    for dim, n in ways.items():
-        size = dtensor.shape[dim]
-        if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
-            return f"dim {dim} of symbolic size over {n} shards"
-        if int(size) % n:
-            return f"dim {dim} of size {int(size)} over {n} shards"
-    return None
 
 
 def _source_node(node: fx.Node, info: DynamoGraphInfo, known: dict[fx.Node, str]) -> str | None:

@@ -204,7 +204,7 @@ class GraphCompile:
         self.entry = f"{self.key}\n{gm.code}\n{inputs_text(example_inputs)}" if cacheable else None
         self.checking = config.check_ranks and world_can_disagree()
         self.partitioner = Partitioner(
-            bool(self.info.uneven),
+            self.info.uneven,
             self.key,
             on_start=self.partitioned,
             params=param_names(gm, example_inputs),

@@ -39,7 +39,7 @@ from dtcompile.base.op_facts import WAIT
 from dtcompile.base.scoped_patch import ScopedPatch
 from dtcompile.collectives import is_collective
 from dtcompile.memory import held_during_backward
-from dtcompile.passes import padded_collective
+from dtcompile.rank_dependence import ranks_may_differ
 from dtcompile.recompute import ActivationChoice, fit_activation_budget
 from dtcompile.records import PassRecord
 from dtcompile.reshard import ParamNames, Resharding, tag_reshard_after_forward
@@ -50,8 +50,10 @@ __all__ = ["Partitioner", "partition_keeping_collectives"]
 class Partitioner(CustomPartitionerFn):
     """The partitioner for one Dynamo graph.
 
-    ``uneven``: the Dynamo graph holds unevenly sharded DTensors, so ranks' graphs
-    can differ and collectives are kept.  ``key``: what else decides the graphs of
+    ``uneven``: the Dynamo graph's unevenly sharded DTensors
+    (:attr:`~dtcompile.annotations.DynamoGraphInfo.uneven`); where there are any, or
+    DTensor padded a collective of the joint graph, ranks' graphs may differ
+    (:func:`~dtcompile.rank_dependence.ranks_may_differ`) and collectives are kept.  ``key``: what else decides the graphs of
     this compile (:func:`dtcompile.cache_keys.compile_key`, which carries the
     ``reshard_after_forward`` and ``keep_gathered`` options); with ``uneven`` and
     ``params`` (the Dynamo graph's parameter inputs, :func:`dtcompile.reshard.param_names`)
@@ -63,7 +65,7 @@ class Partitioner(CustomPartitionerFn):
 
     def __init__(
         self,
-        uneven: bool,
+        uneven: Sequence[str],
         key: str = "",
         on_start: Callable[[], None] | None = None,
         *,
@@ -73,7 +75,7 @@ class Partitioner(CustomPartitionerFn):
         memory_budget: int | None = None,
         name: str = "this graph",
     ) -> None:
-        self.uneven = uneven
+        self.uneven = tuple(uneven)
         self.key = key
         self.params = dict(params or {})
         self.reshard = reshard
@@ -90,8 +92,7 @@ class Partitioner(CustomPartitionerFn):
 
         if self.on_start is not None:
             self.on_start()
-        padded = padded_collective(gm)
-        keeping = self.uneven or padded is not None
+        keeping = bool(ranks_may_differ(self.uneven, gm))
         refused = (
             "sharded unevenly: the partition keeps every collective in the phase that traced it"
             if keeping
@@ -134,7 +135,7 @@ class Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> str:
         params = ", ".join(f"{i}:{name}" for i, name in sorted(self.params.items()))
-        return f"dtcompile.partition(uneven={self.uneven}, params=[{params}], {self.key})"
+        return f"dtcompile.partition(uneven={bool(self.uneven)}, params=[{params}], {self.key})"
 
     def __getstate__(self) -> dict[str, Any]:
         # What a cache key sees: the settings, never this compile's callback or findings.

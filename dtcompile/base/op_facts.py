@@ -104,7 +104,7 @@ shape: :mod:`dtcompile.spmd_typing`'s shard rule follows it)."""
 
 PADDING_RESHAPES = RESHAPES | TRANSPOSES | {"contiguous", "clone", "cat", "split", "split_with_sizes", "chunk", "getitem"}
 """Ops DTensor puts between a padded shard and its collective, or between a collective's
-result and the slice that takes the padding off (:func:`dtcompile.passes.padded_collective`)."""
+result and the slice that takes the padding off (:func:`dtcompile.rank_dependence.padded_collective`)."""
 
 UNSHARD_OPS = RESHAPES | TRANSPOSES | UNIT_DIMS | COPIES | CUTS | {
     "cat", "convert_element_type", "_to_dtype", "all_gather_into_tensor", "wait_tensor",

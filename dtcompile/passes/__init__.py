@@ -39,12 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import fx
 
 from dtcompile.base.channels import Artifact
-from dtcompile.base.op_facts import PADDING_RESHAPES, WAIT, op_name
-from dtcompile.base.sizes import hint
 from dtcompile.collectives import is_collective
 from dtcompile.cost.simulate import simulate
 from dtcompile.passes.annotate import annotate
@@ -53,9 +50,10 @@ from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.optimizer_updates import place_optimizer_updates
 from dtcompile.passes.overlap import reorder_for_overlap
+from dtcompile.rank_dependence import ranks_may_differ
 from dtcompile.records import Outcome, PassRecord
 
-__all__ = ["PASSES", "GraphPass", "PassContext", "padded_collective", "run_passes"]
+__all__ = ["PASSES", "GraphPass", "PassContext", "run_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +82,13 @@ PASSES: tuple[GraphPass, ...] = (
 def _rank_dependent(ctx: PassContext, gm: fx.GraphModule) -> Outcome | None:
     """Why a pass that changes collectives must not run on this graph, or ``None``.
 
-    Each rank runs the passes on its own AOT graph.  When a DTensor is sharded
-    unevenly, ranks hold shards of other shapes and their graphs differ (padding
-    on some ranks, an empty shard on another): a decision made from one rank's
-    graph (what to bucket, where a collective goes, by its bytes and position)
-    can differ on another, and then the ranks issue different collectives and
-    wait for each other forever.  Such graphs keep the collectives DTensor chose.
-    The Dynamo graph's DTensors say so (``ctx.info.uneven``), and so does the AOT
-    graph where an op's own redistribution shards unevenly (``x @ x`` of a
-    ``Partial`` vector of 3 over 2 ranks reduce-scatters it): :func:`padded_collective`.
+    Each rank runs the passes on its own AOT graph; where the ranks' graphs may
+    differ (:func:`dtcompile.rank_dependence.ranks_may_differ`: uneven shards), a
+    decision made from one rank's graph (what to bucket, where a collective goes,
+    by its bytes and position) can differ on another, and the ranks would issue
+    different collectives.  Such graphs keep the collectives DTensor chose.
     """
-    uneven = list(ctx.info.uneven)
-    padded = padded_collective(gm)
-    if padded is not None:
-        uneven.append(padded)
+    uneven = ranks_may_differ(ctx.info.uneven, gm)
     if not uneven:
         return None
     more = f" and {len(uneven) - 1} more" if len(uneven) > 1 else ""
@@ -106,71 +97,6 @@ def _rank_dependent(ctx: PassContext, gm: fx.GraphModule) -> Outcome | None:
         f"not run: sharded unevenly: {uneven[0]}{more}; the ranks' graphs can differ, and a "
         "decision each rank made from its own could have them issue different collectives",
     )
-
-
-def padded_collective(gm: fx.GraphModule, hops: int = 6) -> str | None:
-    """Whether DTensor padded an uneven shard for one of the graph's collectives, on every rank.
-
-    DTensor pads the chunks of an unevenly split tensor to one size before a
-    reduce-scatter or all-to-all (every rank: ``constant_pad_nd`` before it), and
-    takes the padding off a gathered result (every rank: a ``slice``/``narrow``
-    of a part of it after its wait).  Only ranks whose own shard is short pad
-    before an all-gather, so the slice after it is what every rank sees.
-    """
-    for node in gm.graph.nodes:
-        if not is_collective(node):
-            continue
-        pad = _first_within(
-            node.all_input_nodes, hops, lambda n: n.all_input_nodes,
-            found=lambda n: op_name(n.target) == "constant_pad_nd",
-            through=lambda n: op_name(n.target) in PADDING_RESHAPES,
-        )
-        if pad is not None:
-            return f"{node.name} (its input padded by {pad.name})"
-        unpad = _first_within(
-            list(node.users), hops, lambda n: list(n.users),
-            found=lambda n: op_name(n.target) in ("slice", "narrow") and _takes_a_part(n),
-            through=lambda n: op_name(n.target) in PADDING_RESHAPES or n.target is WAIT,
-        )
-        if unpad is not None:
-            return f"{node.name} (its result unpadded by {unpad.name})"
-    return None
-
-
-def _first_within(
-    start: list[fx.Node],
-    hops: int,
-    step: Callable[[fx.Node], list[fx.Node]],
-    *,
-    found: Callable[[fx.Node], bool],
-    through: Callable[[fx.Node], bool],
-) -> fx.Node | None:
-    """The first ``call_function`` node ``found`` accepts within ``dtcompile.hops`` steps of ``start``,
-    walking ``step`` only through nodes ``through`` accepts."""
-    frontier, seen = start, set()
-    for _ in range(hops):
-        following = []
-        for n in frontier:
-            if n in seen or n.op != "call_function":
-                continue
-            seen.add(n)
-            if found(n):
-                return n
-            if through(n):
-                following.extend(step(n))
-        frontier = following
-    return None
-
-
-def _takes_a_part(node: fx.Node) -> bool:
-    """Whether a slice/narrow keeps less than the whole of its input's dim."""
-    source = node.args[0]
-    value = source.meta.get("val") if isinstance(source, fx.Node) else None
-    dim = node.args[1] if len(node.args) > 1 else 0
-    out = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return True
-    return hint(out.shape[dim]) != hint(value.shape[dim])
 
 
 def _num_collectives(gm: fx.GraphModule) -> int:

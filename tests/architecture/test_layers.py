@@ -63,6 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.annotations",
         "dtcompile.ops",
         "dtcompile.memory",
+        "dtcompile.rank_dependence",
     ),
     ("dtcompile.records", "dtcompile.pass_names"),
     (

@@ -19,12 +19,13 @@ def test_a_partitioner_pickles_as_its_setting_alone():
     """Inductor pickles its config, the partitioner with it, into the FX graph cache key:
     the key must not see this compile's callback (a closure: unpicklable, and new each time)."""
     called = []
-    first, second = Partitioner(True, on_start=lambda: called.append(1)), Partitioner(True, on_start=print)
+    uneven = ("x (dim 0 of size 3 over 2 shards)",)
+    first, second = Partitioner(uneven, on_start=lambda: called.append(1)), Partitioner(uneven, on_start=print)
     assert pickle.dumps(first) == pickle.dumps(second)
-    assert pickle.dumps(first) != pickle.dumps(Partitioner(False))
+    assert pickle.dumps(first) != pickle.dumps(Partitioner(()))
     restored = pickle.loads(pickle.dumps(first))
-    assert (restored.uneven, restored.on_start) == (True, None)
-    assert first.uuid() == second.uuid() != Partitioner(False).uuid()
+    assert (restored.uneven, restored.on_start) == (uneven, None)
+    assert first.uuid() == second.uuid() != Partitioner(()).uuid()
 
 
 def test_keeping_collectives_leaves_torchs_partitioner_module_as_it_was():
