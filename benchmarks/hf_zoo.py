@@ -1,6 +1,6 @@
 """Auto-parallel on HuggingFace models: plan time on two meshes, and the plan against transformers' own.
 
-For every model of the HF zoo (``tests/auto_parallel/hf_zoo/hf_models.py``: 20 transformers
+For every model of the HF zoo (``tests/support/hf_models.py``: 20 transformers
 families, tiny configs, random init), on the fake process group:
 
 - **plan s**: ``dtcompile.auto_parallel.plan`` on a 1-D mesh of 4 (``tp``) and on 2 x 2
@@ -39,9 +39,9 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)] + [str(ROOT / "tests" / f) for f in ("auto_parallel", "auto_parallel/hf_zoo", "clients")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/support: the HF zoo
 
-from hf_models import HF_ZOO, NoTorchEquivalent, against_hf_plan, build, plan_hf  # noqa: E402
+from support.hf_models import HF_ZOO, NoTorchEquivalent, against_hf_plan, build, plan_hf  # noqa: E402
 
 from dtcompile.testing import fake_world  # noqa: E402
 

@@ -28,9 +28,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "clients"))  # torchtitan's harness: CPU device, SDPA, FSDP's SUM
+sys.path.insert(0, str(ROOT / "tests"))  # tests/support: torchtitan's harness (CPU device, SDPA, FSDP's SUM)
 
-import _titan  # noqa: E402
+import support.titan as _titan  # noqa: E402
 
 import dtcompile  # noqa: E402
 from dtcompile.testing import run_threaded  # noqa: E402

@@ -56,7 +56,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "clients"))  # torchtitan's harness: CPU device, SDPA
+sys.path.insert(0, str(ROOT / "tests"))  # tests/support: torchtitan's harness (CPU device, SDPA)
 
 import dtcompile  # noqa: E402
 from dtcompile.memory import format_bytes  # noqa: E402
@@ -86,7 +86,7 @@ def _build(layout: str, rank: int, weights: Any) -> tuple[torch.nn.Module, tuple
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         _, model, x = models.build_block(mesh, batch=4, seq=64)
         return model, (x,)
-    import _titan
+    import support.titan as _titan
 
     tp = 2 if layout == "llama3_fsdp_tp" else 1
     model, parallel_dims, _ = _titan.llama3_on_meta(_titan.llama3_config(**LLAMA), world, tp)
@@ -224,7 +224,7 @@ def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any], 
 def _rank(rank: int, layout: str, steps: int, options: dict[str, Any], weights: Any) -> dict[str, Any]:
     if not layout.startswith("llama3"):
         return {way: _way(layout, way, rank, steps, options, weights) for way in WAYS}
-    import _titan
+    import support.titan as _titan
 
     with _titan.torchtitan_on_cpu():
         return {way: _way(layout, way, rank, steps, options, weights) for way in WAYS}
@@ -241,7 +241,7 @@ def main() -> None:
     for layout in args.layouts:
         weights = None
         if layout.startswith("llama3"):
-            import _titan
+            import support.titan as _titan
 
             with _titan.torchtitan_on_cpu():
                 weights = _titan.initial_weights(_titan.llama3_config(**LLAMA))

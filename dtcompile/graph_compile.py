@@ -437,9 +437,7 @@ class GraphCompile:
         elif self.obtained is Obtained.SERVED and self.entry is not None:
             collectives, merged = load_schedule(self.entry) or (None, False)
         decided = decided_from(self.config, self.priced, self.gm, self.example_inputs)
-        eager = self.obtained is Obtained.EAGER
-        how = f"{self.obtained} ({self.eager_because})" if eager else str(self.obtained)
-        schedule = Schedule(self.info.compile_id, how, collectives, decided, eager=eager, bucketed=merged)
+        schedule = Schedule(self.info.compile_id, self.obtained, collectives, decided, self.eager_because, merged)
         if self.graphs and self.entry is not None:
             save_schedule(self.entry, schedule)
         return schedule

@@ -87,17 +87,30 @@ class Schedule:
     """What one rank compiled for one Dynamo graph, as the check compares it."""
 
     compile_id: str
-    how: str
-    """How this rank got it, for the messages: an :class:`Obtained`, with the reason where eager."""
+    obtained: Obtained
+    """How this rank got it: compiled here, served from the compile cache, or run eagerly."""
     collectives: tuple[Scheduled, ...] | None
     """Every collective of its graphs in program order (:func:`scheduled_collectives`);
     ``None`` where unknown (eager, or a cache entry without its saved schedule)."""
     decided: Mapping[str, str]
     """What the compile was decided from, by name: options, cost profile, sources, the graph."""
-    eager: bool = False
+    why_eager: str = ""
+    """Why torch could not trace it, where it runs eagerly."""
     bucketed: bool = False
     """Whether dtcompile merged collectives into buckets: their sizes are then its decision
     (from this rank's shapes), and a recompile must match an agreed schedule size for size."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "obtained", Obtained(self.obtained))  # from JSON: its text
+
+    @property
+    def eager(self) -> bool:
+        return self.obtained is Obtained.EAGER
+
+    @property
+    def how(self) -> str:
+        """How this rank got it, for the messages, with the reason where it runs eagerly."""
+        return f"{self.obtained} ({self.why_eager})" if self.eager else str(self.obtained)
 
     @property
     def frame(self) -> str:

@@ -47,28 +47,48 @@ from dtcompile.base.channels import GraphKind, Meta
 from dtcompile.base.notation import source_of
 from dtcompile.base.op_facts import SPMD_TYPE_PRESERVING, TRANSPOSES, op_name
 
-__all__ = ["AxisTypes", "SpmdTypeCheckError", "format_types", "input_types", "type_graph"]
+__all__ = ["AxisTypes", "SpmdType", "SpmdTypeCheckError", "format_types", "input_types", "type_graph"]
 
-UNKNOWN = "?"
-AxisTypes = dict[str, str]
-"""Mesh axis name -> ``R``, ``I``, ``V``, ``P``, ``S(d)`` or ``?``."""
+
+class SpmdType(str):
+    """One mesh axis's SPMD type: ``R``, ``I``, ``V``, ``P``, ``S(d)`` (varying: a shard of dim
+    ``d``) or ``?`` (unknown).  Its text is the type as printed and compared (``t == "P"``);
+    :attr:`local` and :attr:`dim` are read from the value, not parsed back from the text."""
+
+    local: str
+    """The local type: ``V`` for ``S(d)``, else the type itself."""
+    dim: int | None
+    """The dim ``S(d)`` shards, else ``None``."""
+
+    def __new__(cls, local: str, dim: int | None = None) -> SpmdType:
+        if isinstance(local, SpmdType):
+            return local
+        if local not in ("R", "I", "V", "P", "?"):
+            raise ValueError(f"not an SPMD type: {local!r} (R, I, V, P, ? or SpmdType.shard(d))")
+        if dim is not None and local != "V":
+            raise ValueError(f"only a varying value shards a dim; got {local!r} with dim {dim}")
+        self = super().__new__(cls, f"S({dim})" if dim is not None else local)
+        self.local, self.dim = local, dim
+        return self
+
+    @classmethod
+    def shard(cls, dim: int) -> SpmdType:
+        """``S(dim)``: varying, a shard of ``dim``."""
+        return cls("V", dim)
+
+
+R, I, V, P, UNKNOWN = (SpmdType(t) for t in ("R", "I", "V", "P", "?"))
+AxisTypes = dict[str, SpmdType]
+"""Mesh axis name -> its :class:`SpmdType`."""
 
 
 class SpmdTypeCheckError(TypeError):
     """A compiled graph's SPMD types contradict its collectives (a missing or doubled reduction)."""
 
 
-def format_types(types: Mapping[str, str] | None) -> str:
+def format_types(types: Mapping[str, SpmdType] | None) -> str:
     """``tp:S(0) dp:R`` (axes in name order); ``""`` for none."""
     return " ".join(f"{axis}:{t}" for axis, t in sorted((types or {}).items()))
-
-
-def _shard_dim(t: str) -> int | None:
-    return int(t[2:-1]) if t.startswith("S(") else None
-
-
-def _local(t: str) -> str:
-    return "V" if t.startswith("S(") else t
 
 
 # ---- reading the inputs' types
@@ -116,12 +136,12 @@ def _fsdp_compute_types() -> dict[int, tuple[Any, Any]]:
 
 def _types_from(local_type: Mapping[Any, Any], spec: Any, names: Mapping[Any, str]) -> AxisTypes:
     spmd = sys.modules["spmd_types"]
-    types = {names.get(axis, str(axis)): repr(t) if not isinstance(t, spmd.Shard) else f"S({t.dim})"
+    types = {names.get(axis, str(axis)): SpmdType.shard(t.dim) if isinstance(t, spmd.Shard) else SpmdType(repr(t))
              for axis, t in local_type.items()}
     for dim, entry in enumerate(spec or ()):
         for axis in entry if isinstance(entry, tuple) else (entry,):
             if axis is not None and not isinstance(axis, str):
-                types[names.get(axis, str(axis))] = f"S({dim})"
+                types[names.get(axis, str(axis))] = SpmdType.shard(dim)
     return types
 
 
@@ -177,9 +197,9 @@ def _local_rule(node: fx.Node, axis: str, operands: list[tuple[int, str]], scala
     for index, t in operands:
         if spec is not None and index in spec.nonlinear_args and t == "P":
             raise spmd.SpmdTypeError(f"argument {index} enters the op non-linearly, and is partial on {axis!r}")
-    kinds = [by_name[_local(t)] for _, t in operands] + ([_Scalar] if scalars else [])
+    kinds = [by_name[t.local] for _, t in operands] + ([_Scalar] if scalars else [])
     try:
-        return repr(_infer_local_type_for_axis_raw(axis, kinds, linearity=linearity))
+        return SpmdType(repr(_infer_local_type_for_axis_raw(axis, kinds, linearity=linearity)))
     except spmd.SpmdTypeError:
         if spmd.I not in kinds:
             raise
@@ -187,7 +207,7 @@ def _local_rule(node: fx.Node, axis: str, operands: list[tuple[int, str]], scala
     # output is R here, and meets invariant values (torchtitan's norms without sequence parallel).
     as_r = [spmd.R if k is spmd.I else k for k in kinds]
     found = _infer_local_type_for_axis_raw(axis, as_r, linearity=linearity)
-    return "I" if found is spmd.R else repr(found)
+    return I if found is spmd.R else SpmdType(repr(found))
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -225,25 +245,25 @@ _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 
 
-def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, str]], local: str) -> str:
+def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, SpmdType]], local: SpmdType) -> SpmdType:
     """Refines local type ``local`` (``V`` or ``P``) with shard dims where the op's inputs
     are ``S(d)``: views and transposes move the dim, matmuls contract it into ``P``."""
     name = op_name(node.target)
     out_shape = _first_shape(node.meta.get("val"))
-    dims = [_shard_dim(t) for _, _, t in typed]
+    dims = [t.dim for _, _, t in typed]
     if local != "V" or out_shape is None:
         return local
     if name in SPMD_TYPE_PRESERVING and len(typed) == 1 and dims[0] is not None:
         in_shape = _shape(typed[0][0].meta.get("val"))
         found = _view_dim(in_shape, out_shape, dims[0]) if in_shape is not None else None
-        return f"S({found})" if found is not None else "V"
+        return SpmdType.shard(found) if found is not None else V
     if name in _CUTS and dims[0] is not None:
         rank = len(_shape(typed[0][0].meta["val"]) or ())
         position = _CUTS[name]
         cut = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
-        return f"S({dims[0]})" if cut % rank != dims[0] else "V"
+        return SpmdType.shard(dims[0]) if cut % rank != dims[0] else V
     if name in _ATTENTION and len(typed) >= 3 and dims[:3] == [1, 1, 1]:
-        return "S(1)"
+        return SpmdType.shard(1)
     if name in TRANSPOSES and dims[0] is not None:
         rank = len(out_shape)
         if name == "t":
@@ -254,48 +274,48 @@ def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, str]],
             order[a], order[b] = order[b], order[a]
         else:
             order = [d % rank for d in node.args[1]]
-        return f"S({order.index(dims[0])})"
+        return SpmdType.shard(order.index(dims[0]))
     if name in ("mm", "bmm") and len(typed) == 2:
         (a, b), batch = dims, 1 if name == "bmm" else 0
-        ta, tb = (_local(t) for _, _, t in typed)
+        ta, tb = (t.local for _, _, t in typed)
         if a == batch + 1 and b == batch:
-            return "P"  # the contracted dim, sharded on both sides: each rank holds a partial sum
+            return P  # the contracted dim, sharded on both sides: each rank holds a partial sum
         if a == batch and tb in ("R", "I") or (batch and a == 0 and b == 0):
-            return f"S({batch})"
+            return SpmdType.shard(batch)
         if b == batch + 1 and ta in ("R", "I"):
-            return f"S({batch + 1})"
-        return "V"
+            return SpmdType.shard(batch + 1)
+        return V
     if torch.Tag.pointwise in getattr(node.target, "tags", ()):
         # Broadcast from the right: every sharded operand's dim lands on the same output dim.
         landed = {len(out_shape) - len(_shape(n.meta["val"]) or ()) + d for (n, _, _), d in zip(typed, dims) if d is not None}
-        plain_varying = any(d is None and _local(t) == "V" for (_, _, t), d in zip(typed, dims))
-        return f"S({landed.pop()})" if len(landed) == 1 and not plain_varying else "V"
+        plain_varying = any(d is None and t.local == "V" for (_, _, t), d in zip(typed, dims))
+        return SpmdType.shard(landed.pop()) if len(landed) == 1 and not plain_varying else V
     if name in ("sum", "mean") and len(typed) == 1 and dims[0] is not None:
         reduced = node.args[1] if len(node.args) > 1 else None
         in_rank = len(_shape(typed[0][0].meta["val"]) or ())
         reduced_dims = set(range(in_rank)) if not reduced else {d % in_rank for d in reduced}
         if dims[0] in reduced_dims:
-            return "P" if name == "sum" else "V"  # a mean of a shard is not a partial mean
+            return P if name == "sum" else V  # a mean of a shard is not a partial mean
         keepdim = len(node.args) > 2 and node.args[2]
-        return f"S({dims[0] if keepdim else dims[0] - sum(d < dims[0] for d in reduced_dims)})"
-    return "V"
+        return SpmdType.shard(dims[0] if keepdim else dims[0] - sum(d < dims[0] for d in reduced_dims))
+    return V
 
 
 @dataclass(frozen=True)
 class _Collective:
     axis: str
     takes: tuple[str, ...]
-    gives: str
+    gives: SpmdType
     what: str
 
 
 # A collective's contract, by kind (:func:`dtcompile.collectives.collective_kind`): the local types
 # it takes, the type it gives on its axis, and how a message says what it does.
 _CONTRACTS = {
-    "all_reduce": (("P", "V"), "R", "all-reduces"),
-    "reduce_scatter": (("P", "V"), "S(0)", "reduce-scatters"),
-    "all_gather": (("V", "R", "I"), "R", "all-gathers"),
-    "all_to_all": (("V",), "V", "all-to-alls"),
+    "all_reduce": (("P", "V"), R, "all-reduces"),
+    "reduce_scatter": (("P", "V"), SpmdType.shard(0), "reduce-scatters"),
+    "all_gather": (("V", "R", "I"), R, "all-gathers"),
+    "all_to_all": (("V",), V, "all-to-alls"),
 }
 
 
@@ -309,8 +329,8 @@ def _collective(node: fx.Node, axes: Mapping[str, str]) -> _Collective | None:
     return _Collective(axis_name(group, axes) if isinstance(group, str) else UNKNOWN, *_CONTRACTS[kind])
 
 
-def _misused(c: _Collective, t: str) -> str | None:
-    local = _local(t)
+def _misused(c: _Collective, t: SpmdType) -> str | None:
+    local = t.local
     if local in c.takes or local == UNKNOWN:
         return None
     if local in ("R", "I"):
@@ -344,7 +364,7 @@ def _input_types_of(gm: fx.GraphModule, kind: GraphKind, inputs: Sequence[AxisTy
             k = tangents.index(p)
             out = forward_outputs[k] if k < len(forward_outputs) else None
             # The gradient of an output: spmd_types' backward type (R <-> P, V, I and S(d) stay).
-            found[p] = {a: {"R": "P", "P": "R"}.get(t, t) for a, t in out.items()} if out else None
+            found[p] = {a: {"R": P, "P": R}.get(t, t) for a, t in out.items()} if out else None
         else:
             found[p] = forward.get(p.name)
     return found
@@ -409,7 +429,7 @@ def _node_types(node: fx.Node, axis_set: list[str], of: Mapping[fx.Node, AxisTyp
             types[axis] = collective.gives
             continue
         if not operands:
-            types[axis] = "R"  # a value made here, the same on every rank (a constant, a factory)
+            types[axis] = R  # a value made here, the same on every rank (a constant, a factory)
             continue
         if any(t == UNKNOWN for _, _, t in operands):
             types[axis] = UNKNOWN

@@ -231,7 +231,7 @@ class StepPass:
             return
         schedule = Schedule(
             record.compile_id,
-            str(Obtained.COMPILED),
+            Obtained.COMPILED,
             scheduled_collectives([(record.kind, record.collectives)]),
             decided_from(self.config, priced, gm, example_inputs),
             bucketed=bucketed([record]),

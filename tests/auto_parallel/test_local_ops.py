@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from ap_cases import (
+from support.ap_cases import (
     KEEP_COLLECTIVES,
     assert_matches_reference,
     predicted_collectives,
@@ -118,11 +118,7 @@ def test_an_op_without_any_strategy_falls_back_to_replicated(tp_mesh):
 
 @pytest.mark.models
 def test_an_op_with_a_decomposition_is_planned_as_its_decomposition(tp_mesh):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from zoo_models import GLUHead
+    from support.zoo_models import GLUHead
 
     torch.manual_seed(0)
     model, x = GLUHead(), torch.randn(4, 8, 16)
@@ -191,7 +187,7 @@ def test_ops_run_on_local_shards_equal_the_single_process_model_on_4_threaded_ra
         model, x = _build(Clipped, 4, 16)
         options = {"param_memory_budget_bytes": sharded_budget(model, 2)}
     else:  # the batch sharded, the causal mask read whole
-        from zoo_models import build
+        from support.zoo_models import build
 
         model, (x,) = build("causal_sdpa")
         options = {"input_placements": [(Shard(0),)], "output_placements": [(Shard(0),)]}

@@ -4,8 +4,8 @@ explanation, its collectives against the compiled graphs', and its cost against 
 from __future__ import annotations
 
 import pytest
-from ap_cases import KEEP_COLLECTIVES, compiled_collectives, compiled_records, predicted_collectives, step_us
 from expecttest import assert_expected_inline
+from support.ap_cases import KEEP_COLLECTIVES, compiled_collectives, compiled_records, predicted_collectives, step_us
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import dtcompile

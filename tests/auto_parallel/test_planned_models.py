@@ -6,7 +6,7 @@ parallelism on the 2-D mesh); its predicted collectives are the compiled graphs'
 from __future__ import annotations
 
 import pytest
-from ap_cases import (
+from support.ap_cases import (
     BOUNDARY,
     KEEP_COLLECTIVES,
     compiled_collectives,

@@ -4,7 +4,7 @@ parameter gradients: on 4 threaded ranks, and the MLP on 2 real gloo ranks."""
 from __future__ import annotations
 
 import pytest
-from ap_cases import assert_matches_reference, plan_case, rank_apply, rank_step
+from support.ap_cases import assert_matches_reference, plan_case, rank_apply, rank_step
 from torch.distributed.tensor import Replicate
 
 from dtcompile._testing.cases import CASES
@@ -58,7 +58,7 @@ def test_planned_once_applied_on_4_threaded_ranks(case_name, shape):
 
 @pytest.mark.models
 def test_a_stack_of_tied_blocks_on_4_threaded_ranks():
-    from ap_cases import build_block_stack
+    from support.ap_cases import build_block_stack
 
     import dtcompile
 

@@ -4,7 +4,14 @@ region exactly in its declared placements, and the compiled program keeps the re
 from __future__ import annotations
 
 import pytest
-from ap_cases import KEEP_COLLECTIVES, compiled_collectives, compiled_records, plan_case, predicted_collectives, step_us
+from support.ap_cases import (
+    KEEP_COLLECTIVES,
+    compiled_collectives,
+    compiled_records,
+    plan_case,
+    predicted_collectives,
+    step_us,
+)
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtcompile

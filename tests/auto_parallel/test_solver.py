@@ -58,7 +58,7 @@ def test_every_row_belongs_to_a_named_family(tp_mesh):
 
 
 def test_collectives_are_priced_as_the_compile_config_buckets_them(tp_mesh):
-    from ap_cases import KEEP_COLLECTIVES, compiled_records, step_us
+    from support.ap_cases import KEEP_COLLECTIVES, compiled_records, step_us
 
     from dtcompile.config import DTCompileConfig
 
@@ -105,7 +105,7 @@ def test_the_cost_profile_comes_from_the_compile_config(tp_mesh):
 def test_stats_say_where_planning_took_its_time_and_repeated_layers_are_measured_once(tp_mesh, monkeypatch):
     import collections
 
-    from ap_cases import build_block_stack
+    from support.ap_cases import build_block_stack
 
     from dtcompile.auto_parallel import problem as problem_module
 

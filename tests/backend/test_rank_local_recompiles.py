@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtcompile
-from dtcompile.rank_schedule import CheckOutcome, Schedule, Scheduled, agreed_earlier, agreement_marks
+from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, Scheduled, agreed_earlier, agreement_marks
 from dtcompile.testing import run_gloo
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -205,9 +205,10 @@ def _scheduled(*shapes: tuple[int, ...], kind: str = "forward") -> tuple[Schedul
     return tuple(Scheduled(kind, i, "all_gather", "dp", 2, "float32", shape) for i, shape in enumerate(shapes))
 
 
-def _schedule(collectives: tuple[Scheduled, ...] | None, *, bucketed: bool = False, graph: str = "a", **kw: Any) -> Schedule:
+def _schedule(collectives: tuple[Scheduled, ...] | None, *, bucketed: bool = False, graph: str = "a",
+              obtained: Obtained = Obtained.COMPILED, **kw: Any) -> Schedule:
     decided = {"bucket_cap_bytes": "64", "Dynamo graph": graph}
-    return Schedule("0/1", "compiled here", collectives, decided, bucketed=bucketed, **kw)
+    return Schedule("0/1", obtained, collectives, decided, bucketed=bucketed, **kw)
 
 
 def test_a_recompile_needs_no_exchange_where_its_frame_agreed_on_its_collectives():
@@ -231,7 +232,10 @@ def test_a_recompile_with_new_collectives_or_dtcompile_chosen_sizes_is_exchanged
     # Other settings with unknown collectives; a graph run eagerly (every rank must learn it).
     other = Schedule("0/1", "served from the compile cache", None, {"bucket_cap_bytes": "128", "Dynamo graph": "a"})
     assert agreed_earlier(other, marks) is None
-    assert agreed_earlier(_schedule(None, eager=True), marks) is None
+    eager = _schedule(None, obtained=Obtained.EAGER, why_eager="AssertionError: torch cannot trace it")
+    assert eager.eager and eager.how == "run eagerly (AssertionError: torch cannot trace it)"
+    assert Schedule.from_json(eager.to_json()) == eager
+    assert agreed_earlier(eager, marks) is None
 
 
 def test_a_schedule_round_trips_through_json():

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 import torch
-from _pinned import require_pinned
-from _titan import INSTALL, TORCHTITAN_VERSION
+from support.pinned import require_pinned
+from support.titan import INSTALL, TORCHTITAN_VERSION
 from torch import nn
 
 from dtcompile.base.channels import Artifact, GraphKind
@@ -324,9 +324,8 @@ LLAMA_PLANS = {"fsdp": (2, 1), "fsdp_tp": (4, 2)}
 def _llama_step_on_rank(rank: int, world_size: int, tp: int, rewrite: bool, weights: Any, batches: Any) -> dict[str, Any]:
     """3 steps of the traced Llama3 step against 3 eager steps of the same model, built alike:
     losses and gradients, bitwise; the step graph's collectives and what dtcompile did."""
-    from _titan import llama3_on_meta, load_simple_fsdp_weights, simple_fsdp
-    from _titan import torchtitan_on_cpu as titan_on_cpu
-    from test_torchtitan import _llama3_config
+    from support.titan import llama3_on_meta, load_simple_fsdp_weights, simple_fsdp, tiny_llama3_config
+    from support.titan import torchtitan_on_cpu as titan_on_cpu
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer, run_traced
 
@@ -334,7 +333,7 @@ def _llama_step_on_rank(rank: int, world_size: int, tp: int, rewrite: bool, weig
         import dtcompile.integrations.torchtitan as integration
 
         def build() -> tuple[Any, Any]:
-            model, parallel_dims, _ = llama3_on_meta(_llama3_config(), world_size, tp)
+            model, parallel_dims, _ = llama3_on_meta(tiny_llama3_config(), world_size, tp)
             model = simple_fsdp(model, parallel_dims)
             load_simple_fsdp_weights(model, weights)
             return model, parallel_dims
@@ -404,12 +403,11 @@ def _graph_trainer_passes_stand_in(monkeypatch: Any) -> None:
 @pytest.mark.models
 @pytest.mark.parametrize("plan", LLAMA_PLANS)
 def test_llama3_step_graph_with_the_dtcompile_pipeline_matches_eager(plan, titan, torchtitan_on_cpu, monkeypatch):
-    from _titan import global_batches, initial_weights
-    from test_torchtitan import GLOBAL_BATCH, SEQ_LEN, VOCAB_SIZE, _llama3_config
+    from support.titan import GLOBAL_BATCH, SEQ_LEN, VOCAB_SIZE, global_batches, initial_weights, tiny_llama3_config
 
     _graph_trainer_passes_stand_in(monkeypatch)
     world_size, tp = LLAMA_PLANS[plan]
-    weights = initial_weights(_llama3_config())
+    weights = initial_weights(tiny_llama3_config())
     batches = global_batches(STEPS, VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH)
     # The gloo ranks' processes import the stand-in too (it is not in their sys.modules).
     runs = run_gloo(world_size, _llama_on_rank_both, world_size, tp, weights, batches)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _pinned import require_pinned
+from support.pinned import require_pinned
 
 import dtcompile
 from dtcompile.spmd_typing import SpmdTypeCheckError

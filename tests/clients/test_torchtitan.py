@@ -21,7 +21,7 @@ run's, and the eager run equals the single-process model with the same weights
 on the same global batch; each rank compiles the pinned graphs with the pinned
 collectives, and nothing more in step 2.
 
-What the harness (``_titan.py``) adapts to CPU threads, none of it changing what
+What the harness (``tests/support/titan.py``) adapts to CPU threads, none of it changing what
 is computed, is listed in its docstring: torchtitan's device, a stand-in for
 its Triton EP kernels, FSDP's reduce-scatter as SUM, SDPA attention.
 """
@@ -32,7 +32,14 @@ from typing import Any
 
 import pytest
 import torch
-from _titan import (
+from support.titan import (
+    GLOBAL_BATCH,
+    LR,
+    MAX_NORM,
+    NUM_STEPS,
+    SEQ_LEN,
+    TOL,
+    VOCAB_SIZE,
     Batches,
     Run,
     check_runs,
@@ -40,11 +47,11 @@ from _titan import (
     force_sum_reduction,
     global_batches,
     initial_weights,
-    llama3_config,
     llama3_on_meta,
     load_weights,
     optimizer,
     parallelize,
+    tiny_llama3_config,
     train,
     train_reference,
 )
@@ -60,17 +67,8 @@ pytestmark = [
 ]
 
 WORLD_SIZE = 2
-NUM_STEPS = 2
-DIM, NUM_HEADS, NUM_LAYERS, HIDDEN_DIM = 64, 4, 2, 128
-VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH = 128, 16, 4
-LR = 1e-2
-MAX_NORM = 1.0
-
-# float32 throughout.  The sharded matmuls and the reductions over ranks sum in
-# another order than one process does (measured: at most 4.8e-7 on the losses,
-# 3e-7 on the gradients); the smallest gradients (RMSNorm scales) peak at 4e-5,
-# so atol is 1e-6, not 1e-5, which would pass a 25% error on them.
-TOL = dict(rtol=1e-5, atol=1e-6)
+# The tiny Llama3, its training settings and tolerance (NUM_STEPS, LR, TOL, ...) are
+# support.titan's, shared with test_torchtitan_simple_fsdp, test_graph_trainer and tests/warm.
 
 # name -> tensor parallel degree; the data parallel (FSDP) degree is the rest of the world.
 PLANS = {"tp_sp": 2, "fsdp": 1}
@@ -104,13 +102,6 @@ GRAPHS = {
 NUM_FRAMES = {"tp_sp": 1 + _TP_BLOCK_COMPILES, "fsdp": 2}
 
 
-def _llama3_config() -> Any:
-    """A tiny Llama3 from torchtitan's own builders (as its ``debugmodel``, smaller), SDPA attention."""
-    return llama3_config(
-        dim=DIM, n_heads=NUM_HEADS, n_layers=NUM_LAYERS, hidden_dim=HIDDEN_DIM, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN
-    )
-
-
 def _train_on_rank(
     rank: int,
     tensor_parallel_degree: int,
@@ -125,7 +116,7 @@ def _train_on_rank(
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import parallelize_llama
 
-    model, parallel_dims, parallelism = llama3_on_meta(_llama3_config(), WORLD_SIZE, tensor_parallel_degree)
+    model, parallel_dims, parallelism = llama3_on_meta(tiny_llama3_config(), WORLD_SIZE, tensor_parallel_degree)
 
     compiled = options is not None
     backend = dtcompile.backend(**options) if compiled else None
@@ -158,14 +149,14 @@ def _train_on_rank(
 def test_torchtitan_llama3_blocks_compiled_match_eager_and_one_process(plan, mode, torchtitan_on_cpu):
     tensor_parallel_degree = PLANS[plan]
     num_slices = WORLD_SIZE // tensor_parallel_degree
-    weights = initial_weights(_llama3_config())
+    weights = initial_weights(tiny_llama3_config())
     batches = global_batches(NUM_STEPS, VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH)
 
     eager = run_threaded(WORLD_SIZE, _train_on_rank, tensor_parallel_degree, None, weights, batches)
     # apply_compile sets capture_scalar_outputs and skip_fwd_side_effects_in_bwd_under_checkpoint
     # in Dynamo's config; config set in a thread is that thread's: each rank's, gone with it.
     compiled = run_threaded(WORLD_SIZE, _train_on_rank, tensor_parallel_degree, MODES[mode], weights, batches)
-    one_process = train_reference(_llama3_config(), weights, batches, num_slices, LR, MAX_NORM)
+    one_process = train_reference(tiny_llama3_config(), weights, batches, num_slices, LR, MAX_NORM)
 
     check_runs(compiled, eager, one_process, tensor_parallel_degree, **TOL)
 

@@ -38,7 +38,7 @@ differ from eager's by bfloat16 units (up to 3e-5; 8e-6 with Inductor's
 ``emulate_precision_casts``), past any tolerance that would catch a wrong
 collective.
 
-The CPU-thread adaptations are the harness's (``_titan.py``).
+The CPU-thread adaptations are the harness's (``tests/support/titan.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any
 
 import pytest
 import torch
-from _titan import (
+from support.titan import (
     Batches,
     Run,
     collective_text,

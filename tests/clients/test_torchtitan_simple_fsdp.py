@@ -4,7 +4,7 @@ whole model compiled with dtcompile, against eager and one process.
 torchtitan 0.3.0's ``graph_trainer`` parallelizes with SimpleFSDP
 (``simple_fsdp.data_parallel``: every parameter a DTensor stored ``Shard(0)`` on the
 ``fsdp`` mesh and gathered inside the model) after torchtitan's own tensor
-parallelism, and compiles the whole model (:func:`_titan.simple_fsdp`).  Here that
+parallelism, and compiles the whole model (:func:`support.titan.simple_fsdp`).  Here that
 model is built by torchtitan's builders, FSDP 2 (ranks as threads) and FSDP x TP
 2 x 2 (gloo ranks), compiled with ``dtcompile.backend(inductor=False)`` and trained two steps
 (torchtitan's loss, clipping and AdamW): losses, gradients and gradient norms equal
@@ -21,7 +21,16 @@ from typing import Any
 
 import pytest
 import torch
-from _titan import (
+
+# test_torchtitan's tiny Llama3, training settings and tolerance (support.titan's comment says why).
+from support.titan import (
+    GLOBAL_BATCH,
+    LR,
+    MAX_NORM,
+    NUM_STEPS,
+    SEQ_LEN,
+    TOL,
+    VOCAB_SIZE,
     Batches,
     Run,
     global_batches,
@@ -35,11 +44,8 @@ from _titan import (
     train,
     train_reference,
 )
-from _titan import torchtitan_on_cpu as titan_on_cpu
-
-# test_torchtitan's tiny Llama3, training settings and tolerance (its comment says why).
-from test_torchtitan import GLOBAL_BATCH, LR, MAX_NORM, NUM_STEPS, SEQ_LEN, TOL, VOCAB_SIZE
-from test_torchtitan import _llama3_config as _config
+from support.titan import tiny_llama3_config as _config
+from support.titan import torchtitan_on_cpu as titan_on_cpu
 
 import dtcompile
 from dtcompile.records import Action

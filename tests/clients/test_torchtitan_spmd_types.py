@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 import torch
-from _titan import (
+from support.titan import (
     Batches,
     Run,
     check_runs,

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import build, hf_tp_plan, require_transformers
+from support.hf_models import build, hf_tp_plan, require_transformers
 from torch.distributed.tensor import DTensor
 
 from dtcompile.testing import run_threaded

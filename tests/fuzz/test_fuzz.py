@@ -11,7 +11,7 @@ prog(mesh, x0, ...)``, and every rank ``exec``s it: a code object of its own per
 program and rank (Dynamo's recompile limit counts per code object), and a
 readable repro when it fails.
 
-How a run goes, and why:
+How a run goes, and why (the harness: ``tests/support/fuzz_*.py``):
 
 - Drawing (``fuzz_generate``): hypothesis draws the programs from a fixed seed,
   a fixed number per mesh, with only its generate phase, no database, and
@@ -48,11 +48,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from fuzz_check import Verdict, classify, format_summary
-from fuzz_generate import generate_programs
-from fuzz_known import check_program, diagnose, known_bug
-from fuzz_shrink import shrink
-from fuzz_world import run_programs
+from support.fuzz_check import Verdict, classify, format_summary
+from support.fuzz_generate import generate_programs
+from support.fuzz_known import check_program, diagnose, known_bug
+from support.fuzz_shrink import shrink
+from support.fuzz_world import run_programs
 
 pytestmark = pytest.mark.fuzz
 

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from fuzz_check import classify
-from fuzz_generate import generate_programs
-from fuzz_known import check_program
-from fuzz_programs import Input, Program, Step, program_from_text
-from fuzz_shrink import shrink
-from fuzz_world import ProgramRun, RankRun, Side, Value, run_programs
+from support.fuzz_check import classify
+from support.fuzz_generate import generate_programs
+from support.fuzz_known import check_program
+from support.fuzz_programs import Input, Program, Step, program_from_text
+from support.fuzz_shrink import shrink
+from support.fuzz_world import ProgramRun, RankRun, Side, Value, run_programs
 
 
 @pytest.mark.models

@@ -25,8 +25,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from fuzz_known import check_program
-from fuzz_programs import Input, program_from_text
+from support.fuzz_known import check_program
+from support.fuzz_programs import Input, program_from_text
 
 # Each runs a world of threaded ranks (2 to 5 s): the slow tier's, with the batch.
 pytestmark = pytest.mark.fuzz

@@ -155,9 +155,9 @@ def _local_output(case: Any, output: torch.Tensor, coordinate: tuple[int, ...]) 
 
 
 def _zoo_rank(rank: int, names: list[str]) -> dict[str, Any]:
-    from ap_cases import KEEP_COLLECTIVES, step_against_reference
+    from support.ap_cases import KEEP_COLLECTIVES, step_against_reference
+    from support.zoo_models import build
     from torch.distributed.device_mesh import init_device_mesh
-    from zoo_models import build
 
     import dtcompile
 
@@ -182,7 +182,7 @@ ZOO_IN_CI = ("small_lm", "tied_embeddings_lm", "groupnorm_conv", "causal_sdpa", 
 
 
 def _zoo_names(group: str) -> list[str]:
-    from zoo_models import ZOO
+    from support.zoo_models import ZOO
 
     return [name for name in ZOO if (name in ZOO_IN_CI) == (group == "ci")]
 
@@ -213,8 +213,8 @@ FUZZ_SEED = 20261125
 
 def _fuzz_rank(rank: int, programs: list[Any]) -> list[Any]:
     import torch.distributed as dist
-    from fuzz_programs import MESHES
-    from fuzz_world import _mesh, _run_program
+    from support.fuzz_programs import MESHES
+    from support.fuzz_world import _mesh, _run_program
 
     import dtcompile
 
@@ -229,9 +229,9 @@ def _fuzz_rank(rank: int, programs: list[Any]) -> list[Any]:
 
 @pytest.mark.fuzz
 def test_fuzz_batch_cold_and_warm_equal_eager(tmp_path):
-    from fuzz_check import _compare_sides, classify
-    from fuzz_generate import generate_programs
-    from fuzz_world import ProgramRun
+    from support.fuzz_check import _compare_sides, classify
+    from support.fuzz_generate import generate_programs
+    from support.fuzz_world import ProgramRun
 
     programs = generate_programs({"1d2": FUZZ_PROGRAMS}, FUZZ_SEED)
     cold, warm = run_cold_and_warm(WORLD_SIZE, _fuzz_rank, programs, cache_dir=tmp_path, timeout=TIMEOUT)
@@ -258,25 +258,47 @@ def test_fuzz_batch_cold_and_warm_equal_eager(tmp_path):
 # ---- the torchtitan clients
 
 
+def _client_tests(name: str) -> Any:
+    """The torchtitan client test module ``tests/clients/<name>.py``, whose training functions
+    these tests restart warm: loaded from its file, once per process, under the name pytest
+    imports it by (a test module, not a ``support`` helper, so not importable from here)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "clients" / f"{name}.py"
+    module = sys.modules.get(name)
+    if module is not None:
+        assert Path(module.__file__).resolve() == path, f"{name} is {module.__file__}, not {path}"
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def _titan_rank(rank: int, suite: str, variant: Any, weights: Any, batches: Any, eager: bool) -> tuple[Any, Any, dict[str, int]]:
     """One client training on this rank eagerly (if ``eager``), then compiled with dtcompile's
     defaults: both runs, and what the compile caches did meanwhile.  (Real ranks are processes:
     eager and compiled can share one, except under spmd_types, whose second build in a process
     refuses its first build's mesh.)"""
-    from _titan import deterministic_algorithms, torchtitan_on_cpu
+    from support.titan import deterministic_algorithms, torchtitan_on_cpu
 
     if suite == "llama3":
-        import test_torchtitan as module
-
+        module = _client_tests("test_torchtitan")
         context, train = torchtitan_on_cpu(), lambda options: module._train_on_rank(rank, variant, options, weights, batches)
     elif suite == "spmd_types":
-        import test_torchtitan_spmd_types as module
-
+        module = _client_tests("test_torchtitan_spmd_types")
         context = torchtitan_on_cpu(spmd_backend="spmd_types")
         train = lambda options: module._train_on_rank(rank, variant, options, weights, batches)
     else:
-        import test_torchtitan_moe as module
-
+        module = _client_tests("test_torchtitan_moe")
         context = torchtitan_on_cpu()
         train = lambda options: module._train_on_rank(rank, WORLD_SIZE, options, weights, batches)[0]
     with context, deterministic_algorithms():
@@ -287,30 +309,28 @@ def _titan_rank(rank: int, suite: str, variant: Any, weights: Any, batches: Any,
 
 def _titan_eager_rank(rank: int, suite: str, variant: Any, weights: Any, batches: Any) -> Any:
     """The eager training alone (spmd_types: a process of its own)."""
-    import test_torchtitan_spmd_types as module
-    from _titan import deterministic_algorithms, torchtitan_on_cpu
+    from support.titan import deterministic_algorithms, torchtitan_on_cpu
 
     assert suite == "spmd_types", suite
+    module = _client_tests("test_torchtitan_spmd_types")
     with torchtitan_on_cpu(spmd_backend="spmd_types"), deterministic_algorithms():
         return module._train_on_rank(rank, variant, None, weights, batches)
 
 
 def _titan_inputs(suite: str, variant: Any) -> tuple[Any, Any]:
     """The client test's initial weights and batches, made as its own test makes them."""
-    from _titan import global_batches, initial_weights, torchtitan_on_cpu
+    from support.titan import global_batches, initial_weights, torchtitan_on_cpu
 
     with torchtitan_on_cpu():  # torchtitan imported as on the ranks (its EP kernels stood in for)
         if suite == "llama3":
-            import test_torchtitan as module
+            import support.titan as module  # test_torchtitan's tiny Llama3 and its settings
 
-            config = module._llama3_config()
+            config = module.tiny_llama3_config()
         elif suite == "spmd_types":
-            import test_torchtitan_spmd_types as module
-
+            module = _client_tests("test_torchtitan_spmd_types")
             config = module.MODELS[variant]()
         else:
-            import test_torchtitan_moe as module
-
+            module = _client_tests("test_torchtitan_moe")
             config = module._qwen3_moe_config()
         return initial_weights(config), global_batches(module.NUM_STEPS, module.VOCAB_SIZE, module.SEQ_LEN, module.GLOBAL_BATCH)
 
@@ -336,14 +356,12 @@ CLIENTS_IN_CI = ("llama3_tp_sp", "spmd_types_llama3")
     "client", [c if c in CLIENTS_IN_CI else pytest.param(c, marks=pytest.mark.soak) for c in CLIENTS]
 )
 def test_torchtitan_cold_and_warm_equal_eager(client, tmp_path):
-    from _titan import mismatches, raise_mismatches, require_torchtitan
+    from support.titan import mismatches, raise_mismatches, require_torchtitan
 
     require_torchtitan()
     suite, variant, tol = CLIENTS[client]
     if suite == "spmd_types":
-        import test_torchtitan_spmd_types
-
-        if not test_torchtitan_spmd_types._fsdp2_stores_spmd_types():
+        if not _client_tests("test_torchtitan_spmd_types")._fsdp2_stores_spmd_types():
             pytest.skip("torch 2.13's FSDP2 refuses torchtitan's spmd_types parameters, eagerly too (test_torchtitan_spmd_types)")
     weights, batches = _titan_inputs(suite, variant)
     together = suite != "spmd_types"
@@ -381,8 +399,8 @@ def _hf_rank(rank: int, name: str) -> tuple[Any, dict[str, int], str]:
     """The HF zoo's model ``name`` planned on this rank's 1-D mesh (gathered weights kept, as the
     zoo plans) and one compiled step with dtcompile's defaults (Inductor, the compile cache)
     against the single-process model run eagerly; what the compile caches did; the source digest."""
-    from ap_cases import KEEP_COLLECTIVES, step_against_reference
-    from hf_models import build, plan_hf
+    from support.ap_cases import KEEP_COLLECTIVES, step_against_reference
+    from support.hf_models import build, plan_hf
     from torch.distributed.device_mesh import init_device_mesh
 
     import dtcompile
@@ -408,7 +426,7 @@ def test_hf_zoo_compiled_cold_and_warm_equal_the_single_process_model(name, tmp_
     config's constants), planned and compiled as the HF zoo compiles it, restarted on a warm
     cache: both runs equal the single-process eager model (output and every gradient), the warm
     one equals the cold one, and AOTAutograd's cache served every graph the cold run saved."""
-    from hf_models import require_transformers
+    from support.hf_models import require_transformers
 
     require_transformers()
     cold, warm = run_cold_and_warm(WORLD_SIZE, _hf_rank, name, cache_dir=tmp_path, timeout=TIMEOUT)
@@ -467,8 +485,7 @@ def _typed_block_rank(rank: int) -> dict[str, Any]:
     graphs, and the dtcompile artifacts logged.  Then the same input typed ``P`` (a partial sum,
     which the block's norm cannot take), compiled afresh: the error it raises."""
     import spmd_types as spmd
-    import test_torchtitan_spmd_types as module
-    from _titan import initial_weights, load_weights, parallelize, torchtitan_on_cpu
+    from support.titan import initial_weights, load_weights, parallelize, torchtitan_on_cpu
     from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
@@ -476,6 +493,8 @@ def _typed_block_rank(rank: int) -> dict[str, Any]:
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     import dtcompile
+
+    module = _client_tests("test_torchtitan_spmd_types")
 
     def local(t: Any) -> Any:
         from torch.distributed.tensor import DTensor
@@ -550,14 +569,12 @@ def test_spmd_typed_torchtitan_block_cold_and_warm_equal_eager_with_its_types(tm
     reduce-scattered, no node of unknown type.  And the same input typed ``P`` (a partial sum
     into the block's norm) is a compile-time ``SpmdTypeCheckError`` on the warm run as on the
     cold: not served the entry checked for ``S(1)``."""
-    from _titan import require_torchtitan
+    from support.titan import require_torchtitan
 
     from dtcompile.base.channels import Artifact, GraphKind
 
     require_torchtitan()
-    import test_torchtitan_spmd_types as spmd_types_tests
-
-    if not spmd_types_tests._fsdp2_stores_spmd_types():
+    if not _client_tests("test_torchtitan_spmd_types")._fsdp2_stores_spmd_types():
         pytest.skip("torch 2.13's FSDP2 refuses torchtitan's spmd_types parameters (test_torchtitan_spmd_types)")
     cold, warm = run_cold_and_warm(WORLD_SIZE, _typed_block_rank, cache_dir=tmp_path, timeout=TIMEOUT)
     forward, backward = Artifact.graph(GraphKind.FORWARD), Artifact.graph(GraphKind.BACKWARD)

@@ -1,4 +1,4 @@
-"""The HuggingFace zoo (``hf_models.py``): models as people download them from ``transformers``,
+"""The HuggingFace zoo (``tests/support/hf_models.py``): models as people download them from ``transformers``,
 tiny and randomly initialised, planned by ``dtcompile.auto_parallel`` on a fake 1-D mesh of 4 and
 a fake 2 x 2 mesh; a subset compiled with dtcompile on 4 threaded ranks, equal to the
 single-process model (output and every gradient); and, on the 1-D mesh, the plan's compiled step
@@ -9,13 +9,13 @@ comparison in ``benchmarks/RESULTS.md``."""
 from __future__ import annotations
 
 import pytest
-from ap_cases import (
+from support.ap_cases import (
     apply_and_step,
     assert_matches_reference,
     assert_same_optimum,
     predicted_collectives,
 )
-from hf_models import HF_ZOO, against_hf_plan, build, plan_hf, require_transformers
+from support.hf_models import HF_ZOO, against_hf_plan, build, plan_hf, require_transformers
 from torch.distributed.tensor import Replicate
 
 import dtcompile

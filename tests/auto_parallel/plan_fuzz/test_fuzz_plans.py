@@ -1,4 +1,4 @@
-"""The plan fuzzer: random small torch.nn models (``plan_models``), each planned with random pins and
+"""The plan fuzzer: random small torch.nn models (``support.plan_models``), each planned with random pins and
 memory budgets on a random mesh, applied, compiled with dtcompile on threaded ranks and compared with
 the single-process model (output and every parameter gradient), its predicted collectives with the
 compiled graphs'.  A plan the solver calls infeasible must be so for the reason it names (the budget
@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from ap_cases import (
+from support.ap_cases import (
     KEEP_COLLECTIVES,
     KEPT_GATHERED,
     assert_matches_reference,
@@ -26,7 +26,7 @@ from ap_cases import (
     predicted_collectives,
     step_against_reference,
 )
-from plan_models import MESHES, Case, build, draw_case
+from support.plan_models import MESHES, Case, build, draw_case
 
 import dtcompile
 from dtcompile.testing import fake_world, run_threaded

@@ -1,4 +1,4 @@
-"""The zoo (``tests/auto_parallel/zoo_models.py``): torch.nn models the team did not design, and
+"""The zoo (``tests/support/zoo_models.py``): torch.nn models the team did not design, and
 torchtitan's Llama3 and dense Qwen3, each planned on a 1-D mesh of 4 and on a 2 x 2 mesh under half
 the replicated parameter bytes, compiled with dtcompile on 4 threaded ranks: output and every
 parameter gradient equal the single-process model's, the predicted collectives are the compiled
@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from ap_cases import (
+from support.ap_cases import (
     KEEP_COLLECTIVES,
     KEPT_GATHERED,
     apply_and_step,
@@ -20,8 +20,8 @@ from ap_cases import (
     sharded_budget,
     step_against_reference,
 )
+from support.zoo_models import ZOO, build
 from torch.distributed.tensor import Replicate
-from zoo_models import ZOO, build
 
 import dtcompile
 from dtcompile.testing import fake_world, run_gloo, run_threaded

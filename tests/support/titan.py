@@ -47,7 +47,8 @@ from typing import Any
 
 import pytest
 import torch
-from _pinned import require_pinned
+
+from support.pinned import require_pinned
 
 TORCHTITAN_VERSION = "0.3.0"
 INSTALL = "pip install --no-deps -r tests/clients/requirements.txt"
@@ -175,6 +176,28 @@ def llama3_config(*, dim: int, n_heads: int, n_layers: int, hidden_dim: int, voc
         ),
     )
     return use_sdpa(config)
+
+
+# The tiny Llama3 the DTensor client tests train (test_torchtitan, test_torchtitan_simple_fsdp,
+# test_graph_trainer, tests/warm), its training settings and tolerance.
+NUM_STEPS = 2
+DIM, NUM_HEADS, NUM_LAYERS, HIDDEN_DIM = 64, 4, 2, 128
+VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH = 128, 16, 4
+LR = 1e-2
+MAX_NORM = 1.0
+
+# float32 throughout.  The sharded matmuls and the reductions over ranks sum in
+# another order than one process does (measured: at most 4.8e-7 on the losses,
+# 3e-7 on the gradients); the smallest gradients (RMSNorm scales) peak at 4e-5,
+# so atol is 1e-6, not 1e-5, which would pass a 25% error on them.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def tiny_llama3_config() -> Any:
+    """The client tests' tiny Llama3 (:func:`llama3_config` with the sizes above)."""
+    return llama3_config(
+        dim=DIM, n_heads=NUM_HEADS, n_layers=NUM_LAYERS, hidden_dim=HIDDEN_DIM, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN
+    )
 
 
 def qwen3_dense_config(

@@ -45,7 +45,7 @@ class LogitsOf(nn.Module):
 def require_transformers() -> None:
     """Fails in CI (which installs the ``hf`` test extra), skips elsewhere, without transformers
     at the pinned version."""
-    from _pinned import require_pinned  # tests/clients
+    from support.pinned import require_pinned
 
     require_pinned("transformers", TRANSFORMERS_VERSION, "pip install '.[hf]'")
 
@@ -198,9 +198,8 @@ def hf_tp_plan(model: LogitsOf) -> dict[str, Any]:
 def plan_hf(model: nn.Module, args: tuple[Any, ...], mesh: Any, **options: Any) -> Any:
     """``dtcompile.auto_parallel.plan`` as the zoo plans: gathered weights kept (the zoo's
     compile config), under half the replicated parameter bytes unless ``options`` say otherwise."""
-    from ap_cases import KEPT_GATHERED, sharded_budget
-
     import dtcompile
+    from support.ap_cases import KEPT_GATHERED, sharded_budget
 
     options.setdefault("param_memory_budget_bytes", sharded_budget(model))
     return dtcompile.auto_parallel.plan(model, mesh, args, config=KEPT_GATHERED, **options)
@@ -233,12 +232,12 @@ def against_hf_plan(name: str) -> AgainstHF:
     and backward played under the h100 profile."""
     import copy
 
-    from ap_cases import KEEP_COLLECTIVES, compiled_records, step_us
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     import dtcompile
     from dtcompile.testing import fake_world
+    from support.ap_cases import KEEP_COLLECTIVES, compiled_records, step_us
 
     model, args = build(name)
     plan = hf_tp_plan(model)

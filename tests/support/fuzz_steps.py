@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fuzz_programs import placements_text
 from hypothesis import strategies as st
+
+from support.fuzz_programs import placements_text
 
 __all__ = ["BUILDERS", "Draft", "Gen", "draw_placements"]
 

@@ -12,7 +12,7 @@ which it passes:
 - ``Dynamo``: even the Dynamo graph run as it is fails -- dtcompile's ``dynamo_vars``
   or Dynamo itself.
 
-:data:`KNOWN` lists the failures that are pinned in ``test_fuzz_regressions.py``
+:data:`KNOWN` lists the failures that are pinned in ``tests/fuzz/test_fuzz_regressions.py``
 (``xfail(strict=True)``) but not fixed: a failure matching one is counted as
 known, not as a new bug.  When a fix makes its regression test XPASS, delete
 the entry here too, so that the fuzzer guards the fix.
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fuzz_check import Verdict, classify
-from fuzz_programs import Program
-from fuzz_world import run_programs
+from support.fuzz_check import Verdict, classify
+from support.fuzz_programs import Program
+from support.fuzz_world import run_programs
 
 __all__ = ["KNOWN", "Known", "check_program", "diagnose", "known_bug"]
 

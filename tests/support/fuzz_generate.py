@@ -24,13 +24,13 @@ from typing import Any
 from unittest import mock
 
 import torch
-from fuzz_programs import MESHES, Input, Program, Step, make_input, namespace
-from fuzz_steps import BUILDERS, Gen, draw_placements
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from dtcompile.testing import simulated_world
+from support.fuzz_programs import MESHES, Input, Program, Step, make_input, namespace
+from support.fuzz_steps import BUILDERS, Gen, draw_placements
 
 __all__ = ["execute_step", "generate_programs", "program_strategy"]
 

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fuzz_programs import MESHES, Program, make_input, namespace, placements_text
 
 from dtcompile.base.sharding_cache import clear_sharding_caches
 from dtcompile.testing.asserts import per_rank
 from dtcompile.testing.worlds import RankFailure, _mesh, run_gloo, run_threaded, wake_ranks_waiting_for
+from support.fuzz_programs import MESHES, Program, make_input, namespace, placements_text
 
 __all__ = ["ProgramRun", "RankRun", "Side", "Stuck", "Value", "default_backend", "error_summary", "run_on_gloo", "run_programs"]
 

@@ -5,7 +5,7 @@ sizes shard evenly over 4 ranks (batch 4, 4 heads, dims multiples of 4) so that
 the solver has every layout to choose from.  The first four are the models
 issue #23 found failing; the last two are torchtitan 0.3.0's own Llama3 and dense
 Qwen3 (one layer, SDPA attention), built unparallelized from its model code
-(``tests/clients/_titan.py``).
+(``tests/support/titan.py``).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _tokens() -> torch.Tensor:
 
 
 def _titan(which: str) -> tuple[nn.Module, tuple[Any, ...]]:
-    from _titan import llama3_config, qwen3_dense_config, torchtitan_on_cpu
+    from support.titan import llama3_config, qwen3_dense_config, torchtitan_on_cpu
 
     sizes = dict(dim=DIM, n_heads=HEADS, n_layers=1, vocab_size=VOCAB, seq_len=SEQ)
     with torchtitan_on_cpu():

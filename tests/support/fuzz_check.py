@@ -36,8 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from fuzz_programs import Program
-from fuzz_world import ProgramRun, Side, Value, error_summary
+
+from support.fuzz_programs import Program
+from support.fuzz_world import ProgramRun, Side, Value, error_summary
 
 __all__ = ["BUGS", "Verdict", "classify", "format_summary"]
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from fuzz_check import Verdict
-from fuzz_programs import Program
+from support.fuzz_check import Verdict
+from support.fuzz_programs import Program
 
 __all__ = ["shrink"]
 
