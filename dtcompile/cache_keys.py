@@ -11,9 +11,10 @@ and Inductor's config, which carries dtcompile's partitioner
 - :func:`compile_key`: what else decides the graphs dtcompile makes: its own
   source (the ``dtcompile``, ``dtcompile.hops`` and ``dynamo_vars`` packages), every
   :class:`~dtcompile.config.DTCompileConfig` field that changes a graph (not
-  ``report``, ``trace_pass_graphs``, ``aot_cache`` or ``eager_fallback``, which
-  only say what is shown, whether a cache is read, or what happens where nothing
-  compiles) and the cost profile's numbers
+  those in ``_NOT_IN_KEY``: ``report`` and ``trace_pass_graphs``, what is shown;
+  ``aot_cache``, whether a cache is read; ``eager_fallback``, what happens where
+  nothing compiles; ``check_ranks`` and ``check_ranks_timeout_s``, whether and how
+  long ranks compare what they compiled) and the cost profile's numbers
   (the overlap pass decides by them).  A change of any of them misses.
 - :data:`stable_mesh_keys`: a graph that takes a ``DeviceMesh`` (an opaque
   input) pickles the mesh into both keys, and the mesh's state holds ``_hash``,

@@ -109,7 +109,7 @@ class DTCompileBackend:
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
 
-    def recording_into_this(self, **changes: Any) -> DTCompileBackend:
+    def sharing_records(self, **changes: Any) -> DTCompileBackend:
         """A backend with ``changes`` to this one's options whose records, fallbacks and
         cached graphs land in this backend's (``collective_schedule`` compiles so with
         ``aot_cache=False``: it reads what dtcompile compiles)."""

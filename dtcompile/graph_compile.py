@@ -41,7 +41,7 @@ from dtcompile.artifacts import (
     keep_artifacts,
 )
 from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
-from dtcompile.base.channels import Beside, GraphKind
+from dtcompile.base.channels import BesideCacheFolders, GraphKind
 from dtcompile.base.sharding_cache import fresh_sharding_caches
 from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
@@ -75,7 +75,7 @@ from dynamo_vars.dtensor_state import loss_parallel_backward
 if TYPE_CHECKING:
     from dtcompile.compiler import DTCompileBackend
 
-__all__ = ["GraphCompile", "UntracedUnserved", "schedule_owned_by_dtcompile", "symbolic_dtensor"]
+__all__ = ["GraphCompile", "NeitherTracedNorServed", "schedule_owned_by_dtcompile", "symbolic_dtensor"]
 
 log = logging.getLogger("dtcompile.compiler")  # the backend's logger, as users configure it
 
@@ -159,7 +159,7 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-class UntracedUnserved(RuntimeError):
+class NeitherTracedNorServed(RuntimeError):
     """AOTAutograd returned a graph it neither traced here nor served from its cache."""
 
 
@@ -182,16 +182,16 @@ class GraphCompile:
         compile_id = torch._guards.CompileContext.current_compile_id()
         axes = mesh_axes(gm, example_inputs)
         # Priced for its devices and its meshes' groups (the default group's when it has none).
-        self.priced = profile_for_groups(config.cost_profile, devices_of(example_inputs), list(axes))
+        self.profile_choice = profile_for_groups(config.cost_profile, devices_of(example_inputs), list(axes))
         self.info = describe_dynamo_graph(
-            gm, str(compile_id) if compile_id is not None else "?", axes, self.priced.profile, self.priced.why
+            gm, str(compile_id) if compile_id is not None else "?", axes, self.profile_choice.profile, self.profile_choice.why
         )
         self.info.spmd_inputs = input_types(gm, example_inputs, axes)
-        log.info("%s: cost profile %s", self.info.compile_id, self.priced)
+        log.info("%s: cost profile %s", self.info.compile_id, self.profile_choice)
         self.constants = split_constant_outputs(gm)
         self.views = split_input_views(gm)
         # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
-        self.key = compile_key(config, self.priced.profile, rank_position(gm, example_inputs), self.info.spmd_inputs)
+        self.key = compile_key(config, self.profile_choice.profile, rank_position(gm, example_inputs), self.info.spmd_inputs)
         # Where a compile cache can serve this graph, what is kept beside it for the graph
         # (its artifacts, its schedule) is found again by this; None where none can.
         self.uncacheable = symbolic_dtensor(gm)
@@ -201,7 +201,7 @@ class GraphCompile:
                 "spec torch cannot save", self.info.compile_id, self.uncacheable,
             )
         cacheable = config.inductor and config.aot_cache and self.uncacheable is None
-        self.entry = f"{self.key}\n{gm.code}\n{inputs_text(example_inputs)}" if cacheable else None
+        self.beside_cache_key = f"{self.key}\n{gm.code}\n{inputs_text(example_inputs)}" if cacheable else None
         self.checking = config.check_ranks and world_can_disagree()
         self.partitioner = Partitioner(
             self.info.uneven,
@@ -248,7 +248,7 @@ class GraphCompile:
         if self.traced:
             return False
         if self._hits_during <= 0:
-            raise UntracedUnserved(
+            raise NeitherTracedNorServed(
                 f"dtcompile: graph {self.info.compile_id}: AOTAutograd returned it without tracing it here and "
                 "without a cache hit; dtcompile cannot say what was compiled. Please report this with the "
                 "TORCH_LOGS=aot log of the run"
@@ -384,10 +384,10 @@ class GraphCompile:
         beside the compile cache where one can serve this graph."""
         self.backend.records.append(record)
         self.graphs.append(record)
-        if self.entry is not None:
+        if self.beside_cache_key is not None:
             # Made now: lowering rewrites the graph in place (Inductor's reinplacing).
             keep_artifacts(record, self._kept)
-            save_beside_cache(Beside.REPORTS, self.entry, list(self._kept.values()))
+            save_beside_cache(BesideCacheFolders.REPORTS, self.beside_cache_key, list(self._kept.values()))
         log.info(
             "compile %s %s graph: %d nodes, %d collectives, %d local_map regions",
             record.compile_id,
@@ -406,7 +406,7 @@ class GraphCompile:
     def record_cache_hit(self) -> None:
         """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log,
         and logs again the artifacts the run that compiled it kept beside the cache."""
-        saved = load_beside_cache(Beside.REPORTS, self.entry) if self.entry is not None else None
+        saved = load_beside_cache(BesideCacheFolders.REPORTS, self.beside_cache_key) if self.beside_cache_key is not None else None
         cached = CachedCompile(compile_id=self.info.compile_id, graph=self.gm, reported=bool(saved))
         self.backend.cached.append(cached)
         log.info("%s", cached)
@@ -434,10 +434,10 @@ class GraphCompile:
         if self.graphs:
             collectives = scheduled_collectives((g.kind, g.collectives) for g in self.graphs)
             merged = bucketed(self.graphs)
-        elif self.obtained is Obtained.SERVED and self.entry is not None:
-            collectives, merged = load_schedule(self.entry) or (None, False)
-        decided = decided_from(self.config, self.priced, self.gm, self.example_inputs)
+        elif self.obtained is Obtained.SERVED and self.beside_cache_key is not None:
+            collectives, merged = load_schedule(self.beside_cache_key) or (None, False)
+        decided = decided_from(self.config, self.profile_choice, self.gm, self.example_inputs)
         schedule = Schedule(self.info.compile_id, self.obtained, collectives, decided, self.eager_because, merged)
-        if self.graphs and self.entry is not None:
-            save_schedule(self.entry, schedule)
+        if self.graphs and self.beside_cache_key is not None:
+            save_schedule(self.beside_cache_key, schedule)
         return schedule

@@ -182,7 +182,7 @@ def _exchange(
         "rank": rank,
         "compile_id": schedule.compile_id,
         "digest": schedule.digest_on(axis),
-        "decided": schedule.decided_digest,
+        "decided": schedule.decided_by_digest,
         "eager": verdict.eager,
         "disagreement": verdict.disagreement,
         "detail": f"{base}/{rank}/detail",
@@ -325,9 +325,9 @@ def disagreement_message(
         lines.append("  (a rank's schedule is unknown: served from the compile cache without it, so what the graphs "
                      "were decided from is compared)")
     causes = [
-        f"{name}: {a.decided.get(name, '(none)')} on rank {ranks_a[0]}, {b.decided.get(name, '(none)')} on rank {ranks_b[0]}"
-        for name in dict.fromkeys([*a.decided, *b.decided])
-        if a.decided.get(name) != b.decided.get(name)
+        f"{name}: {a.decided_by.get(name, '(none)')} on rank {ranks_a[0]}, {b.decided_by.get(name, '(none)')} on rank {ranks_b[0]}"
+        for name in dict.fromkeys([*a.decided_by, *b.decided_by])
+        if a.decided_by.get(name) != b.decided_by.get(name)
     ]
     if a.how != b.how:
         causes.append(f"rank {ranks_a[0]}'s graph was {a.how}, rank {ranks_b[0]}'s {b.how}")

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
-from dtcompile.base.channels import Beside
+from dtcompile.base.channels import BesideCacheFolders
 from dtcompile.collectives import CollectiveInfo
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 DYNAMO_GRAPH = "Dynamo graph"
-"""The entry of :attr:`Schedule.decided` for the graph itself (its code and inputs)."""
+"""The entry of :attr:`Schedule.decided_by` for the graph itself (its code and inputs)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Schedule:
     collectives: tuple[Scheduled, ...] | None
     """Every collective of its graphs in program order (:func:`scheduled_collectives`);
     ``None`` where unknown (eager, or a cache entry without its saved schedule)."""
-    decided: Mapping[str, str]
+    decided_by: Mapping[str, str]
     """What the compile was decided from, by name: options, cost profile, sources, the graph."""
     why_eager: str = ""
     """Why torch could not trace it, where it runs eagerly."""
@@ -143,16 +143,16 @@ class Schedule:
         return "" if on_axis is None else short_digest("\n".join(map(str, on_axis)))
 
     @property
-    def decided_digest(self) -> str:
-        return short_digest(json.dumps(dict(self.decided), sort_keys=True))
+    def decided_by_digest(self) -> str:
+        return short_digest(json.dumps(dict(self.decided_by), sort_keys=True))
 
     @property
     def settings_digest(self) -> str:
         """Digest of what it was decided from but the Dynamo graph: what all graphs of a frame share."""
-        return short_digest(json.dumps({k: v for k, v in self.decided.items() if k != DYNAMO_GRAPH}, sort_keys=True))
+        return short_digest(json.dumps({k: v for k, v in self.decided_by.items() if k != DYNAMO_GRAPH}, sort_keys=True))
 
     def to_json(self) -> str:
-        return json.dumps({**dataclasses.asdict(self), "decided": dict(self.decided)})
+        return json.dumps({**dataclasses.asdict(self), "decided_by": dict(self.decided_by)})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Schedule:
@@ -289,12 +289,12 @@ def bucketed(graphs: Iterable[Any]) -> bool:
 
 def save_schedule(key: str, schedule: Schedule) -> None:
     """Writes a compiled graph's collectives beside torch's compile cache, for a run the cache serves."""
-    save_beside_cache(Beside.SCHEDULES, key, {"collectives": [dataclasses.asdict(c) for c in schedule.collectives or ()],
+    save_beside_cache(BesideCacheFolders.SCHEDULES, key, {"collectives": [dataclasses.asdict(c) for c in schedule.collectives or ()],
                                               "bucketed": schedule.bucketed})
 
 
 def load_schedule(key: str) -> tuple[tuple[Scheduled, ...], bool] | None:
     """The collectives :func:`save_schedule` wrote for ``key`` and whether they were bucketed, or ``None``."""
-    saved = load_beside_cache(Beside.SCHEDULES, key)
+    saved = load_beside_cache(BesideCacheFolders.SCHEDULES, key)
     collectives = _scheduled_from_json(saved.get("collectives")) if isinstance(saved, dict) else None
     return None if collectives is None else (collectives, bool(saved.get("bucketed")))

@@ -3,7 +3,7 @@
 Nothing happens at import: installing is :func:`install`, which the dtcompile
 backend calls when it is looked up by name or built with ``dtcompile.backend()``.
 Dynamo has no public registry for new variable trackers, so everything
-dynamo_vars adds goes through three well-defined hooks, each applied and
+dynamo_vars adds goes through four well-defined hooks, each applied and
 reverted here and nowhere else:
 
 1. Dynamo's table of objects that get their own tracker when first seen,

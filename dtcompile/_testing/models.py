@@ -17,8 +17,8 @@ compiled and reference runs can be compared directly:
   weight ``Shard(0)`` and gathered in forward by
   ``w.redistribute(placements=[Replicate()]).to_local()``: the gradient's
   placement is ``to_local``'s default (``Replicate``), so the backward slices
-  this rank's chunk, an offset the compiled backward bakes in (issue #37's
-  stack); input and output replicated.
+  this rank's chunk, an offset the compiled backward bakes in (what a compile
+  cache shared by ranks must key on); input and output replicated.
 - :func:`build_block_local_map`: the same block and plan, its attention core a
   ``local_map`` region on head-sharded q, k and v (:class:`RegionAttention`).
 - :func:`parallelize_block_2d`: the block on a 2-D ``(dp, tp)`` mesh: tensor +

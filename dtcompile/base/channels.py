@@ -12,14 +12,14 @@ other file spells one out).
 - :class:`Meta`: the keys of ``node.meta`` dtcompile writes;
 - :class:`Artifact`: the ``TORCH_TRACE`` artifact names, and :func:`parse_artifact`,
   the lookup table ``dtcompile-report`` reads them with;
-- :class:`Beside`: the folders kept beside torch's compile cache (:mod:`dtcompile.base.beside_cache`).
+- :class:`BesideCacheFolders`: the folders kept beside torch's compile cache (:mod:`dtcompile.base.beside_cache`).
 """
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["Artifact", "Beside", "GraphKind", "Meta", "parse_artifact"]
+__all__ = ["Artifact", "BesideCacheFolders", "GraphKind", "Meta", "parse_artifact"]
 
 
 class GraphKind(str, enum.Enum):
@@ -119,7 +119,7 @@ def parse_artifact(name: str) -> tuple[str, GraphKind | None] | None:
     return _BY_NAME.get(name)
 
 
-class Beside:
+class BesideCacheFolders:
     """Folders dtcompile keeps beside torch's compile cache (:mod:`dtcompile.base.beside_cache`)."""
 
     SCHEDULES = "dtcompile_schedules"

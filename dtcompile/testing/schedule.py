@@ -95,7 +95,7 @@ def collective_schedule(
     known = {id(record) for record in earlier}
     # Read from what dtcompile compiles here: no graph may come from AOTAutograd's
     # cache (an earlier run's compile leaves no record in this process).
-    compiling = backend.recording_into_this(aot_cache=False)
+    compiling = backend.sharing_records(aot_cache=False)
     out = torch.compile(fn, backend=compiling, fullgraph=True)(*args, **kwargs)
     if backward:
         backward_from_sum(out)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dtcompile.base.channels import Artifact, Beside, GraphKind, Meta, parse_artifact
+from dtcompile.base.channels import Artifact, BesideCacheFolders, GraphKind, Meta, parse_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("dtcompile", "dynamo_vars", "hops", "tools")
@@ -117,5 +117,5 @@ def test_every_artifact_name_reads_back_as_what_it_is(kind):
 
 
 def test_channel_values_are_distinct():
-    values = [v for cls in (Meta, Artifact, Beside) for k, v in vars(cls).items() if k.isupper()]
+    values = [v for cls in (Meta, Artifact, BesideCacheFolders) for k, v in vars(cls).items() if k.isupper()]
     assert len(values) == len(set(values)) and all(v.startswith("dtcompile_") for v in values)

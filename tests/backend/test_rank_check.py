@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dtcompile
 from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, reference_step, run_step
-from dtcompile.base.channels import Beside
+from dtcompile.base.channels import BesideCacheFolders
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.cost import get_profile
 from dtcompile.rank_check import RanksDisagree, disagreement_message
@@ -169,7 +169,7 @@ def _rank_env_steps(rank: int, world_size: int, options: list[dict[str, Any]], e
 def _rank_cached_steps(rank: int, world_size: int, cache_dirs: str, forget_schedules: bool, caps: list[int]) -> RankRun:
     cache = cache_dirs.format(rank=rank)
     if forget_schedules:
-        shutil.rmtree(Path(cache) / Beside.SCHEDULES, ignore_errors=True)
+        shutil.rmtree(Path(cache) / BesideCacheFolders.SCHEDULES, ignore_errors=True)
     options = [{"inductor": True, "bucket_cap_bytes": cap} for cap in caps]
     return _rank_steps(rank, world_size, options, TORCHINDUCTOR_CACHE_DIR=cache)
 
@@ -408,13 +408,13 @@ def test_a_warm_rank_and_a_cold_one_compare_what_they_were_decided_from():
     decided = {"bucket_cap_bytes": "64", "torch": torch.__version__}
     warm = Schedule("0/0", "served from the compile cache", None, decided)
     cold = Schedule("0/0", "compiled here", _GATHER_8, decided)
-    other = dataclasses.replace(cold, decided={**decided, "bucket_cap_bytes": "128"})
+    other = dataclasses.replace(cold, decided_by={**decided, "bucket_cap_bytes": "128"})
     store = dist.HashStore()
 
     def peers(*schedules: Schedule) -> list[dict[str, Any]]:
         for rank, s in enumerate(schedules):
             store.set(f"detail/{rank}", s.to_json())
-        return [{"rank": r, "digest": s.digest, "decided": s.decided_digest, "detail": f"detail/{r}"} for r, s in enumerate(schedules)]
+        return [{"rank": r, "digest": s.digest, "decided": s.decided_by_digest, "detail": f"detail/{r}"} for r, s in enumerate(schedules)]
 
     assert _compare(store, "0/0", "dp", peers(warm, cold)) == ""
     text = _compare(store, "0/0", "dp", peers(warm, other))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dtcompile.base.channels import Artifact, Beside, GraphKind
+from dtcompile.base.channels import Artifact, BesideCacheFolders, GraphKind
 from dtcompile_tools import report as report_tool
 
 # Each trace comes from a fresh interpreter with TORCH_TRACE set.
@@ -182,7 +182,7 @@ def test_a_warm_cache_run_reports_what_a_cold_one_does(tmp_path):
     assert warm == cold
     assert '<svg class="timeline"' in warm["compile-0_0"] and '<svg class="memory"' in warm["compile-0_0"]
     # Without what was kept, the report says so instead of showing nothing.
-    shutil.rmtree(cache / Beside.REPORTS)
+    shutil.rmtree(cache / BesideCacheFolders.REPORTS)
     bare = _trace(tmp_path / "bare", "dtcompile_inductor", cache=cache)
     assert report_tool.main([str(bare), "-o", str(bare / "report")]) == 0
     sections = _sections((bare / "report" / "index.html").read_text())
