@@ -94,3 +94,30 @@ def test_another_distributions_hops_package_and_dtcompile_work_together(tmp_path
             env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
         )
         assert out.returncode == 0 and out.stdout.split()[-1:] == ["both"], out.stderr[-3000:]
+
+
+def path_changes(source: str) -> list[int]:
+    """Lines of ``source`` that change ``sys.path`` (a call on it, or an assignment to it)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and owner.attr == "path" and getattr(owner.value, "id", "") == "sys":
+                found.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any("sys.path" in ast.unparse(t) for t in targets):
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_tests_share_helpers_through_the_support_package_not_sys_path():
+    """Shared test helpers live in ``tests/support`` (imported as ``support.<module>``: pytest
+    puts ``tests/`` on the path for ``tests/conftest.py``); no test changes ``sys.path``."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "tests").rglob("*.py"))
+             for line in path_changes(path.read_text())]
+    assert found == [], f"these change sys.path; move the shared helper into tests/support: {found}"
+    planted = "import sys\nsys.path.insert(0, 'x')\nsys.path[:0] = ['y']\nsys.path += ['z']\nprint(sys.path)\n"
+    assert path_changes(planted) == [2, 3, 4]
