@@ -1,0 +1,103 @@
+"""What dtcompile makes of a fixed set of programs, one line each, to diff two checkouts.
+
+A change that must not change behaviour (a refactor) is checked by running this at
+both commits and diffing the output:
+
+    python benchmarks/records_digest.py > after.txt
+    git worktree add /tmp/before <commit> && cd /tmp/before
+    PYTHONPATH=/tmp/before python /path/to/benchmarks/records_digest.py > before.txt
+    diff before.txt after.txt
+
+Printed, on the fake process group (4 ranks), without Inductor:
+
+- each shared model (``dtcompile._testing.cases.CASES``) compiled with dtcompile, one
+  forward and backward: per graph, its kind, a digest of its code, its collectives and
+  each pass's record (ran, nodes and collectives before and after, decisions);
+- each auto-parallel zoo model (the test helpers' ``zoo_models.ZOO``) planned on a 1-D
+  mesh of 4 and on 2 x 2 under half the replicated parameter bytes: the objective and a
+  digest of every parameter's placements and the predicted collectives;
+- the idiom corpus (``dtcompile._testing.idioms``): the idioms dtcompile fails.
+
+Seconds are left out (they differ run to run); everything else must be equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path.cwd()
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "auto_parallel"), str(ROOT / "tests" / "clients")]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def shared_models() -> None:
+    import torch
+
+    import dtcompile
+    from dtcompile._testing.cases import CASES
+    from dtcompile.testing import fake_world
+
+    for name, case in CASES.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with fake_world(4, case.mesh_shape(4), case.mesh_dim_names) as mesh:
+            _, parallel, x = case.build(mesh)
+            backend = dtcompile.backend(inductor=False)
+            out = torch.compile(parallel, backend=backend, fullgraph=True)(case.local_input(x, mesh))
+            out.sum().backward()
+        for r in backend.records:
+            passes = [(p.name, p.ran, p.nodes_before, p.nodes_after, p.collectives_before, p.collectives_after,
+                       [str(d) for d in p.decisions]) for p in r.passes]
+            print(f"model {name} {r.compile_id} {r.kind} code={_digest(r.graph.code)} "
+                  f"collectives={[str(c) for c in r.collectives]} passes={_digest(repr(passes))}")
+
+
+def zoo_plans() -> None:
+    import torch
+
+    import dtcompile
+    from dtcompile.testing import fake_world
+
+    try:
+        from support.ap_cases import KEPT_GATHERED, predicted_collectives, sharded_budget
+        from support.zoo_models import ZOO, build
+    except ImportError:  # a checkout from before tests/support
+        from ap_cases import KEPT_GATHERED, predicted_collectives, sharded_budget
+        from zoo_models import ZOO, build
+    meshes = {"1d": ((4,), ("tp",)), "2x2": ((2, 2), ("dp", "tp"))}
+    for name in ZOO:
+        torch.manual_seed(0)
+        model, args = build(name)
+        for mesh_name, (shape, axes) in meshes.items():
+            with fake_world(4, shape, axes) as mesh:
+                solution = dtcompile.auto_parallel.plan(
+                    model, mesh, args, param_memory_budget_bytes=sharded_budget(model), config=KEPT_GATHERED
+                )
+            placements = sorted((k, str(v)) for k, v in solution.param_placements.items())
+            print(f"plan {name} {mesh_name} objective={solution.result.objective_us:.6f} "
+                  f"placements={_digest(repr(placements))} collectives={_digest(repr(sorted(predicted_collectives(solution).items())))}")
+
+
+def idioms() -> None:
+    import dtcompile
+    from dtcompile._testing.idioms import corpus_failures
+
+    failures = corpus_failures(dtcompile.backend(inductor=False))
+    print(f"idioms failing: {sorted(failures)}")
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    shared_models()
+    zoo_plans()
+    idioms()
+
+
+if __name__ == "__main__":
+    main()
