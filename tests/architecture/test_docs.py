@@ -1,16 +1,21 @@
 """The docs stay whole: a short README that links to pages that exist, and an API
 reference with an entry for every public name.
 
-No mkdocs needed (CI builds the site itself, ``mkdocs build --strict`` in
-``.ci/run``): these read README.md, mkdocs.yml and docs/ as text, and the
-public modules' ``__all__`` by importing them.  Each check is a function that
-returns what is wrong, tested on the real files and on a broken input.
+Most checks need no mkdocs: they read README.md, mkdocs.yml and docs/ as text, and
+the public modules' ``__all__`` by importing them.  The built site's checks (no reST
+role shown as text, no dead internal link) build it with the docs venv's mkdocs
+(``.venv-docs``, which ``.ci/run`` makes first), and skip, saying so, without it.
+Each check is a function that returns what is wrong, tested on the real files and
+on a broken input.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -126,3 +131,75 @@ def test_a_missing_page_is_named(tmp_path):
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_public_module_declares_all(module):
     assert importlib.import_module(module).__all__, f"{module} has an empty __all__"
+
+
+# ---- the built site
+
+_RAW_ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|exc|obj):(?:<code>|`)")
+_HREF = re.compile(r'href="([^"#?]*)[^"]*"')
+
+
+def raw_roles(html: str) -> list[str]:
+    """reST roles a page shows as text (outside code blocks)."""
+    text = re.sub(r"<pre\b.*?</pre>", "", html, flags=re.DOTALL)
+    return [text[max(m.start() - 30, 0):m.end() + 30] for m in _RAW_ROLE.finditer(text)]
+
+
+def dead_links(site: Path) -> list[str]:
+    """``page -> target`` for every link between the site's pages whose target is not in the site."""
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        for target in _HREF.findall(page.read_text()):
+            if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("//"):
+                continue  # an anchor on the page, or another site
+            path = (site / target.lstrip("/") if target.startswith("/") else page.parent / target).resolve()
+            if target.endswith("/") or path.is_dir():
+                path = path / "index.html"
+            if not path.exists():
+                found.append(f"{page.relative_to(site)} -> {target}")
+    return found
+
+
+def _hook():
+    spec = importlib.util.spec_from_file_location("rst_roles", DOCS / ".hooks" / "rst_roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_hook_links_roles_it_can_resolve_and_leaves_code_blocks_alone():
+    known = {"pkg.mod.f": "../mod/#pkg.mod.f", "pkg.mod.C.run": "#pkg.mod.C.run"}
+    html = (
+        '<h2 id="pkg.mod.C">C</h2><p>See :func:<code>pkg.mod.f</code>, :meth:<code>run</code> and '
+        ":class:<code>~pkg.other.D</code>, as follows::</p><pre>:func:<code>kept</code></pre>"
+    )
+    out = _hook().convert(html, known.get)
+    assert out == (
+        '<h2 id="pkg.mod.C">C</h2><p>See <a class="autorefs autorefs-internal" href="../mod/#pkg.mod.f"><code>pkg.mod.f</code></a>, '
+        '<a class="autorefs autorefs-internal" href="#pkg.mod.C.run"><code>run</code></a> and <code>D</code>, as follows:</p>'
+        "<pre>:func:<code>kept</code></pre>"
+    )
+    assert raw_roles(out) == [] and raw_roles(html) != []
+
+
+def test_a_raw_role_and_a_dead_link_are_found(tmp_path):
+    assert raw_roles("<p>x :func:<code>f</code> y</p><pre>:class:`kept`</pre>") == ["<p>x :func:<code>f</code> y</p>"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "index.html").write_text('<a href="../b/">b</a> <a href="../a/#top">a</a> <a href="https://x">x</a>')
+    (tmp_path / "index.html").write_text('<a href="a/">a</a> <a href="c.png">c</a>')
+    assert dead_links(tmp_path) == ["a/index.html -> ../b/", "index.html -> c.png"]
+
+
+@pytest.mark.subprocess
+def test_the_built_site_shows_no_role_as_text_and_has_no_dead_link(tmp_path):
+    mkdocs = ROOT / ".venv-docs" / "bin" / "mkdocs"
+    if not mkdocs.exists():
+        pytest.skip("no docs venv (.venv-docs, made by .ci/run: python3 -m venv .venv-docs && "
+                    ".venv-docs/bin/pip install -r docs/requirements.txt)")
+    built = subprocess.run([str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    roles = {str(p.relative_to(tmp_path)): found for p in (tmp_path / "site").rglob("*.html") if (found := raw_roles(p.read_text()))}
+    assert roles == {}, f"reST roles shown as text: {roles}"
+    assert dead_links(tmp_path / "site") == []
+    assert not (tmp_path / "site" / "requirements.txt").exists()
