@@ -99,6 +99,19 @@ def _depyf(dump_dir: str | None) -> Any:
     return depyf.prepare_debug(dump_dir)
 
 
+_NOT_PER_RANK = "not counted: the ranks are threads of one process, and Dynamo counts for all of them at once"
+
+
+def _ranks_are_threads() -> bool:
+    """Whether this process's ranks are threads of it (:func:`dtcompile.testing.run_threaded`):
+    they share Dynamo's caches and counters.  One rank resetting the caches would free the
+    code the others are running, so :func:`explain` leaves them (Dynamo compiles ``fn`` again
+    for its new backend), and says it cannot count one rank's graph breaks and recompiles."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "threaded"
+
+
 def explain(
     fn: Callable[..., Any], *, backward: bool = True, depyf_dir: str | None = None, **options: Any
 ) -> Callable[..., Report]:
@@ -106,7 +119,8 @@ def explain(
     without Inductor lowering), call it on ``args`` (and run a backward from the sum of its
     outputs), and report what was compiled (``aot_cache=False``: every graph is
     compiled, none served by a cache).  Calling the result again with other args
-    reports the recompiles they cause.  Resets Dynamo's caches first.
+    reports the recompiles they cause.  Resets Dynamo's caches first, but where ranks are
+    threads of one process (they share them: see :func:`_ranks_are_threads`).
 
     ``depyf_dir``: also dump Dynamo's transformed bytecode, decompiled by depyf, and
     the graphs' code there (``dtcompile-report --depyf DIR`` puts it beside the HTML)."""
@@ -115,7 +129,9 @@ def explain(
     options.setdefault("aot_cache", False)
     backend = make_backend(**options)
     compiled = torch.compile(fn, backend=backend)
-    torch._dynamo.reset()
+    threads = _ranks_are_threads()
+    if not threads:
+        torch._dynamo.reset()
 
     def run(*args: Any, **kwargs: Any) -> Report:
         from torch._dynamo.utils import counters, guard_failures
@@ -136,6 +152,8 @@ def explain(
             for code, reasons in guard_failures.items()
             for reason in reasons[failures_before.get(code, 0) :]
         )
+        if threads:  # Dynamo's counters are the process's: every rank thread's at once
+            breaks = recompiles = (_NOT_PER_RANK,)
         return Report(tuple(backend.records), breaks, recompiles, _solution_of(fn))
 
     return run
