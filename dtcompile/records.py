@@ -65,18 +65,28 @@ class Price:
 
     def __str__(self) -> str:
         costs = f"costs {_us(self.costs_us)}" + (f" {self.costs_what}" if self.costs_what else "")
-        peak = f", adds {format_bytes(self.adds_bytes)} to the peak" if self.adds_bytes is not None else ""
+        peak = f", {_peak_change(self.adds_bytes)}" if self.adds_bytes is not None else ""
         on = f" ({self.profile})" if self.profile else ""
         return f"saves {_us(self.saves_us)}, {costs}{peak}{on}"
 
 
 def _us(value: float) -> str:
-    """Microseconds as a reader wants them: ``1234 us``, ``12.3 us``, ``0.00412 us``, ``0 us``."""
-    if abs(value) >= 100:
+    """A time as a reader wants it: ``1.23 ms``, ``123 us``, ``12.3 us``, ``4.12 ns``, ``0 us``."""
+    size = abs(value)
+    if size >= 1000:
+        return f"{value / 1000:.3g} ms"
+    if size >= 100:
         return f"{value:.0f} us"
-    if abs(value) >= 1:
+    if size >= 1:
         return f"{value:.1f} us"
-    return f"{value:.3g} us"
+    return f"{value * 1000:.3g} ns" if size else "0 us"
+
+
+def _peak_change(num: int) -> str:
+    """What a rewrite does to the peak: ``adds 8 MiB to the peak``, ``lowers the peak by 9 KiB``."""
+    if num > 0:
+        return f"adds {format_bytes(num)} to the peak"
+    return f"lowers the peak by {format_bytes(-num)}" if num else "leaves the peak as it is"
 
 
 @dataclass(frozen=True)

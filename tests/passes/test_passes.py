@@ -123,13 +123,13 @@ def test_async_tp_fuses_every_gather_matmul_and_matmul_scatter_pair(fake_world):
     assert fused == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter", "all_gather", "all_gather"]
     decisions = [f"{r.kind}: {d}" for r in records if r.compile_id == "1/0" for p in r.passes if p.name == "async_tp" for d in map(str, p.decisions)]
     assert_expected_inline("\n".join(decisions), """\
-forward: fused all_gather(dim 1) + 3 matmul(s): all_gather_into_tensor -> mm, mm_1, mm_2: saves 0.000123 us, costs 0 us (h100)
-forward: fused matmul + reduce_scatter(dim 1): mm_3 -> reduce_scatter_tensor: saves 4.1e-05 us, costs 0 us (h100)
-forward: fused all_gather(dim 1) + 2 matmul(s): all_gather_into_tensor_1 -> mm_4, mm_5: saves 0.000164 us, costs 0 us (h100)
-forward: fused matmul + reduce_scatter(dim 1): mm_6 -> reduce_scatter_tensor_1: saves 8.19e-05 us, costs 0 us (h100)
-backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_2 -> mm_8: saves 8.19e-05 us, costs 0 us (h100)
+forward: fused all_gather(dim 1) + 3 matmul(s): all_gather_into_tensor -> mm, mm_1, mm_2: saves 0.123 ns, costs 0 us (h100)
+forward: fused matmul + reduce_scatter(dim 1): mm_3 -> reduce_scatter_tensor: saves 0.041 ns, costs 0 us (h100)
+forward: fused all_gather(dim 1) + 2 matmul(s): all_gather_into_tensor_1 -> mm_4, mm_5: saves 0.164 ns, costs 0 us (h100)
+forward: fused matmul + reduce_scatter(dim 1): mm_6 -> reduce_scatter_tensor_1: saves 0.0819 ns, costs 0 us (h100)
+backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_2 -> mm_8: saves 0.0819 ns, costs 0 us (h100)
 backward: reduce_scatter_tensor_2: not fused: its input comes from aten.add.Tensor (add_6), not from one matmul
-backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_3 -> mm_14: saves 4.1e-05 us, costs 0 us (h100)
+backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_3 -> mm_14: saves 0.041 ns, costs 0 us (h100)
 backward: reduce_scatter_tensor_3: not fused: its input comes from aten.add.Tensor (add_10), not from one matmul""")
 
 
@@ -174,7 +174,7 @@ def test_overlap_on_a_hand_built_graph(fake_world):
     order = [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
     assert order == ["mul", "all_reduce", "mul", "mul", "mul", "wait_tensor", "add"]
     assert_expected_inline("\n".join(map(str, ctx.outcomes)), """\
-graph: 2 move(s), 0 B more in flight at the peak: saves 5.7e-05 us, costs 0 us, adds 0 B to the peak (h100)
+graph: 2 move(s), 0 B more in flight at the peak: saves 0.057 ns, costs 0 us, leaves the peak as it is (h100)
 wait_tensor_default: waits 1 node(s) later, before add_tensor
 all_reduce_default: issued 2 node(s) earlier, after mul_tensor""")
     # Under a 16 B budget the collective stays; the independent compute before it
