@@ -4,98 +4,173 @@ simulated timeline) and the events of a measured trace put beside the predicted 
 from __future__ import annotations
 
 import html
+import math
 from typing import Any
 
-__all__ = ["measured_events", "memory_svg", "mib", "timeline_svg"]
+__all__ = ["byte_ticks", "measured_events", "memory_svg", "mib", "ticks", "time_text", "timeline_svg"]
+
+
+_BYTE_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
 
 
 def mib(num: float) -> str:
-    return f"{num / (1 << 20):.3g} MiB" if num >= 1 << 20 else f"{num / 1024:.3g} KiB" if num >= 1024 else f"{num:.0f} B"
+    """Bytes in the largest unit that keeps a number of at least one: ``1.16 GiB``, ``512 B``."""
+    unit, scale = next((u, s) for u, s in _BYTE_UNITS if abs(num) >= s or s == 1)
+    return f"{num / scale:.3g} {unit}" if scale > 1 else f"{num:.0f} B"
 
 
-def memory_svg(kind: str, memory: dict[str, Any], width: int = 640, height: int = 160) -> str:
+def byte_ticks(top: float, count: int = 4) -> list[tuple[float, str]]:
+    """Round byte values from 0 to ``top`` in one unit, with their labels: ``0``, ``256 MiB``..."""
+    unit, scale = next((u, s) for u, s in _BYTE_UNITS if top >= 2 * s or s == 1)
+    return [(value * scale, f"{value:g} {unit}" if value else "0") for value in ticks(top / scale, count)]
+
+
+def time_text(us: float) -> str:
+    """A time on an axis or a label: ``0``, ``250 ns``, ``12 us``, ``1.5 ms``, ``2 s``."""
+    size = abs(us)
+    if size == 0:
+        return "0"
+    for unit, scale in (("s", 1e6), ("ms", 1e3), ("us", 1.0)):
+        if size >= scale:
+            return f"{us / scale:.3g} {unit}"
+    return f"{us * 1e3:.3g} ns"
+
+
+def ticks(end: float, count: int = 5) -> list[float]:
+    """About ``count`` round values from 0 to ``end`` (steps of 1, 2 or 5 times a power of ten)."""
+    if end <= 0:
+        return [0.0]
+    raw = end / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    return [i * step for i in range(int(end / step + 1e-9) + 1)]
+
+
+def _legend(entries: list[tuple[str, str, str]], x: float, y: float) -> str:
+    """``(kind, colour or dash pattern, text)`` entries in a row: a swatch and its words each."""
+    items = []
+    for kind, style, text in entries:
+        if kind == "box":
+            items.append(f'<rect x="{x:.0f}" y="{y - 9:.0f}" width="10" height="10" fill="{style}"/>')
+        else:
+            items.append(f'<line x1="{x:.0f}" x2="{x + 14:.0f}" y1="{y - 4:.0f}" y2="{y - 4:.0f}" stroke="{_INK}" '
+                         f'stroke-width="1.5" stroke-dasharray="{style}"/>')
+        items.append(f'<text x="{x + 16:.0f}" y="{y:.0f}" font-size="11">{html.escape(text)}</text>')
+        x += 22 + 6.2 * len(text)
+    return "".join(items)
+
+
+def _time_axis(left: float, right: float, top: float, bottom: float, end: float) -> str:
+    """Gridlines and labels of a time axis from 0 to ``end`` us across ``left``..``right``."""
+    parts = []
+    for value in ticks(end):
+        x = left + (right - left) * value / end
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top:.0f}" y2="{bottom:.0f}" stroke="#d0d7de"/>')
+        anchor = "start" if value == 0 else "middle"
+        parts.append(f'<text x="{x:.1f}" y="{bottom + 12:.0f}" font-size="10" fill="{_GREY}" text-anchor="{anchor}">'
+                     f"{time_text(value)}</text>")
+    return "".join(parts)
+
+
+_INK, _GREY = "#24292f", "#57606a"
+
+
+def memory_svg(kind: str, memory: dict[str, Any], width: int = 720, height: int = 200) -> str:
     """One graph's estimated live bytes over its estimated compute time, as an inline SVG:
-    the curve, its peak marked and named, the peak before the passes (dotted) and the
-    budget the passes kept to (dashed)."""
+    byte and time axes with round ticks, the curve, its peak marked and named, the peak
+    before the passes (dotted) and the budget the passes kept to (dashed), and a legend."""
     curve = memory.get("curve") or []
     if not curve:
         return ""
     top = max([b for _, b in curve] + [memory.get("budget_bytes") or 0, memory.get("traced_peak_bytes") or 0]) or 1
+    top *= 1.1  # room above the highest line for the peak's words
     end = curve[-1][0] or 1
-    pad = 4
+    left, right, upper, lower = 72, width - 8, 22, height - 18
 
     def x(us: float) -> float:
-        return pad + (width - 2 * pad) * us / end
+        return left + (right - left) * us / end
 
     def y(num: float) -> float:
-        return height - pad - (height - 2 * pad) * num / top
+        return lower - (lower - upper) * num / top
 
+    parts = [_time_axis(left, right, upper, lower, end)]
+    for value, text in byte_ticks(top):
+        parts.append(f'<line x1="{left}" x2="{right}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#eaeef2"/>')
+        parts.append(f'<text x="{left - 4}" y="{y(value) + 3:.1f}" font-size="10" fill="{_GREY}" text-anchor="end">'
+                     f"{text}</text>")
     points = " ".join(f"{x(us):.1f},{y(b):.1f}" for us, b in curve)
-    lines = [f'<polyline fill="none" stroke="#0969da" stroke-width="1.5" points="{points}"/>']
+    parts.append(f'<polyline fill="none" stroke="#0969da" stroke-width="1.5" points="{points}"/>')
+    legend = [("box", "#0969da", "live bytes")]
     for value, style, label in (
         (memory.get("budget_bytes"), "6,3", "budget"),
-        (memory.get("traced_peak_bytes"), "2,2", "before the passes"),
+        (memory.get("traced_peak_bytes"), "2,2", "peak before the passes"),
     ):
         if value:
-            lines.append(
-                f'<line x1="{pad}" x2="{width - pad}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#888" '
+            parts.append(
+                f'<line x1="{left}" x2="{right}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="{_INK}" '
                 f'stroke-dasharray="{style}"><title>{label}: {mib(value)}</title></line>'
             )
+            legend.append(("line", style, f"{label} {mib(value)}"))
     px, py = x(memory["peak_us"]), y(memory["peak_bytes"])
     peak = f"peak {mib(memory['peak_bytes'])} at {memory['peak_node']}"
-    lines.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="#cf222e"><title>{html.escape(peak)}</title></circle>')
-    anchor = "end" if px > width / 2 else "start"
-    lines.append(f'<text x="{px:.1f}" y="{max(py - 6, 12):.1f}" font-size="11" text-anchor="{anchor}">{html.escape(peak)}</text>')
+    parts.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="#cf222e"><title>{html.escape(peak)}</title></circle>')
+    anchor = "end" if px > (left + right) / 2 else "start"
+    parts.append(f'<text x="{px + (-6 if anchor == "end" else 6):.1f}" y="{max(py - 6, upper + 10):.1f}" font-size="11" '
+                 f'text-anchor="{anchor}">{html.escape(peak)}</text>')
+    parts.append(_legend(legend, left, 13))
     return (
-        f'<figure><svg class="memory" width="{width}" height="{height}" role="img" '
-        f'aria-label="{html.escape(kind)} memory">{"".join(lines)}</svg>'
-        f"<figcaption>{html.escape(kind)}: live bytes (estimated) over estimated compute time, "
-        f"0 to {end:.0f} us; dashed: budget, dotted: peak before the passes</figcaption></figure>"
+        f'<figure><svg class="memory" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+        f'style="max-width:100%;height:auto" role="img" aria-label="{html.escape(kind)} memory">{"".join(parts)}</svg>'
+        f"<figcaption>{html.escape(kind)}: live bytes per rank (estimated) over the estimated compute time, "
+        f"0 to {time_text(end)}</figcaption></figure>"
     )
 
 
 _LANE_COLOURS = {"compute": "#2da44e", "comm": "#0969da", "exposed": "#cf222e"}
+_LANE_WORDS = {"compute": "compute", "exposed": "compute waits for communication", "comm": "collective"}
 
 
-def timeline_svg(kind: str, timeline: dict[str, Any], width: int = 640) -> str:
+def timeline_svg(kind: str, timeline: dict[str, Any], width: int = 720) -> str:
     """One graph's simulated run as an inline SVG, before the passes (when logged) above after
-    them, on one time scale: per run a compute lane (compute green, the compute stream
-    waiting for communication red) and a communication lane (each collective a blue bar)."""
+    them, on one time axis with round ticks: per run a compute lane (compute green, the
+    compute stream waiting for communication red) and a communication lane (each collective
+    a blue bar); a bar wide enough carries its op's name, every bar a tooltip; a legend."""
     runs = [(when, timeline[when]) for when in ("before", "after") if when in timeline]
     if not runs:
         return ""
     end = max(run["total_us"] for _, run in runs) or 1.0
-    label, lane_h, gap, pad = 150, 14, 4, 4
-    run_h = 2 * (lane_h + gap) + 10
-    height = len(runs) * run_h + 16
+    label, lane_h, gap, right = 150, 16, 4, width - 8
+    run_h = 2 * (lane_h + gap) + 12
+    first = 22
+    height = first + len(runs) * run_h + 18
 
     def x(us: float) -> float:
-        return label + (width - label - pad) * us / end
+        return label + (right - label) * us / end
 
-    items = []
+    items = [_time_axis(label, right, first - 4, first + len(runs) * run_h - 8, end)]
     for i, (when, run) in enumerate(runs):
-        top = i * run_h + 4
-        title = f"{when} the passes: {run['total_us']:.1f} us, {run['exposed_us']:.1f} exposed"
-        items.append(f'<text x="0" y="{top + lane_h - 3}" font-size="11">{html.escape(when)} the passes</text>')
-        items.append(f'<text x="0" y="{top + 2 * lane_h + gap - 3}" font-size="10" fill="#555">{run["total_us"]:.3g} us, {run["exposed_us"]:.3g} exposed</text>')
+        top = first + i * run_h
+        items.append(f'<text x="0" y="{top + lane_h - 4}" font-size="11">{html.escape(when)} the passes</text>')
+        items.append(f'<text x="0" y="{top + 2 * lane_h + gap - 4}" font-size="10" fill="{_GREY}">'
+                     f'{time_text(run["total_us"])}, {time_text(run["exposed_us"])} exposed</text>')
         for lane, name, start, stop, nodes in run["spans"]:
             row = top if lane != "comm" else top + lane_h + gap
             w = max(x(stop) - x(start), 0.5)
             what = {"compute": f"compute, {nodes} node(s)", "comm": "collective", "exposed": "waiting for communication"}[lane]
-            tip = f"{name}: {what}, {start:.1f} to {stop:.1f} us"
+            tip = f"{name}: {what}, {time_text(start)} to {time_text(stop)} ({time_text(stop - start)})"
             items.append(
                 f'<rect class="{lane}" x="{x(start):.1f}" y="{row}" width="{w:.1f}" height="{lane_h}" '
                 f'fill="{_LANE_COLOURS[lane]}"><title>{html.escape(tip)}</title></rect>'
             )
-        items.append(f"<title>{html.escape(title)}</title>")
-    axis_y = len(runs) * run_h + 12
-    items.append(f'<text x="{label}" y="{axis_y}" font-size="10" fill="#555">0 us</text>')
-    items.append(f'<text x="{width - pad}" y="{axis_y}" font-size="10" fill="#555" text-anchor="end">{end:.3g} us</text>')
+            if w >= 7 * len(name) + 6:  # the op's name fits inside the bar
+                items.append(f'<text x="{x(start) + 3:.1f}" y="{row + lane_h - 4}" font-size="10" fill="#ffffff" '
+                             f'pointer-events="none">{html.escape(name)}</text>')
+    items.append(_legend([("box", _LANE_COLOURS[lane], words) for lane, words in _LANE_WORDS.items()], label, 13))
     return (
-        f'<figure><svg class="timeline" width="{width}" height="{height}" role="img" '
-        f'aria-label="{html.escape(kind)} timeline">{"".join(items)}</svg>'
-        f"<figcaption>{html.escape(kind)}: simulated on the graph's cost profile; per run, top lane compute "
-        "(green; red where it waits for communication), bottom lane the collectives (blue)</figcaption></figure>"
+        f'<figure><svg class="timeline" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+        f'style="max-width:100%;height:auto" role="img" aria-label="{html.escape(kind)} timeline">{"".join(items)}</svg>'
+        f"<figcaption>{html.escape(kind)}: simulated on the graph's cost profile; per run the compute "
+        "lane above the collectives' lane</figcaption></figure>"
     )
 
 

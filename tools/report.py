@@ -312,15 +312,24 @@ _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
 pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
-table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: right; }
-th { background: #eee; } td.l, th.l { text-align: left; }
+table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: left; vertical-align: top; }
+th { background: #eee; } td.n, th.n { text-align: right; white-space: nowrap; } td { white-space: pre-line; }
+figcaption { font-size: 0.85em; color: #57606a; }
 .ok { color: #1a7f37; } .bad { color: #cf222e; font-weight: bold; }
 """
 
 
+_NUMBER = re.compile(r"[-+~]?[\d.,]+(?:e[-+]?\d+)?(?: ?[A-Za-z]{1,3})?(?: -> [\d.,]+)?")
+
+
 def _table(header: list[str], rows: list[list[Any]], left: int = 1) -> str:
+    """Prose left-aligned, numbers (a count, ``512 B``, ``10.2``) right-aligned; the first ``left``
+    columns name the row, left-aligned whatever they hold."""
+    numeric = [i >= left and rows and all(_NUMBER.fullmatch(str(row[i])) for row in rows if str(row[i]))
+               for i in range(len(header))]
+
     def cell(tag: str, i: int, value: Any) -> str:
-        cls = ' class="l"' if i < left else ""
+        cls = ' class="n"' if numeric[i] else ""
         return f"<{tag}{cls}>{html.escape(str(value))}</{tag}>"
 
     head = "".join(cell("th", i, h) for i, h in enumerate(header))
@@ -419,7 +428,7 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
                 "yes" if p["ran"] else "switched off",
                 "{} -> {}".format(*p["nodes"]),
                 "{} -> {}".format(*p["collectives"]),
-                "; ".join(p.get("decisions", [])),
+                "\n".join(p.get("decisions", [])),
             ]
             for kind, data in record.collectives.items()
             for p in data.get("passes", [])
