@@ -76,6 +76,10 @@ class SpmdType(str):
         """``S(dim)``: varying, a shard of ``dim``."""
         return cls("V", dim)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as what it is made from (its text alone is not a constructor argument).
+        return (SpmdType, (self.local, self.dim))
+
 
 R, I, V, P, UNKNOWN = (SpmdType(t) for t in ("R", "I", "V", "P", "?"))
 AxisTypes = dict[str, SpmdType]
