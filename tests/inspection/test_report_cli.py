@@ -110,7 +110,7 @@ def test_report_of_a_trace_cut_off_mid_entry(dtcompile_trace, tmp_path, capsys, 
     assert err == f"dtcompile-report: warning: {expected}\n"
     page = (tmp_path / "out" / "index.html").read_text()
     # What came before the cut is there: the forward all-reduce and the backward graph.
-    assert '<td class="l">forward</td><td class="l">all_reduce</td><td class="l">tp</td>' in page
+    assert '<td>forward</td><td>all_reduce</td><td>tp</td>' in page
     assert "<h3>backward graph</h3>" in page
     assert '<p class="profile">Priced with cost profile <b>h100</b> (auto: cpu tensors on ' in page
     assert f'<section id="warnings"><h2>Left out of this report</h2><ul>\n<li class="bad">{html.escape(expected)}</li>' in page
