@@ -61,8 +61,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # tests/support: torchtitan's harness (
 import support.titan as _titan  # noqa: E402
 
 import dtcompile  # noqa: E402
+from dtcompile.base.notation import format_bytes  # noqa: E402
 from dtcompile.compiler import DTCompileBackend  # noqa: E402
-from dtcompile.memory import format_bytes  # noqa: E402
 from dtcompile.testing import measure_memory, run_gloo, saved_bytes, storage_bytes  # noqa: E402
 
 DIM, NUM_HEADS, NUM_LAYERS, HIDDEN_DIM = 256, 8, 4, 768

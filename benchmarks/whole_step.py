@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support: torchtitan's harness (CPU device, SDPA)
 
 import dtcompile  # noqa: E402
-from dtcompile.memory import format_bytes  # noqa: E402
+from dtcompile.base.notation import format_bytes  # noqa: E402
 from dtcompile.testing import measure_memory, run_gloo, storage_bytes  # noqa: E402
 
 WAYS = ("eager", "dynamo", "gt traced", "gt + dtcompile", "compile_step", "compile_step + opt")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dtcompile.base.channels import Artifact, GraphKind, Meta
-from dtcompile.memory import format_bytes
+from dtcompile.base.notation import format_bytes
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
 
 __all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "emit_saved_artifacts", "format_compiled_graph", "keep_artifacts", "memory_json", "memory_lines", "pass_lines", "region_lines", "timeline_json", "timeline_lines"]

@@ -38,6 +38,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from dtcompile.base.channels import GraphKind
+from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import WAIT
 from dtcompile.base.sizes import hint
 from dtcompile.collectives import is_collective
@@ -50,19 +51,10 @@ __all__ = [
     "PeakTracker",
     "budget_below_peak",
     "estimate_memory",
-    "format_bytes",
     "held_during_backward",
     "prefetch_window",
 ]
 
-
-
-def format_bytes(num: float) -> str:
-    """Bytes as a reader wants them: ``512 B``, ``3.2 KiB``, ``8.42 MiB``, ``1.5 GiB``."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(num) >= scale:
-            return f"{num / scale:.3g} {unit}"
-    return f"{num:.0f} B"
 
 
 @dataclass(frozen=True)

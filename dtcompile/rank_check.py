@@ -101,6 +101,14 @@ def world_can_disagree() -> bool:
     return dist.is_available() and dist.is_initialized() and str(dist.get_backend()) not in _SIMULATED
 
 
+def ranks_are_threads() -> bool:
+    """Whether this process's ranks are threads of it (:func:`dtcompile.testing.run_threaded`,
+    torch's threaded process group): they share one Dynamo, its caches, counters and flags."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "threaded"
+
+
 def check_groups(gm: fx.GraphModule, meshes: Sequence[Any]) -> list[str]:
     """The process groups whose ranks compare this graph, by name, in an order every rank
     shares: each mesh's axes in order, then its flattened ones (a DTensor graph's

@@ -33,7 +33,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from dtcompile.base.channels import GraphKind
-from dtcompile.memory import MemoryEstimate, budget_below_peak, estimate_memory, format_bytes, held_during_backward
+from dtcompile.base.notation import format_bytes
+from dtcompile.memory import MemoryEstimate, budget_below_peak, estimate_memory, held_during_backward
 from dtcompile.records import Action, Outcome, PassRecord
 
 __all__ = ["ActivationChoice", "fit_activation_budget"]

@@ -17,9 +17,10 @@ from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
 from dtcompile.base.channels import GraphKind
+from dtcompile.base.notation import format_bytes
 from dtcompile.collectives import CollectiveInfo
 from dtcompile.cost.simulate import Timeline
-from dtcompile.memory import MemoryEstimate, format_bytes
+from dtcompile.memory import MemoryEstimate
 from dtcompile.regions import RegionInfo
 
 __all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]

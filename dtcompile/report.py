@@ -27,6 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dtcompile.artifacts import collective_table, memory_lines, pass_lines, region_lines
+from dtcompile.rank_check import ranks_are_threads
 from dtcompile.records import CompiledGraph
 from dtcompile.registry import backend as make_backend
 
@@ -102,16 +103,6 @@ def _depyf(dump_dir: str | None) -> Any:
 _NOT_PER_RANK = "not counted: the ranks are threads of one process, and Dynamo counts for all of them at once"
 
 
-def _ranks_are_threads() -> bool:
-    """Whether this process's ranks are threads of it (:func:`dtcompile.testing.run_threaded`):
-    they share Dynamo's caches and counters.  One rank resetting the caches would free the
-    code the others are running, so :func:`explain` leaves them (Dynamo compiles ``fn`` again
-    for its new backend), and says it cannot count one rank's graph breaks and recompiles."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "threaded"
-
-
 def explain(
     fn: Callable[..., Any], *, backward: bool = True, depyf_dir: str | None = None, **options: Any
 ) -> Callable[..., Report]:
@@ -120,7 +111,7 @@ def explain(
     outputs), and report what was compiled (``aot_cache=False``: every graph is
     compiled, none served by a cache).  Calling the result again with other args
     reports the recompiles they cause.  Resets Dynamo's caches first, but where ranks are
-    threads of one process (they share them: see :func:`_ranks_are_threads`).
+    threads of one process (they share them: :func:`dtcompile.rank_check.ranks_are_threads`).
 
     ``depyf_dir``: also dump Dynamo's transformed bytecode, decompiled by depyf, and
     the graphs' code there (``dtcompile-report --depyf DIR`` puts it beside the HTML)."""
@@ -129,7 +120,10 @@ def explain(
     options.setdefault("aot_cache", False)
     backend = make_backend(**options)
     compiled = torch.compile(fn, backend=backend)
-    threads = _ranks_are_threads()
+    # Ranks as threads share Dynamo's caches: one rank resetting them would free the code the
+    # others run.  Dynamo compiles ``fn`` again for the new backend instead, and its counters
+    # are the whole process's, so one rank's graph breaks and recompiles are not counted.
+    threads = ranks_are_threads()
     if not threads:
         torch._dynamo.reset()
 

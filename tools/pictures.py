@@ -7,21 +7,14 @@ import html
 import math
 from typing import Any
 
-__all__ = ["byte_ticks", "measured_events", "memory_svg", "mib", "ticks", "time_text", "timeline_svg"]
+from dtcompile.base.notation import BYTE_UNITS, format_bytes
 
-
-_BYTE_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
-
-
-def mib(num: float) -> str:
-    """Bytes in the largest unit that keeps a number of at least one: ``1.16 GiB``, ``512 B``."""
-    unit, scale = next((u, s) for u, s in _BYTE_UNITS if abs(num) >= s or s == 1)
-    return f"{num / scale:.3g} {unit}" if scale > 1 else f"{num:.0f} B"
+__all__ = ["byte_ticks", "measured_events", "memory_svg", "ticks", "time_text", "timeline_svg"]
 
 
 def byte_ticks(top: float, count: int = 4) -> list[tuple[float, str]]:
     """Round byte values from 0 to ``top`` in one unit, with their labels: ``0``, ``256 MiB``..."""
-    unit, scale = next((u, s) for u, s in _BYTE_UNITS if top >= 2 * s or s == 1)
+    unit, scale = next(((u, s) for u, s in BYTE_UNITS if top >= 2 * s), ("B", 1))
     return [(value * scale, f"{value:g} {unit}" if value else "0") for value in ticks(top / scale, count)]
 
 
@@ -108,11 +101,11 @@ def memory_svg(kind: str, memory: dict[str, Any], width: int = 720, height: int 
         if value:
             parts.append(
                 f'<line x1="{left}" x2="{right}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="{_INK}" '
-                f'stroke-dasharray="{style}"><title>{label}: {mib(value)}</title></line>'
+                f'stroke-dasharray="{style}"><title>{label}: {format_bytes(value)}</title></line>'
             )
-            legend.append(("line", style, f"{label} {mib(value)}"))
+            legend.append(("line", style, f"{label} {format_bytes(value)}"))
     px, py = x(memory["peak_us"]), y(memory["peak_bytes"])
-    peak = f"peak {mib(memory['peak_bytes'])} at {memory['peak_node']}"
+    peak = f"peak {format_bytes(memory['peak_bytes'])} at {memory['peak_node']}"
     parts.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="#cf222e"><title>{html.escape(peak)}</title></circle>')
     anchor = "end" if px > (left + right) / 2 else "start"
     parts.append(f'<text x="{px + (-6 if anchor == "end" else 6):.1f}" y="{max(py - 6, upper + 10):.1f}" font-size="11" '

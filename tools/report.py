@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from dtcompile.base.channels import Artifact, GraphKind, parse_artifact
+from dtcompile.base.notation import format_bytes
 from dtcompile.base.progress import track
-from dtcompile_tools.pictures import measured_events, memory_svg, mib, timeline_svg
+from dtcompile_tools.pictures import measured_events, memory_svg, timeline_svg
 
 __all__ = ["Trace", "TraceError", "main", "perfetto_trace", "read_trace", "render_html"]
 
@@ -365,8 +366,8 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
 
     parts.append('<section id="memory-summary"><h2>Memory per step (estimated peak per graph)</h2>')
     rows = [
-        [f"rank {rank}", f"{cid} {kind}", mib(data["memory"]["peak_bytes"]), data["memory"]["peak_node"],
-         mib(data["memory"]["traced_peak_bytes"] or 0), mib(data["memory"]["budget_bytes"] or 0)]
+        [f"rank {rank}", f"{cid} {kind}", format_bytes(data["memory"]["peak_bytes"]), data["memory"]["peak_node"],
+         format_bytes(data["memory"]["traced_peak_bytes"] or 0), format_bytes(data["memory"]["budget_bytes"] or 0)]
         for rank in ranks
         for cid, record in sorted(trace.ranks[rank].compiles.items())
         for kind, data in record.collectives.items()
@@ -444,7 +445,7 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
             parts.append("<h3>Memory</h3>")
             for kind, memory in memories:
                 parts.append(memory_svg(kind, memory))
-                alive = [[a["name"], a["kind"], mib(a["bytes"])] for a in memory.get("at_peak", [])]
+                alive = [[a["name"], a["kind"], format_bytes(a["bytes"])] for a in memory.get("at_peak", [])]
                 parts.append(f"<p>{html.escape(kind)}: alive at the peak (largest first)</p>" + _table(["tensor", "kind", "bytes"], alive, left=2))
         parts.append("</section>")
 

@@ -1,9 +1,10 @@
-"""How a mesh, and a traced node's place in the model's code, are named in every message and
-report: the bottom of the house.
+"""How a mesh, a traced node's place in the model's code, and a number of bytes are named in
+every message and report: the bottom of the house.
 
 ``describe_mesh`` gives ``DeviceMesh((dp=2, tp=4))``; ``real_object`` reaches the
 real object behind the ``FakeScriptObject`` a trace sees; ``source_of`` gives the
-model's line a traced node came from.  hops, dynamo_vars and the backend all
+model's line a traced node came from; ``format_bytes`` gives ``8.42 MiB`` (the
+backend's records and the report tool's pages alike).  hops, dynamo_vars and the backend all
 print these one way, so this module imports nothing of theirs (and nothing heavy:
 torch is imported inside the functions).
 """
@@ -15,7 +16,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["describe_mesh", "real_object", "source_of"]
+__all__ = ["BYTE_UNITS", "describe_mesh", "format_bytes", "real_object", "source_of"]
+
+BYTE_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+"""The units bytes are named in, largest first (below a KiB: ``B``)."""
+
+
+def format_bytes(num: float) -> str:
+    """Bytes as a reader wants them: ``512 B``, ``3.2 KiB``, ``8.42 MiB``, ``1.5 GiB``."""
+    for unit, scale in BYTE_UNITS:
+        if abs(num) >= scale:
+            return f"{num / scale:.3g} {unit}"
+    return f"{num:.0f} B"
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
 _DTCOMPILE = str(Path(__file__).resolve().parents[1]) + os.sep  # the dtcompile package

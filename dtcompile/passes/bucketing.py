@@ -53,11 +53,12 @@ import torch
 from torch import fx
 
 from dtcompile.base.channels import Meta
+from dtcompile.base.notation import format_bytes
 from dtcompile.base.sizes import is_symbolic
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
-from dtcompile.memory import PeakTracker, format_bytes
+from dtcompile.memory import PeakTracker
 from dtcompile.passes._graph import (
     alias_roots,
     first_use_index,

@@ -41,11 +41,12 @@ from typing import Any
 
 from torch import fx
 
+from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import WAIT
 from dtcompile.collectives import collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us, simulate
-from dtcompile.memory import PeakTracker, estimate_memory, format_bytes
+from dtcompile.memory import PeakTracker, estimate_memory
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
 from dtcompile.regions import issues_collectives

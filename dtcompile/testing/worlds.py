@@ -347,7 +347,9 @@ def wait_for_eager_on_every_rank() -> None:
     eager code that branches on it takes the compiled branch, and an eager
     reference taken then is wrong.  Real ranks are processes and do not wait.
     """
-    if dist.is_initialized() and dist.get_backend() == "threaded":
+    from dtcompile.rank_check import ranks_are_threads
+
+    if ranks_are_threads():
         dist.barrier()
 
 

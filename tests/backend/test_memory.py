@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 import dtcompile
 from dtcompile._testing import models
 from dtcompile._testing.cases import CASES
-from dtcompile.memory import MemoryBudgetError, format_bytes
+from dtcompile.base.notation import format_bytes
+from dtcompile.memory import MemoryBudgetError
 from dtcompile.records import Action
 from dtcompile.testing import assert_matches_eager, measure_memory, saved_bytes, threaded_world
 

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from dtcompile.base.notation import format_bytes
 from dtcompile.records import Price
-from dtcompile_tools.pictures import byte_ticks, memory_svg, mib, ticks, time_text, timeline_svg
+from dtcompile_tools.pictures import byte_ticks, memory_svg, ticks, time_text, timeline_svg
 from dtcompile_tools.report import read_trace, render_html
 
 
@@ -24,7 +25,7 @@ def test_ticks_are_round_and_cover_the_range():
 
 def test_times_and_bytes_read_in_the_unit_they_need():
     assert [time_text(v) for v in (0, 0.00025, 0.5, 12, 1500, 2.5e6)] == ["0", "0.25 ns", "500 ns", "12 us", "1.5 ms", "2.5 s"]
-    assert [mib(v) for v in (0, 512, 3000, 1.25e9)] == ["0 B", "512 B", "2.93 KiB", "1.16 GiB"]
+    assert [format_bytes(v) for v in (0, 512, 3000, 1.25e9)] == ["0 B", "512 B", "2.93 KiB", "1.16 GiB"]
     assert byte_ticks(1.43e9) == [(0, "0"), (500 << 20, "500 MiB"), (1000 << 20, "1000 MiB")]
     assert byte_ticks(5000) == [(0, "0"), (2048, "2 KiB"), (4096, "4 KiB")]
 

@@ -17,8 +17,8 @@ from torch import fx
 import dtcompile
 from dtcompile._testing import models
 from dtcompile._testing.cases import CASES, pass_context
+from dtcompile.base.notation import format_bytes
 from dtcompile.cost import AUTO, choose_profile, get_profile, load_profile, save_profile
-from dtcompile.memory import format_bytes
 from dtcompile.pass_names import COMMUNICATION_PASSES
 from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.overlap import reorder_for_overlap
