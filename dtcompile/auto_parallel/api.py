@@ -97,6 +97,19 @@ def _compile_config(config: Any, profile: Any) -> tuple[Any, int | None, Any]:
     return (profile if profile is not None else config.cost_profile), bucket_cap, config
 
 
+def _step_budget(budget: Any, config: Any) -> int | None:
+    """The step's memory budget: ``memory_budget_bytes``, else the compile config's (one budget
+    serves the plan and the compile)."""
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise ValueError(f"auto_parallel: memory_budget_bytes must be an int >= 1 or None, got {budget!r}")
+    if budget is not None and config.memory_budget_bytes is not None and budget != config.memory_budget_bytes:
+        raise ValueError(
+            f"auto_parallel: memory_budget_bytes={budget} but the compile config's memory_budget_bytes is "
+            f"{config.memory_budget_bytes}; give one of them (the plan and the compile keep to one budget)"
+        )
+    return budget if budget is not None else config.memory_budget_bytes
+
+
 def _check(model: Any, mesh: Any, example_inputs: Any, budget: Any, profile: Any) -> tuple[tuple[Any, ...], HardwareProfile]:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -135,10 +148,13 @@ def plan(
     fixed: Mapping[str, Any] | None = None,
     cost_profile: str | HardwareProfile | None = None,
     config: Any = None,
+    memory_budget_bytes: int | None = None,
+    optimizer: Any = None,
 ) -> Any:
     """Choose every parameter's, input's, output's and op's placements; returns the
     :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`)."""
     from dtcompile.auto_parallel.local_ops import decomposition_for
+    from dtcompile.auto_parallel.peak import optimizer_states, step_memory
     from dtcompile.auto_parallel.problem import build_problem
     from dtcompile.auto_parallel.solution import Solution
     from dtcompile.auto_parallel.solver import solve
@@ -147,6 +163,8 @@ def plan(
 
     cost_profile, bucket_cap_bytes, config = _compile_config(config, cost_profile)
     example_inputs, profile = _check(model, mesh, example_inputs, param_memory_budget_bytes, cost_profile)
+    memory_budget_bytes = _step_budget(memory_budget_bytes, config)
+    states = optimizer_states(optimizer)
     num_inputs = len(pytree.tree_leaves(example_inputs))
     pinned: dict[str, Layout] = {}
     if input_placements is not None:
@@ -184,14 +202,16 @@ def plan(
         progress.step("problem built")
         tie_repeated_layers(problem)
         progress.step("layers tied")
-        result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes)
+        memory = step_memory(problem, states)
+        result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes, memory=memory,
+                       memory_budget_bytes=memory_budget_bytes)
         problem.seconds["solve"] = result.seconds
         progress.step("solved")
     log.info(
         "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
         len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,
     )
-    solution = Solution(problem, result, param_memory_budget_bytes)
+    solution = Solution(problem, result, param_memory_budget_bytes, memory, memory_budget_bytes)
     # tlparse shows it beside the compiles' artifacts (TORCH_TRACE=DIR).
     torch._logging.trace_structured(
         "artifact",
@@ -212,6 +232,8 @@ def auto_parallel(
     fixed: Mapping[str, Any] | None = None,
     cost_profile: str | HardwareProfile | None = None,
     config: Any = None,
+    memory_budget_bytes: int | None = None,
+    optimizer: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Choose the placements of ``model`` on ``mesh`` and return ``(parallel_model, solution)``.
 
@@ -220,6 +242,15 @@ def auto_parallel(
     ``input_placements`` / ``output_placements``: per flattened input / output,
     a placements tuple to pin, or ``None`` to let the solver choose.
     ``param_memory_budget_bytes``: the most parameter bytes one rank may hold.
+    ``memory_budget_bytes``: the most bytes one rank may hold at the training step's
+    peak (parameters, gradients, ``optimizer``'s state, inputs, and what the forward
+    saves for the backward: :mod:`dtcompile.auto_parallel.peak`); default the compile
+    config's ``memory_budget_bytes``, so one budget serves the plan and the compile.  A
+    budget below the least peak any plan reaches is an
+    :class:`~dtcompile.auto_parallel.solver.Infeasible` naming that peak.
+    ``optimizer``: the optimizer the step runs (``"adam"``, ``torch.optim.AdamW``...:
+    :data:`~dtcompile.auto_parallel.peak.OPTIMIZER_STATES`), for its state; ``None``:
+    none counted.
     ``fixed``: parameter name (or ``input0``...) -> placements to pin.
     ``cost_profile``: the hardware profile the costs are estimated with (default: the
     config's, ``"auto"``: the profile of the mesh's device and its groups' backend, as
@@ -241,6 +272,7 @@ def auto_parallel(
     solution = plan(
         model, mesh, example_inputs, input_placements=input_placements, output_placements=output_placements,
         param_memory_budget_bytes=param_memory_budget_bytes, fixed=fixed, cost_profile=cost_profile, config=config,
+        memory_budget_bytes=memory_budget_bytes, optimizer=optimizer,
     )
     start = time.perf_counter()
     parallel = parallelize(model, solution)

@@ -48,6 +48,11 @@ class Candidate:
     saved: tuple[bool, ...] = ()
     """Per tensor argument, whether its backward reads it (empty: not measured, as for a
     region, whose body is not: taken as read)."""
+    saved_outputs: tuple[bool, ...] = ()
+    """Per output, whether its own backward reads it (empty: none)."""
+    saved_bytes: int = 0
+    """Bytes per rank its backward reads that it made itself (outputs included), kept
+    from the forward to the backward."""
 
     @property
     def cost_us(self) -> float:

@@ -70,6 +70,12 @@ class OpMeasure:
     """Per tensor input: whether the backward reads it (or what the forward made of it
     alone, ``t(w)``): saved for the backward, so a gathered parameter is gathered
     again there where dtcompile reshards after forward (:mod:`dtcompile.reshard`)."""
+    saved_outputs: tuple[bool, ...] = ()
+    """Per output: whether the op's own backward reads it (``relu``'s, SDPA's)."""
+    saved_bytes: int = 0
+    """Bytes per rank of what the op's backward reads that the op made, outputs included
+    (SDPA's output and log-sum-exp, a norm's statistics): kept from the forward to the
+    backward (:mod:`~dtcompile.auto_parallel.peak`)."""
 
 
 # Fused norm backwards take the weight (and bias) whatever they compute; decomposed, as
@@ -95,20 +101,32 @@ def _args_read(node: fx.Node) -> list[fx.Node]:
     return [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and i not in weights]
 
 
-def _read_by_backward(graph: fx.Graph, boundary: int, num_inputs: int) -> tuple[bool, ...]:
-    """Per input placeholder of a recorded op, whether a node past ``boundary`` reads it or
-    a forward node computed from it alone (a fused norm backward's weight only where it
-    computes the input's gradient: :data:`_NORM_BACKWARDS`)."""
+def _read_by_backward(graph: fx.Graph, boundary: int, num_inputs: int,
+                      outputs: Sequence[fx.Node | None]) -> tuple[tuple[bool, ...], tuple[bool, ...], int]:
+    """What the backward of a recorded op reads (a fused norm backward's weight only where it
+    computes the input's gradient: :data:`_NORM_BACKWARDS`): per input placeholder, whether
+    a node past ``boundary`` reads it or a forward node computed from it alone; per output
+    node, whether one reads it; and the bytes of the forward's nodes it reads that are made
+    from more than one input alone (the outputs among them)."""
     nodes = list(graph.nodes)
-    read = []
+    read_by = {n for node in nodes[boundary:] for n in _args_read(node)}
+    read, derived_any = [], set()
     for i in range(num_inputs):
         derived = {nodes[i]}
         for node in nodes[num_inputs:boundary]:
             inputs = node.all_input_nodes
             if inputs and all(n in derived for n in inputs):
                 derived.add(node)
-        read.append(any(n in derived for node in nodes[boundary:] for n in _args_read(node)))
-    return tuple(read)
+        read.append(bool(derived & read_by))
+        derived_any |= derived
+    # (The outputs' gradients are placeholders too, made before the forward ran.)
+    made = [n for n in nodes[num_inputs:boundary] if n.op != "placeholder" and n in read_by and n not in derived_any]
+    own = sum(_nbytes(n.meta.get("val")) for n in made)
+    return tuple(read), tuple(n is not None and n in read_by for n in outputs), own
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 def _axis_names(mesh: Any) -> dict[str, str]:
@@ -241,8 +259,9 @@ def measure_op(
                 for _, _, rg in tensors
             )
     forward, backward, found = _read_graph(recorder.graph, boundary, mesh, profile)
-    saved = _read_by_backward(recorder.graph, boundary, num_in)
-    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved)
+    out_nodes = [recorder.node_of(o._local_tensor) if isinstance(o, DTensor) else None for o in outs]
+    saved, saved_outs, own = _read_by_backward(recorder.graph, boundary, num_in, out_nodes)
+    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved, saved_outs, own)
 
 
 def _ran_as_chosen(graph: fx.Graph, out_layouts: Sequence[Any], expected: Sequence[Layout | None], mesh: Any) -> bool:
@@ -309,6 +328,10 @@ class _Recorder:
             self._nodes[id(t)] = node
             self._alive.append(t)
         return self._nodes[id(t)]
+
+    def node_of(self, t: torch.Tensor) -> fx.Node | None:
+        """The recorded node that made ``t`` (``None``: none did)."""
+        return self._nodes.get(id(t))
 
     def known(self, tensors: Sequence[torch.Tensor]) -> None:
         """Make ``tensors`` the program's inputs: ops on other tensors (DTensor's own

@@ -310,6 +310,7 @@ class _Builder:
                     self.measures[key] = Candidate(
                         ins, outs, m.grad_layouts, grads_back, m.forward_us, m.backward_us, m.collectives,
                         sum(c.time_us(self.profile) for c in m.collectives), local, m.saved,
+                        m.saved_outputs, m.saved_bytes,
                     )
                 if self.measures[key] is not None:
                     candidates.append(self.measures[key])
@@ -335,6 +336,7 @@ class _Builder:
         candidate = Candidate(
             region.in_placements, region.out_placements, m.grad_layouts, grad_out, m.forward_us, m.backward_us,
             m.collectives, sum(c.time_us(self.profile) for c in m.collectives),
+            saved_outputs=m.saved_outputs, saved_bytes=m.saved_bytes,
         )
         self.nodes[node.name] = PNode(
             node.name, "region", refs, metas, out_rg, [candidate], target=f"local_map[{region.name}]",

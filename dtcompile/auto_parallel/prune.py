@@ -12,7 +12,9 @@ the other groups can make nothing dearer or infeasible:
 - every fan-out rule ``a`` satisfies, ``b`` satisfies: as a fan-out's reader, every
   fan-out candidate that suits ``a`` suits ``b``; as the fan-out, every reader
   candidate that suits ``a`` suits ``b``;
-- under a parameter memory budget, ``b`` holds no more bytes per rank.
+- under a memory budget, ``b`` holds no more bytes per rank: its parameters (a
+  parameter budget), or what it and each pair of its edges keep at the step's peak
+  (a step budget, :mod:`~dtcompile.auto_parallel.peak`).
 
 Each such swap keeps every constraint and lowers or keeps the objective, so some
 optimal choice uses no dominated candidate: removing them leaves the optimum's
@@ -29,7 +31,7 @@ candidates, so the program shrinks quadratically.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,9 +45,12 @@ class EdgeBlock:
     """All edges between two groups, their cost matrices summed; per pair, the buckets its
     collectives join as a bit mask over ``keys`` (``None``: no bucketed collective on it)."""
 
-    def __init__(self, cost: np.ndarray, buckets: list[list[tuple[Any, ...]]] | None) -> None:
+    def __init__(self, cost: np.ndarray, buckets: list[list[tuple[Any, ...]]] | None,
+                 memory: np.ndarray | None = None) -> None:
         self.cost = cost
         self.buckets = buckets
+        self.memory = memory
+        """Bytes per pair the step keeps at its peak (:mod:`~dtcompile.auto_parallel.peak`), or ``None``."""
         self.keys: list[Any] = []
         self.masks: np.ndarray | None = None
         if buckets is not None:
@@ -61,11 +66,13 @@ class EdgeBlock:
                 ).reshape(cost.shape)
 
 
-def edge_blocks(problem: Problem) -> dict[tuple[str, str], EdgeBlock]:
-    """The problem's edges grouped by (producer group, consumer group), costs summed."""
+def edge_blocks(problem: Problem, memory: Mapping[int, np.ndarray] | None = None) -> dict[tuple[str, str], EdgeBlock]:
+    """The problem's edges grouped by (producer group, consumer group), costs summed (and
+    ``memory``, per edge index the bytes per pair at the step's peak, summed likewise)."""
     matrices: dict[tuple[str, str], np.ndarray] = {}
     buckets: dict[tuple[str, str], Any] = {}
-    for edge in problem.edges:
+    held: dict[tuple[str, str], np.ndarray] = {}
+    for index, edge in enumerate(problem.edges):
         gp, gc = problem.nodes[edge.producer].group, problem.nodes[edge.consumer].group
         if gp == gc:
             raise AssertionError(f"edge {edge.producer} -> {edge.consumer} inside one tied group")
@@ -74,7 +81,9 @@ def edge_blocks(problem: Problem) -> dict[tuple[str, str], EdgeBlock]:
         matrices[key] = matrix if key not in matrices else matrices[key] + matrix
         if edge.buckets is not None:
             buckets[key] = edge.buckets  # tied copies of one edge join the same buckets
-    return {key: EdgeBlock(matrix, buckets.get(key)) for key, matrix in matrices.items()}
+        if memory is not None and index in memory:
+            held[key] = memory[index] if key not in held else held[key] + memory[index]
+    return {key: EdgeBlock(matrix, buckets.get(key), held.get(key)) for key, matrix in matrices.items()}
 
 
 def _rows_dominated(cost: np.ndarray, masks: np.ndarray | None) -> np.ndarray:
@@ -101,16 +110,27 @@ def undominated(
     blocks: Mapping[tuple[str, str], EdgeBlock],
     with_memory: bool,
     max_rounds: int = 8,
+    step_memory: Sequence[Mapping[str, np.ndarray]] | None = None,
 ) -> dict[str, list[int]]:
     """Per group, the indices of its candidates that no other candidate dominates (see the module
-    docstring); ``with_memory``: a parameter memory budget constrains the choice."""
+    docstring); ``with_memory``: a parameter memory budget constrains the choice;
+    ``step_memory``: a step budget does, with these bytes per node and candidate, each
+    mapping compared on its own (and the blocks' ``memory``)."""
     alive = {g: np.arange(len(problem.nodes[g].candidates)) for g in groups}
     cost = {g: np.array([c.cost_us * len(names) for c in problem.nodes[g].candidates]) for g, names in groups.items()}
-    memory: dict[str, np.ndarray] = {}
+    memories: list[dict[str, np.ndarray]] = []
     if with_memory:
+        memory: dict[str, np.ndarray] = {}
         for name, sizes in problem.param_bytes.items():
             g = problem.nodes[name].group
             memory[g] = memory.get(g, 0) + np.asarray(sizes, dtype=float)
+        memories.append(memory)
+    for per_node in step_memory or ():
+        memory = {}
+        for name, sizes in per_node.items():
+            g = problem.nodes[name].group
+            memory[g] = memory.get(g, 0) + sizes
+        memories.append(memory)
     incident: dict[str, list[tuple[str, tuple[str, str]]]] = {g: [] for g in groups}
     for gp, gc in blocks:
         incident[gp].append(("producer", (gp, gc)))
@@ -130,9 +150,10 @@ def undominated(
                 continue
             c = cost[g][keep]
             dominated = c[None, :] <= c[:, None]
-            if g in memory:
-                m = memory[g][keep]
-                dominated &= m[None, :] <= m[:, None]
+            for memory in memories:
+                if g in memory:
+                    m = memory[g][keep]
+                    dominated &= m[None, :] <= m[:, None]
             for side, key in incident[g]:
                 block = blocks[key]
                 other = alive[key[1] if side == "producer" else key[0]]
@@ -142,10 +163,14 @@ def undominated(
                 if side == "producer":
                     matrix = block.cost[np.ix_(keep, other)]
                     masks = block.masks[np.ix_(keep, other)] if block.masks is not None else None
+                    held = block.memory[np.ix_(keep, other)] if block.memory is not None else None
                 else:
                     matrix = block.cost[np.ix_(other, keep)].T
                     masks = block.masks[np.ix_(other, keep)].T if block.masks is not None else None
+                    held = block.memory[np.ix_(other, keep)].T if block.memory is not None else None
                 dominated &= _rows_dominated(matrix, masks)
+                if held is not None and step_memory is not None:
+                    dominated &= _rows_dominated(held, None)
             for role, other_group, ok in rules[g]:
                 if role == "fanout":  # g's rows: what reader candidates suit each of g's
                     dominated &= _subset_rows(ok[np.ix_(keep, alive[other_group])])

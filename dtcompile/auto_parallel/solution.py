@@ -25,9 +25,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from dtcompile.auto_parallel.graph import Candidate, Problem
+from dtcompile.auto_parallel.peak import StepMemory
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
 from dtcompile.auto_parallel.solver import SolveResult
 from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, launch_latency_us, transfer
+from dtcompile.base.notation import format_bytes
 
 __all__ = ["Solution"]
 
@@ -35,10 +37,14 @@ __all__ = ["Solution"]
 class Solution:
     """The chosen strategy of every node of a :class:`~dtcompile.auto_parallel.problem.Problem`."""
 
-    def __init__(self, problem: Problem, result: SolveResult, param_memory_budget_bytes: int | None = None) -> None:
+    def __init__(self, problem: Problem, result: SolveResult, param_memory_budget_bytes: int | None = None,
+                 memory: StepMemory | None = None, memory_budget_bytes: int | None = None) -> None:
         self.problem = problem
         self.result = result
         self.param_memory_budget_bytes = param_memory_budget_bytes
+        self.memory = memory
+        """The step's peak memory model the plan was made with (:mod:`~dtcompile.auto_parallel.peak`)."""
+        self.memory_budget_bytes = memory_budget_bytes
         self._cache: dict[Any, Transfer | None] = {}
         self._edges = {(e.consumer, e.slot): e for e in problem.edges}
         self._fanout_of = {(link.consumer, link.slot): link.fanout for link in problem.fanout_rules}
@@ -92,6 +98,14 @@ class Solution:
 
     def param_bytes_per_rank(self) -> int:
         return sum(sizes[self.result.choice[name]] for name, sizes in self.problem.param_bytes.items())
+
+    def peak_bytes_per_rank(self) -> dict[str, int]:
+        """The training step's estimated peak per rank under this plan, by kind (``parameters``,
+        ``gradients``, ``optimizer state``, ``inputs``, ``buffers``, ``saved for the backward``)
+        and in all (``total``): :mod:`~dtcompile.auto_parallel.peak`."""
+        if self.memory is None:
+            raise ValueError("Solution.peak_bytes_per_rank: this solution was made without a memory model")
+        return self.memory.breakdown(self.problem, self.result.choice)
 
     @property
     def local_nodes(self) -> dict[str, str]:
@@ -241,6 +255,9 @@ class Solution:
                 f"# estimated step: {self.cost_us:.2f} us ({self.problem.profile.name}); "
                 f"parameters {self.param_bytes_per_rank()} B per rank"
             )
+            if self.memory is not None:
+                budget = "" if self.memory_budget_bytes is None else f", budget {format_bytes(self.memory_budget_bytes)}"
+                lines.append(f"# estimated peak: {self.memory.text(self.problem, self.result.choice)}{budget}")
             return "\n".join(lines)
         return self._explain_node(self._resolve(name))
 

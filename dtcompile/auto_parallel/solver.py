@@ -16,6 +16,12 @@ Variables, constraints and objective (``x`` binary, ``y`` continuous in ``[0, 1]
   collectives: ``z[k] >= y[b, i, j]`` for each pair whose collectives join it;
   a bucket's launch latency counts once (:func:`~dtcompile.auto_parallel.transfer.bucketed_time_us`);
 - optional parameter memory: ``sum bytes(p, s) x[p, s] <= budget``;
+- optional step memory (the step's peak per rank, :mod:`~dtcompile.auto_parallel.peak`):
+  per moment of the step (the turn to the backward, the end of it),
+  ``constant + sum bytes(n, s) x[n, s] + sum bytes(b, i, j) y[b, i, j] + W w <= budget``
+  (the pairs' bytes, saved for the backward, at the turn only), with ``w`` in ``[0, 1]``
+  the backward's working set as a share of the largest ``W``:
+  ``W w >= sum work(n, s) x[n, s]`` per group;
 - objective: every group's candidate cost times its number of copies, plus every
   block's ``cost . y``.
 
@@ -30,7 +36,7 @@ one-layer Llama on 2 x 2 the solve went from 9.5 s to 0.5 s; ``reduced=False``
 solves the plain program, and the tests check that both reach the same optimum.
 
 Each constraint is built by a named builder (:func:`_one_choice_per_group`,
-:func:`_edge_blocks`, :func:`_fanout_agreement`, :func:`_memory_budget`) and
+:func:`_edge_blocks`, :func:`_fanout_agreement`, :func:`_memory_budget`, :func:`_step_memory`) and
 belongs to a named family (``edge a -> b``, ``readers of x_fanout``,
 ``param_memory_budget_bytes``...).  When no choice satisfies them all,
 :class:`Infeasible` names the families that conflict: an irreducible set found
@@ -49,8 +55,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtcompile.auto_parallel.graph import Problem
+from dtcompile.auto_parallel.peak import MOMENTS, TURN, StepMemory
 from dtcompile.auto_parallel.prune import EdgeBlock, edge_blocks, undominated
 from dtcompile.auto_parallel.transfer import launch_latency_us
+from dtcompile.base.notation import format_bytes
 
 __all__ = ["Infeasible", "SolveResult", "conflicting_constraints", "solve"]
 
@@ -59,12 +67,16 @@ class Infeasible(ValueError):
     """No choice of placements satisfies the constraints (layouts pinned, memory budget).
 
     ``conflict``: the named constraint families that cannot all hold (see :func:`conflicting_constraints`);
-    ``min_param_bytes``: the fewest parameter bytes per rank the allowed layouts reach."""
+    ``min_param_bytes``: the fewest parameter bytes per rank the allowed layouts reach;
+    ``least_peak_bytes``: see below."""
 
-    def __init__(self, message: str, conflict: list[str] | None = None, min_param_bytes: int | None = None) -> None:
+    def __init__(self, message: str, conflict: list[str] | None = None, min_param_bytes: int | None = None,
+                 least_peak_bytes: int | None = None) -> None:
         super().__init__(message)
         self.conflict = list(conflict or ())
         self.min_param_bytes = min_param_bytes
+        self.least_peak_bytes = least_peak_bytes
+        """With a step memory budget in the conflict: the least step peak per rank any plan reaches."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,11 @@ class _Program:
     module docstring (one bucket row per pair, presolve on), kept to check the reduced one against."""
     position: dict[str, dict[int, int]] = field(default_factory=dict)
     """Group -> candidate index -> its offset from the group's first column."""
+    saved_pairs: dict[int, float] = field(default_factory=dict)
+    """Edge pair column -> bytes the forward saves for the backward on it (with a step memory model)."""
+    held: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Moment of the step (:data:`~dtcompile.auto_parallel.peak.MOMENTS`) -> column -> bytes it
+    keeps alive then (with a step memory model)."""
 
     def col(self, group: str, candidate: int) -> int:
         """The column of ``group`` taking its candidate ``candidate`` (one in ``alive``)."""
@@ -156,8 +173,11 @@ def _edge_blocks(problem: Problem, program: _Program, blocks: dict[tuple[str, st
         by_row: dict[int, list[int]] = {}
         by_col: dict[int, list[int]] = {}
         by_bucket: dict[Any, list[int]] = {}
+        held = block.memory[np.ix_(rows, cols_kept)] if block.memory is not None else None
         for i, j in zip(*np.nonzero(np.isfinite(matrix))):
             col = program.column(float(matrix[i, j]), False)
+            if held is not None and held[i, j]:
+                program.saved_pairs[col] = float(held[i, j])
             by_row.setdefault(int(i), []).append(col)
             by_col.setdefault(int(j), []).append(col)
             for bucket in block.buckets[rows[i]][cols_kept[j]] if block.buckets is not None else ():
@@ -204,6 +224,55 @@ def _memory_budget(problem: Problem, program: _Program, budget: int | None) -> N
             col = program.col(g, s)
             per_col[col] = per_col.get(col, 0.0) + float(sizes[s])
     program.row("param_memory_budget_bytes", list(per_col), list(per_col.values()), -math.inf, float(budget))
+
+
+def _step_memory(problem: Problem, program: _Program, memory: StepMemory | None, budget: int | None) -> None:
+    """Family ``memory_budget_bytes``: the step's peak per rank (:mod:`~dtcompile.auto_parallel.peak`)
+    at most ``budget`` at each of its moments (the columns' bytes per moment kept in
+    ``program.held``); nothing without a budget."""
+    if memory is None or budget is None:
+        return
+    scale = max((float(w.max()) for w in memory.working.values()), default=0.0)
+    work = program.column(0.0, False) if scale else None
+    seen = set()
+    for name, sizes in memory.working.items():
+        g = problem.nodes[name].group  # tied copies: one at a time
+        if g not in seen:
+            seen.add(g)
+            cols = [program.col(g, s) for s in program.alive[g]]
+            program.row("backward working set", [work] + cols, [scale] + [-float(sizes[s]) for s in program.alive[g]],
+                        0.0, math.inf)
+    for moment in MOMENTS:
+        held = program.held.setdefault(moment, {})
+        if work is not None:
+            held[work] = scale
+        for per_node in memory.terms(moment):
+            for name, sizes in per_node.items():
+                g = problem.nodes[name].group  # tied copies: each copy's bytes count
+                for s in program.alive[g]:
+                    if sizes[s]:
+                        col = program.col(g, s)
+                        held[col] = held.get(col, 0.0) + float(sizes[s])
+        if moment == TURN:
+            for col, num in program.saved_pairs.items():
+                held[col] = held.get(col, 0.0) + num
+        program.row("memory_budget_bytes", list(held), list(held.values()), -math.inf, float(budget - memory.constant))
+
+
+def _least_peak(program: _Program, memory: StepMemory, time_limit_s: float) -> int | None:
+    """The least step peak any choice reaches under the other constraints (``None``: none holds):
+    ``min P`` with ``P >= `` each moment, ``P`` a share of an upper bound."""
+    highspy = _highspy()
+    bound = sum(sum(vals.values()) for vals in program.held.values()) or 1.0
+    least = _Program(**{**program.__dict__, "cost": [0.0] * len(program.cost), "integer": list(program.integer),
+                        "rows": list(program.rows)})
+    peak = least.column(bound, False)
+    for vals in program.held.values():
+        least.row("peak", [peak, *vals], [bound] + [-v for v in vals.values()], 0.0, math.inf)
+    h, status = _run(least, time_limit_s, frozenset({"memory_budget_bytes"}))
+    if status != highspy.HighsModelStatus.kOptimal:
+        return None
+    return memory.constant + round(h.getInfo().objective_function_value)
 
 
 def _run(program: _Program, time_limit_s: float, skip: frozenset[str] = frozenset()) -> tuple[Any, Any]:
@@ -296,11 +365,21 @@ def _min_param_bytes(problem: Problem) -> int:
     return sum(int(min(sizes)) for sizes in problem.param_bytes.values())
 
 
-def _infeasible(problem: Problem, program: _Program, h: Any, status: Any, budget: int | None) -> Infeasible:
+def _infeasible(problem: Problem, program: _Program, h: Any, status: Any, budget: int | None,
+                memory: StepMemory | None = None, step_budget: int | None = None) -> Infeasible:
     conflict = conflicting_constraints(program)
     lines = [f"auto_parallel: the solver found no placement ({h.modelStatusToString(status)})"]
     if conflict:
         lines.append("; these constraints cannot all hold: " + ", ".join(conflict))
+    if "memory_budget_bytes" in conflict and memory is not None and step_budget is not None:
+        least = _least_peak(program, memory, 600.0)
+        lines.append(
+            f". memory_budget_bytes={step_budget} ({format_bytes(step_budget)}) is below the least peak any plan "
+            f"reaches: {least} B ({format_bytes(least or 0)}) per rank (parameters, gradients, optimizer state, "
+            "inputs and what the forward saves for the backward); raise the budget to at least that, or shard more "
+            "(a larger mesh, reshard_after_forward=True in the compile config), or make the batch smaller"
+        )
+        return Infeasible("".join(lines), conflict, _min_param_bytes(problem), least)
     if "param_memory_budget_bytes" in conflict and budget is not None:
         lines.append(
             f". param_memory_budget_bytes={budget}: the parameters take at least {_min_param_bytes(problem)} B per "
@@ -313,26 +392,32 @@ def _infeasible(problem: Problem, program: _Program, h: Any, status: Any, budget
 
 def solve(
     problem: Problem, *, param_memory_budget_bytes: int | None = None, time_limit_s: float = 600.0,
-    reduced: bool = True,
+    reduced: bool = True, memory: StepMemory | None = None, memory_budget_bytes: int | None = None,
 ) -> SolveResult:
     """Choose one candidate per node minimising the step's estimated time; :class:`Infeasible`,
     naming the constraint families that conflict, when no choice satisfies them all.
+    ``memory_budget_bytes``: the most the step may hold at its peak per rank, as ``memory``
+    (:func:`~dtcompile.auto_parallel.peak.step_memory`) estimates it.
     ``reduced=False`` solves the plain program (every candidate, one bucket row per pair,
     HiGHS's presolve on): the same optimum, slower; for checking the reductions."""
     highspy = _highspy()
     start = time.perf_counter()
     groups = problem.groups()
-    blocks = edge_blocks(problem)
+    step_budget = memory is not None and memory_budget_bytes is not None
+    blocks = edge_blocks(problem, memory.edges if memory is not None else None)
     with_memory = param_memory_budget_bytes is not None
-    alive = undominated(problem, groups, blocks, with_memory) if reduced else {}
+    alive = undominated(problem, groups, blocks, with_memory,
+                        step_memory=[*memory.terms(TURN), memory.grads, memory.working] if step_budget else None
+                        ) if reduced else {}
     program = _Program(alive=alive, reduced=reduced)
     _one_choice_per_group(problem, program, groups)
     _edge_blocks(problem, program, blocks)
     _fanout_agreement(problem, program)
     _memory_budget(problem, program, param_memory_budget_bytes)
+    _step_memory(problem, program, memory, memory_budget_bytes)
     h, status = _run(program, time_limit_s)
     if status != highspy.HighsModelStatus.kOptimal:
-        raise _infeasible(problem, program, h, status, param_memory_budget_bytes)
+        raise _infeasible(problem, program, h, status, param_memory_budget_bytes, memory, memory_budget_bytes)
     values = h.getSolution().col_value
     choice: dict[str, int] = {}
     for g, names in groups.items():
