@@ -20,6 +20,7 @@ The modules, in the order the work flows:
 - :mod:`~dtcompile.auto_parallel.problem` -- each node's candidates, priced;
 - :mod:`~dtcompile.auto_parallel.edges` -- the edges between them, fan-outs, parameters gathered again;
 - :mod:`~dtcompile.auto_parallel.tying` -- repeated layers share one choice;
+- :mod:`~dtcompile.auto_parallel.peak` -- the training step's peak memory per rank, as linear terms;
 - :mod:`~dtcompile.auto_parallel.solver` -- the integer program (HiGHS), its named constraints;
 - :mod:`~dtcompile.auto_parallel.solution` -- the choice, explained;
 - :mod:`~dtcompile.auto_parallel.apply` -- the parallel model;
@@ -43,11 +44,13 @@ if TYPE_CHECKING:
     from dtcompile.auto_parallel.api import auto_parallel, plan
     from dtcompile.auto_parallel.apply import AutoParallelModule, parallelize
     from dtcompile.auto_parallel.solution import Solution
+    from dtcompile.auto_parallel.solver import Infeasible
 
-__all__ = ["AutoParallelModule", "Solution", "auto_parallel", "parallelize", "plan"]
+__all__ = ["AutoParallelModule", "Infeasible", "Solution", "auto_parallel", "parallelize", "plan"]
 
 _WHERE = {
     "AutoParallelModule": "dtcompile.auto_parallel.apply",
+    "Infeasible": "dtcompile.auto_parallel.solver",
     "Solution": "dtcompile.auto_parallel.solution",
     "auto_parallel": "dtcompile.auto_parallel.api",
     "parallelize": "dtcompile.auto_parallel.apply",

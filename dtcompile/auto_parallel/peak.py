@@ -47,7 +47,7 @@ from dtcompile.auto_parallel.placements import local_numel, unstrided
 from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import GRADIENT_PASSTHROUGH
 
-__all__ = ["END", "MOMENTS", "OPTIMIZER_STATES", "TURN", "StepMemory", "optimizer_states", "step_memory"]
+__all__ = ["END", "MOMENTS", "OPTIMIZER_STATES", "TURN", "PeakEstimate", "StepMemory", "optimizer_states", "step_memory"]
 
 OPTIMIZER_STATES = {
     "sgd": 0, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "radam": 2, "adadelta": 2,
@@ -105,9 +105,8 @@ class StepMemory:
         """The per-node terms of ``moment`` (the edges count at the turn only)."""
         return [self.held, self.saved] if moment == TURN else [self.held, self.grads]
 
-    def breakdown(self, problem: Problem, choice: Mapping[str, int]) -> dict[str, int]:
-        """The estimate of the plan ``choice`` by kind (bytes per rank), ``total`` (the larger
-        moment) and ``at`` (:data:`TURN` or :data:`END`, where it peaks; text)."""
+    def estimate(self, problem: Problem, choice: Mapping[str, int]) -> PeakEstimate:
+        """The estimate of the plan ``choice``."""
         kinds = {"parameters": 0, "optimizer state": 0, "inputs": 0, "buffers": self.constant,
                  "saved for the backward": 0, "gradients": 0, "backward working set": 0}
         for name, sizes in problem.param_bytes.items():
@@ -124,14 +123,25 @@ class StepMemory:
         kinds["backward working set"] = max((int(w[choice[n]]) for n, w in self.working.items()), default=0)
         always = sum(n for k, n in kinds.items() if k not in ("saved for the backward", "gradients"))
         turn, end = always + kinds["saved for the backward"], always + kinds["gradients"]
-        return {**kinds, "total": max(turn, end), "at": TURN if turn >= end else END}  # type: ignore[dict-item]
+        return PeakEstimate(max(turn, end), TURN if turn >= end else END, kinds)
 
-    def text(self, problem: Problem, choice: Mapping[str, int]) -> str:
-        kinds = self.breakdown(problem, choice)
-        total, at = kinds.pop("total"), kinds.pop("at")
-        parts = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in kinds.items()
-                          if n and kind != ("gradients" if at == TURN else "saved for the backward"))
-        return f"{format_bytes(total)} per rank {at} ({parts})"
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """A plan's estimated step peak per rank."""
+
+    total: int
+    """Bytes per rank at the larger moment."""
+    at: str
+    """Which moment: :data:`TURN` or :data:`END`."""
+    kinds: dict[str, int]
+    """Bytes per rank by kind: ``parameters``, ``optimizer state``, ``inputs``, ``buffers``,
+    ``saved for the backward`` (at the turn), ``gradients`` (at the end), ``backward working set``."""
+
+    def __str__(self) -> str:
+        left_out = "gradients" if self.at == TURN else "saved for the backward"
+        parts = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in self.kinds.items() if n and kind != left_out)
+        return f"{format_bytes(self.total)} per rank {self.at} ({parts})"
 
 
 TURN = "at the turn to the backward"

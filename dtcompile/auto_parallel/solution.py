@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dtcompile.auto_parallel.graph import Candidate, Problem
-from dtcompile.auto_parallel.peak import StepMemory
+from dtcompile.auto_parallel.peak import PeakEstimate, StepMemory
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
 from dtcompile.auto_parallel.solver import SolveResult
 from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, launch_latency_us, transfer
@@ -99,13 +99,12 @@ class Solution:
     def param_bytes_per_rank(self) -> int:
         return sum(sizes[self.result.choice[name]] for name, sizes in self.problem.param_bytes.items())
 
-    def peak_bytes_per_rank(self) -> dict[str, int]:
-        """The training step's estimated peak per rank under this plan, by kind (``parameters``,
-        ``gradients``, ``optimizer state``, ``inputs``, ``buffers``, ``saved for the backward``)
-        and in all (``total``): :mod:`~dtcompile.auto_parallel.peak`."""
+    def peak_memory(self) -> PeakEstimate:
+        """The training step's estimated peak per rank under this plan, in all and by kind
+        (:mod:`~dtcompile.auto_parallel.peak`)."""
         if self.memory is None:
-            raise ValueError("Solution.peak_bytes_per_rank: this solution was made without a memory model")
-        return self.memory.breakdown(self.problem, self.result.choice)
+            raise ValueError("Solution.peak_memory: this solution was made without a memory model")
+        return self.memory.estimate(self.problem, self.result.choice)
 
     @property
     def local_nodes(self) -> dict[str, str]:
@@ -257,7 +256,7 @@ class Solution:
             )
             if self.memory is not None:
                 budget = "" if self.memory_budget_bytes is None else f", budget {format_bytes(self.memory_budget_bytes)}"
-                lines.append(f"# estimated peak: {self.memory.text(self.problem, self.result.choice)}{budget}")
+                lines.append(f"# estimated peak: {self.peak_memory()}{budget}")
             return "\n".join(lines)
         return self._explain_node(self._resolve(name))
 

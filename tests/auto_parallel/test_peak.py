@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import dtcompile
-from dtcompile.auto_parallel.solver import Infeasible
+from dtcompile.auto_parallel import Infeasible
 from dtcompile.testing import fake_world, measure_memory
 
 
@@ -71,7 +71,7 @@ def test_a_budget_only_the_step_peak_sees_is_kept_by_the_compiled_step(stack):
         free = dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer="adam")
         # No collective at all is cheapest: everything replicated, every rank holding every activation.
         assert set(free.param_placements.values()) | set(free.input_placements) == {(Replicate(),)}
-        budget = free.peak_bytes_per_rank()["total"] // 2
+        budget = free.peak_memory().total // 2
         # A budget on parameter bytes does not see it: the same plan, over the budget when run.
         blind = dtcompile.auto_parallel.plan(model, mesh, (x,), param_memory_budget_bytes=budget)
         assert blind.param_placements == free.param_placements and blind.input_placements == free.input_placements
@@ -79,18 +79,18 @@ def test_a_budget_only_the_step_peak_sees_is_kept_by_the_compiled_step(stack):
         backend = dtcompile.backend(memory_budget_bytes=budget)
         planned = dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer="adam", config=backend)
         assert planned.memory_budget_bytes == budget
-        estimate = planned.peak_bytes_per_rank()
-        assert estimate["total"] <= budget < free.peak_bytes_per_rank()["total"]
+        estimate = planned.peak_memory()
+        assert estimate.total <= budget < free.peak_memory().total
         assert planned.cost_us > free.cost_us  # memory bought with time
         assert f"budget {dtcompile.base.notation.format_bytes(budget)}" in planned.explain().splitlines()[-1]
 
         measured = _measured_peak(model, x, planned, backend)
-        assert measured == pytest.approx(estimate["total"], rel=0.10), (measured, estimate)
+        assert measured == pytest.approx(estimate.total, rel=0.10), (measured, estimate)
         assert measured <= budget, (measured, budget)
         torch._dynamo.reset()
         over = _measured_peak(model, x, blind, dtcompile.backend())
         assert over > budget, (over, budget)
-        assert over == pytest.approx(free.peak_bytes_per_rank()["total"], rel=0.10)
+        assert over == pytest.approx(free.peak_memory().total, rel=0.10)
 
 
 def test_a_budget_below_the_least_peak_is_an_error_naming_it(stack):
@@ -103,7 +103,7 @@ def test_a_budget_below_the_least_peak_is_an_error_naming_it(stack):
         assert "memory_budget_bytes=100000" in str(caught.value) and f"{least} B" in str(caught.value)
         # The least peak is one a plan reaches: at exactly that budget it plans, and a byte less it cannot.
         tight = dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer="adamw", memory_budget_bytes=least)
-        assert tight.peak_bytes_per_rank()["total"] == least
+        assert tight.peak_memory().total == least
         with pytest.raises(Infeasible):
             dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer="adamw", memory_budget_bytes=least - 1)
 
@@ -112,11 +112,11 @@ def test_the_optimizer_state_counts_per_parameter_shard(stack):
     model, x = stack
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     with fake_world(4, (4,), ("dp",)) as mesh:
-        sgd = dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer=torch.optim.SGD).peak_bytes_per_rank()
-        adam = dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer="Adam").peak_bytes_per_rank()
-    assert sgd["parameters"] == adam["parameters"] == params  # replicated: each rank holds them whole
-    assert (sgd["optimizer state"], adam["optimizer state"]) == (0, 2 * params)
-    assert adam["total"] - sgd["total"] == 2 * params
+        sgd = dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer=torch.optim.SGD).peak_memory()
+        adam = dtcompile.auto_parallel.plan(model, mesh, (x,), optimizer="Adam").peak_memory()
+    assert sgd.kinds["parameters"] == adam.kinds["parameters"] == params  # replicated: each rank holds them whole
+    assert (sgd.kinds["optimizer state"], adam.kinds["optimizer state"]) == (0, 2 * params)
+    assert adam.total - sgd.total == 2 * params
 
 
 @pytest.mark.parametrize(
