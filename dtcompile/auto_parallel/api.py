@@ -202,7 +202,8 @@ def plan(
         progress.step("problem built")
         tie_repeated_layers(problem)
         progress.step("layers tied")
-        memory = step_memory(problem, states)
+        # The peak model is built where a budget asks for it (else when the solution is asked).
+        memory = step_memory(problem, states) if memory_budget_bytes is not None else None
         result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes, memory=memory,
                        memory_budget_bytes=memory_budget_bytes)
         problem.seconds["solve"] = result.seconds
@@ -211,7 +212,7 @@ def plan(
         "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
         len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,
     )
-    solution = Solution(problem, result, param_memory_budget_bytes, memory, memory_budget_bytes)
+    solution = Solution(problem, result, param_memory_budget_bytes, memory, memory_budget_bytes, states)
     # tlparse shows it beside the compiles' artifacts (TORCH_TRACE=DIR).
     torch._logging.trace_structured(
         "artifact",

@@ -37,8 +37,8 @@ from typing import Any
 
 from dtcompile.auto_parallel.graph import Candidate, Edge, FanoutRule, PNode
 from dtcompile.auto_parallel.placements import Layout
+from dtcompile.auto_parallel.trace import source_line
 from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, transfer
-from dtcompile.base.notation import source_of
 from dtcompile.base.op_facts import GRADIENT_PASSTHROUGH
 from dtcompile.cost import HardwareProfile
 
@@ -97,6 +97,10 @@ def build_edges(
     transfers = {} if transfers is None else transfers
     consumers = _consumers(nodes)
     read = _read_in_backward(nodes, consumers)
+    # Repeated layers share their nodes' candidate lists (:mod:`~dtcompile.auto_parallel.problem`
+    # answers a repeated question once), so their edges' prices are the same: priced once.
+    priced_edges: dict[Any, tuple[Any, Any]] = {}
+    fanout_candidates: dict[Any, list[Candidate]] = {}
     for (p, k), users in consumers.items():
         producer = nodes[p]
         shape, dtype = producer.outputs[k]
@@ -110,6 +114,13 @@ def build_edges(
         regather = _param_of(nodes, p) in regathered and any(read(c, slot) for c, slot in users)
 
         def edge(consumer: PNode, slot: int) -> Edge:
+            key = (id(producer.candidates), k, id(consumer.candidates), slot, shape, dtype, rg, bucketed, regather)
+            if key not in priced_edges:
+                priced_edges[key] = prices(consumer, slot)
+            rows, buckets = priced_edges[key]
+            return _checked(Edge(p, k, consumer.name, slot, rows, buckets, regather), producer, consumer)
+
+        def prices(consumer: PNode, slot: int) -> tuple[Any, Any]:
             # A pair's price depends only on what the producer gives (and wants back) and what
             # the consumer reads (and hands back): priced once per distinct such pair.
             gives = [(pc.outputs[k], pc.grad_out[k] if pc.grad_out else None) for pc in producer.candidates]
@@ -126,8 +137,7 @@ def build_edges(
                         priced[give, take] = (t.time_us, ())
             rows = [[priced[give, take][0] for take in reads] for give in gives]
             buckets = [[priced[give, take][1] for take in reads] for give in gives] if bucketed else None
-            edge = Edge(p, k, consumer.name, slot, rows, buckets, regather)
-            return _checked(edge, producer, consumer)
+            return rows, buckets
 
         if len(users) == 1:
             c, slot = users[0]
@@ -138,10 +148,10 @@ def build_edges(
             for cc in nodes[c].candidates:
                 pairs[(cc.inputs[slot], cc.grads[slot] if rg and cc.grads else None)] = None
         name = f"{p}_fanout{k}" if k else f"{p}_fanout"
-        fan = PNode(
-            name, "fanout", [(p, k)], [(shape, dtype)], [rg],
-            [Candidate((t,), (t,), (g,), (g,)) for t, g in pairs], target="fanout", group=name,
-        )
+        options = tuple(pairs)
+        if options not in fanout_candidates:
+            fanout_candidates[options] = [Candidate((t,), (t,), (g,), (g,)) for t, g in options]
+        fan = PNode(name, "fanout", [(p, k)], [(shape, dtype)], [rg], fanout_candidates[options], target="fanout", group=name)
         nodes[name] = fan
         edges.append(edge(fan, 0))
         for c, slot in users:
@@ -169,7 +179,7 @@ def _checked(edge: Edge, producer: PNode, consumer: PNode) -> Edge:
     if all(math.isinf(c) for row in edge.cost for c in row):
         raise ValueError(
             f"{where}: no layout {producer.name} can give ({producer.target}) is one {consumer.name} "
-            f"({consumer.target}{source_of(consumer.fx_node)}) can read, "
+            f"({consumer.target}{source_line(consumer.fx_node)}) can read, "
             f"with its gradient coming back as {producer.name} needs it; "
             "pin the parameters and inputs around it with fixed=..., or wrap the code in dtcompile.local_map"
         )

@@ -41,6 +41,7 @@ from dtcompile.cost.simulate import node_time_us
 
 __all__ = [
     "OpMeasure",
+    "RanInstead",
     "flattenings",
     "measure_op",
     "plan_redistribution",
@@ -76,6 +77,24 @@ class OpMeasure:
     """Bytes per rank of what the op's backward reads that the op made, outputs included
     (SDPA's output and log-sum-exp, a norm's statistics): kept from the forward to the
     backward (:mod:`~dtcompile.auto_parallel.peak`)."""
+
+
+@dataclass(frozen=True)
+class RanInstead:
+    """Handed a strategy's input layouts, DTensor ran another strategy (see :func:`measure_op`)."""
+
+    out_layouts: tuple[Layout | None, ...]
+    """The layouts DTensor gave the outputs."""
+    communicated: bool
+    """Whether it redistributed an input first (a collective before the op)."""
+
+    def runs(self, outs: Sequence[Layout | None]) -> bool:
+        """Whether a strategy with these input layouts and output layouts ``outs`` is what DTensor runs."""
+        return not self.communicated and _same_outputs(self.out_layouts, outs)
+
+
+def _same_outputs(got: Sequence[Any], expected: Sequence[Layout | None]) -> bool:
+    return all(e is None or tuple(o or ()) == tuple(e) for o, e in zip(got, expected))
 
 
 # Fused norm backwards take the weight (and bias) whatever they compute; decomposed, as
@@ -152,8 +171,18 @@ def _read_graph(graph: fx.Graph, boundary: int, mesh: Any, profile: HardwareProf
     return forward, backward, found
 
 
+@functools.cache
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 def _global_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    return torch.empty(tuple(shape), device="meta").stride()
+    """A contiguous tensor's strides (as ``torch.empty(shape).stride()``)."""
+    return _contiguous_stride(tuple(shape))
 
 
 def _local_shape(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -200,16 +229,17 @@ def measure_op(
     profile: HardwareProfile,
     fake_mode: Any,
     expected_outs: Sequence[Layout | None] | None = None,
-) -> OpMeasure | None:
+) -> OpMeasure | RanInstead:
     """Trace ``target`` on DTensors of layouts ``in_layouts`` and its backward.
 
     ``args``/``kwargs`` hold :class:`_TensorSlot` markers where tensors go;
     ``tensors[i]`` is ``(global shape, dtype, requires_grad)`` of the i-th;
     ``out_metas`` are the outputs' global ``(shape, dtype)``, and
     ``grad_layouts`` the layouts their gradients arrive in (``None``: no gradient).
-    With ``expected_outs`` (the strategy's output layouts), ``None`` when DTensor's
-    forward runs another strategy (other output layouts, or a collective before the op),
-    found before the backward is traced: such a strategy is not a candidate.
+    With ``expected_outs`` (the strategy's output layouts), a :class:`RanInstead` when
+    DTensor's forward runs another strategy (other output layouts, or a collective before
+    the op), found before the backward is traced: such a strategy is not a candidate, and
+    neither is any other with these input layouts but the one DTensor ran.
     """
     num_in = len(tensors)
     differentiable = [
@@ -222,18 +252,15 @@ def measure_op(
         for i in differentiable:
             shape, dtype = out_metas[i]
             grad_outs.append((shape, dtype, grad_layouts[i]))
-    flat = [
-        _fake_local(fake_mode, shape, dtype, layout, mesh, rg)
-        for (shape, dtype, rg), layout in zip(tensors, in_layouts)
-    ]
+    flat = [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for (shape, dtype, _), layout in zip(tensors, in_layouts)]
     grads_local = [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
     recorder = _Recorder()
     recorder.known(flat + grads_local)
     outs: list[Any] = []
     with recorder, _releasing_masks(outs):
         dts = [
-            DTensor.from_local(local, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
-            for (shape, _, _), layout, local in zip(tensors, in_layouts, flat)
+            _dtensor(local, mesh, layout, shape, rg)
+            for (shape, _, rg), layout, local in zip(tensors, in_layouts, flat)
         ]
         call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
         out = target(*call_args, **call_kwargs)
@@ -241,15 +268,17 @@ def measure_op(
         out_layouts = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
         out_rg = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
         boundary = len(recorder.graph.nodes)
-        if expected_outs is not None and not _ran_as_chosen(recorder.graph, out_layouts, expected_outs, mesh):
-            return None
+        if expected_outs is not None:
+            ran = RanInstead(out_layouts, _communicated(recorder.graph, mesh))
+            if not ran.runs(expected_outs):
+                return ran
         grad_layouts_in: tuple[Layout | None, ...] = (None,) * num_in
         # Only outputs autograd differentiates take a gradient (not an op's saved statistics).
         kept = [j for j, i in enumerate(differentiable) if out_rg[i]] if grad_outs else []
         if kept:
             diff = [outs[differentiable[j]] for j in kept]
             grads = [
-                DTensor.from_local(g, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
+                _dtensor(g, mesh, layout, shape, False)
                 for j, ((shape, _, layout), g) in enumerate(zip(grad_outs, grads_local)) if j in kept
             ]
             wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
@@ -264,13 +293,21 @@ def measure_op(
     return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved, saved_outs, own)
 
 
-def _ran_as_chosen(graph: fx.Graph, out_layouts: Sequence[Any], expected: Sequence[Layout | None], mesh: Any) -> bool:
-    """Whether the forward recorded in ``graph`` ran the chosen strategy: the expected output
-    layouts, and no collective (a redistribution of an input before the op)."""
-    if not all(e is None or tuple(o or ()) == tuple(e) for o, e in zip(out_layouts, expected)):
-        return False
+def _dtensor(local: torch.Tensor, mesh: Any, layout: Layout, shape: Sequence[int], requires_grad: bool) -> DTensor:
+    """A DTensor of global ``shape`` (contiguous) laid out as ``layout`` over ``local``: a leaf
+    (``requires_grad``) as DTensor's ops make their results, not through ``from_local``'s
+    autograd function, which took a fifth of a measurement (the same graphs are recorded)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), _global_stride(shape), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(layout), tensor_meta=meta), requires_grad=requires_grad)
+
+
+def _communicated(graph: fx.Graph, mesh: Any) -> bool:
+    """Whether the forward recorded in ``graph`` issued a collective (a redistribution of an
+    input before the op: not the strategy its inputs were handed in)."""
     axes = _axis_names(mesh)
-    return not any(collective_info(node, axes) is not None for node in graph.nodes)
+    return any(collective_info(node, axes) is not None for node in graph.nodes)
 
 
 _NOT_WORK = {"empty", "empty_strided", "detach", "alias", "device", "lift_fresh", "lift_fresh_copy"}

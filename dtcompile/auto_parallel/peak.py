@@ -168,16 +168,20 @@ def step_memory(problem: Problem, states: int) -> StepMemory:
     grads: dict[str, np.ndarray] = {}
     saved: dict[str, np.ndarray] = {}
     working: dict[str, np.ndarray] = {}
+    # Repeated layers share their nodes' candidate lists: each sum is made once per list and shapes.
+    made: dict[Any, Any] = {}
     for node in nodes.values():
         if node.kind in ("op", "region"):
             metas = [nodes[p].outputs[k] for p, k in node.inputs] + list(node.outputs)
-            sizes = [
-                sum(_bytes(*meta, layout, mesh) for meta, layout in zip(metas, (*c.grads, *c.grad_out))
-                    if meta is not None and layout is not None)
-                for c in node.candidates
-            ]
-            if any(sizes):
-                working[node.name] = np.asarray(sizes, dtype=float)
+            key = (id(node.candidates), tuple(metas))
+            if key not in made:
+                made[key] = np.array([
+                    sum(_bytes(*meta, layout, mesh) for meta, layout in zip(metas, (*c.grads, *c.grad_out))
+                        if meta is not None and layout is not None)
+                    for c in node.candidates
+                ], dtype=float)
+            if made[key].any():
+                working[node.name] = made[key]
         if node.kind == "buffer":
             shape, dtype = node.outputs[0]
             constant += _bytes(shape, dtype, node.candidates[0].outputs[0], mesh)
@@ -206,20 +210,33 @@ def step_memory(problem: Problem, states: int) -> StepMemory:
         origin = _held_origin(nodes, producer.name)
         if origin is not None and origin.name in problem.regathered:
             continue  # the backward gathers it again; the forward keeps nothing
-        # Producer candidates whose own tensor a reader in that layout keeps: a parameter's or
-        # input's storage, or an output the producer's own backward keeps.
-        own: dict[Any, list[int]] = {}
-        for i, pc in enumerate(producer.candidates):
-            made = pc.outputs[edge.index]
-            if made is not None and (origin is not None or (pc.saved_outputs and pc.saved_outputs[edge.index])):
-                own.setdefault(unstrided(made), []).append(i)
-        matrix = np.zeros((len(producer.candidates), len(consumer.candidates)))
-        for j, cc in enumerate(consumer.candidates):
-            read = fanout_read.get(consumer.name, False) if consumer.kind == "fanout" else _reads(cc, edge.slot)
-            if read:
-                layout = cc.inputs[edge.slot]
-                matrix[:, j] = _bytes(shape, dtype, layout, mesh)
-                matrix[own.get(layout, []), j] = 0
-        if matrix.any():
-            per_edge[index] = matrix
+        read_all = fanout_read.get(consumer.name, False) if consumer.kind == "fanout" else None
+        key = (id(producer.candidates), edge.index, id(consumer.candidates), edge.slot, shape, dtype, origin is None,
+               read_all)
+        if key not in made:
+            made[key] = _saved_on_edge(producer, consumer, edge.index, edge.slot, origin is not None, read_all, mesh)
+        if made[key] is not None:
+            per_edge[index] = made[key]
     return StepMemory(constant, held, grads, saved, per_edge, working, states)
+
+
+def _saved_on_edge(producer: PNode, consumer: PNode, index: int, slot: int, held: bool, read_all: bool | None,
+                   mesh: Any) -> np.ndarray | None:
+    """Bytes per (producer, consumer) candidate pair the forward saves of the value on that edge
+    (``None``: none); ``held``: the value is a parameter's or input's storage (or a view of one);
+    ``read_all``: for a fan-out, whether any of its readers' backward reads it."""
+    shape, dtype = producer.outputs[index]
+    # Producer candidates whose own tensor a reader in that layout keeps: a parameter's or
+    # input's storage, or an output the producer's own backward keeps.
+    own: dict[Any, list[int]] = {}
+    for i, pc in enumerate(producer.candidates):
+        gives = pc.outputs[index]
+        if gives is not None and (held or (pc.saved_outputs and pc.saved_outputs[index])):
+            own.setdefault(unstrided(gives), []).append(i)
+    matrix = np.zeros((len(producer.candidates), len(consumer.candidates)))
+    for j, cc in enumerate(consumer.candidates):
+        if read_all if read_all is not None else _reads(cc, slot):
+            layout = cc.inputs[slot]
+            matrix[:, j] = _bytes(shape, dtype, layout, mesh)
+            matrix[own.get(layout, []), j] = 0
+    return matrix if matrix.any() else None

@@ -49,7 +49,7 @@ from torch.distributed.tensor import Partial, Replicate
 from dtcompile.auto_parallel.edges import build_edges
 from dtcompile.auto_parallel.graph import Candidate, Edge, FanoutRule, PNode, Problem
 from dtcompile.auto_parallel.local_ops import BORROWED, REPLICATED, borrowed_strategies, replicated_strategy, run_local
-from dtcompile.auto_parallel.measure import _TensorSlot, flattenings, measure_op
+from dtcompile.auto_parallel.measure import RanInstead, _TensorSlot, flattenings, measure_op
 from dtcompile.auto_parallel.placements import (
     Layout,
     layouts,
@@ -60,8 +60,7 @@ from dtcompile.auto_parallel.placements import (
 from dtcompile.auto_parallel.regions import region_of
 from dtcompile.auto_parallel.store import Table
 from dtcompile.auto_parallel.strategies import UnsupportedOp, op_strategies
-from dtcompile.auto_parallel.trace import TracedModel
-from dtcompile.base.notation import source_of
+from dtcompile.auto_parallel.trace import TracedModel, source_line
 from dtcompile.base.op_facts import GRADIENT_PASSTHROUGH
 from dtcompile.base.progress import track
 from dtcompile.cost import HardwareProfile
@@ -149,6 +148,9 @@ class _Builder:
         t = self.traced
         kinds = [(n, node, "param") for n, node in t.params] + [(n, node, "buffer") for n, node in t.buffers]
         kinds += [(f"input{i}", node, "input") for i, node in enumerate(t.inputs)]
+        # Parameters of one shape (the same one in each repeated layer) share one candidate list,
+        # as the ops do: their edges are priced once (:func:`~dtcompile.auto_parallel.edges.build_edges`).
+        shared: dict[Any, list[Candidate]] = {}
         for label, node, kind in kinds:
             meta = _tensor_meta(node.meta.get("val"))
             if meta is None:
@@ -159,10 +161,11 @@ class _Builder:
                 raise ValueError(f"auto_parallel: no layout of {label} (shape {list(shape)}) shards evenly over mesh {tuple(self.mesh.shape)}")
             rg = t.requires_grad[node.name]
             self.param_derived[node.name] = kind == "param"
+            key = (tuple(options), rg)
+            if key not in shared:
+                shared[key] = [Candidate((), (layout,), grad_out=(layout if rg else None,)) for layout in options]
             self.nodes[node.name] = PNode(
-                node.name, kind, [], [meta], [rg],
-                [Candidate((), (layout,), grad_out=(layout if rg else None,)) for layout in options],
-                target=label, fx_node=node, group=node.name,
+                node.name, kind, [], [meta], [rg], shared[key], target=label, fx_node=node, group=node.name,
             )
 
     def tensor_constant(self, node: fx.Node) -> None:
@@ -172,7 +175,7 @@ class _Builder:
         value = getattr(self.traced.gm, node.target)
         if not isinstance(value, torch.Tensor):
             raise ValueError(
-                f"auto_parallel: node {node.name} reads {node.target} (a {type(value).__name__}{source_of(node)}); "
+                f"auto_parallel: node {node.name} reads {node.target} (a {type(value).__name__}{source_line(node)}); "
                 "only tensors, parameters and buffers are supported"
             )
         rep = tuple([Replicate()] * self.mesh.ndim)
@@ -188,7 +191,7 @@ class _Builder:
     def call(self, node: fx.Node) -> None:
         metas = _out_metas(node)
         if all(m is None for m in metas):
-            raise ValueError(f"auto_parallel: node {node.name} ({node.target}{source_of(node)}) makes no tensor; not supported")
+            raise ValueError(f"auto_parallel: node {node.name} ({node.target}{source_line(node)}) makes no tensor; not supported")
         index = region_of(node)
         if index is not None:  # hops' region op: (body, spec, *operands)
             self.region(node, index, [_ref(a) for a in node.args[2:]], metas)
@@ -271,7 +274,7 @@ class _Builder:
         if not candidates:
             error = self.errors.get((signature, *fallback, REPLICATED), "")
             raise ValueError(
-                f"auto_parallel: node {node.name} ({_op_text(node.target)}{source_of(node)}) cannot be planned: no DTensor strategy "
+                f"auto_parallel: node {node.name} ({_op_text(node.target)}{source_line(node)}) cannot be planned: no DTensor strategy "
                 f"runs it on mesh {tuple(self.mesh.shape)}, and run whole on every rank it fails ({error}); "
                 "pin the parameters and inputs around it with fixed=..., or wrap the code that calls it in "
                 "dtcompile.local_map with the placements it needs"
@@ -283,16 +286,22 @@ class _Builder:
                   weight_only: bool, local: str) -> list[Candidate]:
         """The strategies DTensor (or, ``local`` set, :func:`run_local`) runs as chosen, measured."""
         candidates = []
+        # What DTensor ran when handed these input layouts for another strategy: a strategy with
+        # the same inputs and other outputs is not what it runs (its decision depends on the op,
+        # its arguments and the inputs' layouts only), and is not run again to learn that.
+        ran: dict[Layout, RanInstead] = {}
         for ins, outs in strategies:
             target = functools.partial(run_local, node.target, outs) if local else node.target
             for grad_out in _grad_variants(node.target, outs, out_rg, weight_only and not local):
                 key = (signature, ins, outs, grad_out, local)
                 measured = key in self.measures
                 self.measurements["reused" if measured else "made"] += 1
-                if not measured:
+                if not measured and ins in ran and not ran[ins].runs(outs):
+                    self.measures[key] = None
+                elif not measured:
                     try:
-                        # None: DTensor, handed ``ins``, runs another strategy (other outputs, or
-                        # a collective before the op).
+                        # RanInstead: DTensor, handed ``ins``, runs another strategy (other outputs,
+                        # or a collective before the op).
                         m = measure_op(
                             target, args, kwargs, [(s, d, rg) for (s, d), rg in zip(in_metas, in_rg)], ins, metas,
                             grad_out, self.mesh, self.profile, self.traced.fake_mode, expected_outs=outs,
@@ -302,9 +311,11 @@ class _Builder:
                         self.measures[key] = None
                         self.errors[(signature, ins, outs, local)] = f"{type(e).__name__}: {e}"
                         continue
-                    if m is None:
+                    if isinstance(m, RanInstead):
+                        ran[ins] = m
                         self.measures[key] = None
                         continue
+                    ran[ins] = RanInstead(m.out_layouts, False)  # what it runs for these inputs
                     # An output autograd does not differentiate takes no gradient.
                     grads_back = tuple(g if rg else None for g, rg in zip(grad_out, m.out_requires_grad))
                     self.measures[key] = Candidate(
@@ -416,7 +427,7 @@ def _refuse_writes(node: fx.Node, traced: TracedModel) -> None:
     ]
     if written:
         raise ValueError(
-            f"auto_parallel: node {node.name} ({_op_text(node.target)}{source_of(node)}) writes to {', '.join(written)} in place, "
+            f"auto_parallel: node {node.name} ({_op_text(node.target)}{source_line(node)}) writes to {', '.join(written)} in place, "
             "which the parallel model cannot carry back (it reads each parameter, buffer and input through its "
             "own redistributed copy); put modules that update running statistics in eval() mode before "
             "planning, or write the model's update out of place"

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dtcompile.auto_parallel.graph import Candidate, Problem
-from dtcompile.auto_parallel.peak import PeakEstimate, StepMemory
+from dtcompile.auto_parallel.peak import PeakEstimate, StepMemory, step_memory
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
 from dtcompile.auto_parallel.solver import SolveResult
 from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, launch_latency_us, transfer
@@ -38,12 +38,13 @@ class Solution:
     """The chosen strategy of every node of a :class:`~dtcompile.auto_parallel.problem.Problem`."""
 
     def __init__(self, problem: Problem, result: SolveResult, param_memory_budget_bytes: int | None = None,
-                 memory: StepMemory | None = None, memory_budget_bytes: int | None = None) -> None:
+                 memory: StepMemory | None = None, memory_budget_bytes: int | None = None,
+                 optimizer_states: int = 0) -> None:
         self.problem = problem
         self.result = result
         self.param_memory_budget_bytes = param_memory_budget_bytes
-        self.memory = memory
-        """The step's peak memory model the plan was made with (:mod:`~dtcompile.auto_parallel.peak`)."""
+        self._memory = memory
+        self._states = optimizer_states
         self.memory_budget_bytes = memory_budget_bytes
         self._cache: dict[Any, Transfer | None] = {}
         self._edges = {(e.consumer, e.slot): e for e in problem.edges}
@@ -99,11 +100,17 @@ class Solution:
     def param_bytes_per_rank(self) -> int:
         return sum(sizes[self.result.choice[name]] for name, sizes in self.problem.param_bytes.items())
 
+    @property
+    def memory(self) -> StepMemory:
+        """The step's peak memory model (:mod:`~dtcompile.auto_parallel.peak`): the one the plan
+        kept to its budget, else built when first asked for."""
+        if self._memory is None:
+            self._memory = step_memory(self.problem, self._states)
+        return self._memory
+
     def peak_memory(self) -> PeakEstimate:
         """The training step's estimated peak per rank under this plan, in all and by kind
         (:mod:`~dtcompile.auto_parallel.peak`)."""
-        if self.memory is None:
-            raise ValueError("Solution.peak_memory: this solution was made without a memory model")
         return self.memory.estimate(self.problem, self.result.choice)
 
     @property
@@ -254,9 +261,8 @@ class Solution:
                 f"# estimated step: {self.cost_us:.2f} us ({self.problem.profile.name}); "
                 f"parameters {self.param_bytes_per_rank()} B per rank"
             )
-            if self.memory is not None:
-                budget = "" if self.memory_budget_bytes is None else f", budget {format_bytes(self.memory_budget_bytes)}"
-                lines.append(f"# estimated peak: {self.peak_memory()}{budget}")
+            budget = "" if self.memory_budget_bytes is None else f", budget {format_bytes(self.memory_budget_bytes)}"
+            lines.append(f"# estimated peak: {self.peak_memory()}{budget}")
             return "\n".join(lines)
         return self._explain_node(self._resolve(name))
 

@@ -29,8 +29,9 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from dtcompile.auto_parallel.regions import tracing_regions
+from dtcompile.base.channels import Meta
 
-__all__ = ["TracedModel", "trace_forward"]
+__all__ = ["TracedModel", "source_line", "trace_forward"]
 
 
 @dataclass
@@ -78,12 +79,36 @@ def trace_forward(
             if n.op == "call_function" and n.target not in table and (fn := decompose(n.target)) is not None
         }
         if not more:
+            traced.gm.meta[Meta.AUTOPARALLEL_RESTACK] = lambda: _stacks_from(_trace(model, example_inputs, device, table, stacks=True), traced)
             return traced
         table.update(more)
     raise ValueError(f"auto_parallel: decomposing {sorted(map(str, table))} does not end; please report this")
 
 
-def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: dict[Any, Any]) -> TracedModel:
+def _stacks_from(again: TracedModel, traced: TracedModel) -> None:
+    """Copy the stack traces of ``again`` (the same trace, made with them) into ``traced``'s nodes."""
+    stacks = {n.name: n.meta.get("stack_trace") for n in again.gm.graph.nodes}
+    for node in traced.gm.graph.nodes:
+        if stacks.get(node.name):
+            node.meta["stack_trace"] = stacks[node.name]
+
+
+def source_line(node: fx.Node | None) -> str:
+    """:func:`~dtcompile.base.notation.source_of` a node of a traced model: the model is traced
+    without stack traces (a third of the trace's time on a large model), and again with them
+    the first time a message needs one."""
+    from dtcompile.base.notation import source_of
+
+    if node is not None and not node.meta.get("stack_trace"):
+        owner = node.graph.owning_module
+        restack = owner.meta.pop(Meta.AUTOPARALLEL_RESTACK, None) if owner is not None else None
+        if restack is not None:
+            restack()
+    return source_of(node)
+
+
+def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: dict[Any, Any],
+           stacks: bool = False) -> TracedModel:
     import torch.fx.traceback as fx_traceback
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
@@ -131,7 +156,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: 
         # Kept node meta records each node's ``original_aten``: the op a decomposition came from.
         with tracing_regions(model) as regions, fake_mode, fx_traceback.preserve_node_meta():
             gm = make_fx(
-                forward, tracing_mode="real", decomposition_table=table or None, record_stack_traces=True
+                forward, tracing_mode="real", decomposition_table=table or None, record_stack_traces=stacks
             )(*fake_params, *fake_buffers, *fake_inputs)
     finally:
         for handle in handles:

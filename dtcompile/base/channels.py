@@ -65,6 +65,9 @@ class Meta:
     """On auto-parallel's traced graph: the fixed ``local_map`` region a node is in."""
     AUTOPARALLEL_REGION_ARGS = "dtcompile_autoparallel_region_args"
     """On auto-parallel's traced graph: the region's argument nodes."""
+    AUTOPARALLEL_RESTACK = "dtcompile_autoparallel_restack"
+    """In an auto-parallel trace's ``GraphModule.meta``: traces the model again with stack traces,
+    for a message that names a node's source line (:func:`dtcompile.auto_parallel.trace.source_line`)."""
 
 
 class Artifact:

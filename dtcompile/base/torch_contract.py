@@ -181,6 +181,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch.distributed.tensor._op_schema", "OpSpec", ("output_specs", "input_specs", "redistribute_cost")),
     ("torch.distributed.tensor._op_schema", "OpStrategy", ("strategies",)),
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
+    # dtcompile.auto_parallel.measure: a DTensor made from a fake shard and its spec, as DTensor's
+    # own ops make their results (from_local's autograd function is a fifth of a measurement)
+    ("torch.distributed.tensor", "DTensor.__new__", None),
     # dtcompile.auto_parallel.local_ops: the CPU flash attention borrows this op's strategies
     ("torch", "ops.aten._scaled_dot_product_efficient_attention", None),
     ("torch", "ops.aten._scaled_dot_product_efficient_attention.default", None),
