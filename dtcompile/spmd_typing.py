@@ -244,6 +244,9 @@ def _view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> in
 
 # Ops that cut along one dim (argument 1, or ``dim=``; split's is argument 2): a shard of another dim stays.
 _CUTS = {"slice": 1, "split": 2, "split_with_sizes": 2, "chunk": 2, "narrow": 1}
+# Reductions over dims (argument 1, a dim or a list; keepdim argument 2): a shard of a dim not
+# reduced stays, moved left by the dims removed before it.
+_REDUCTIONS = {"sum", "mean", "amax", "amin"}
 # Attention over (batch, heads, sequence, head dim): heads sharded alike on q, k and v stay sharded.
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
@@ -282,10 +285,12 @@ def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, SpmdTy
     if name in ("mm", "bmm") and len(typed) == 2:
         (a, b), batch = dims, 1 if name == "bmm" else 0
         ta, tb = (t.local for _, _, t in typed)
+        if batch and a == 0 and b == 0:
+            return SpmdType.shard(0)  # the batch, sharded on both sides
         if a == batch + 1 and b == batch:
             return P  # the contracted dim, sharded on both sides: each rank holds a partial sum
-        if a == batch and tb in ("R", "I") or (batch and a == 0 and b == 0):
-            return SpmdType.shard(batch)
+        if a == batch and tb in ("R", "I"):
+            return SpmdType.shard(batch)  # the rows
         if b == batch + 1 and ta in ("R", "I"):
             return SpmdType.shard(batch + 1)
         return V
@@ -294,12 +299,16 @@ def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, SpmdTy
         landed = {len(out_shape) - len(_shape(n.meta["val"]) or ()) + d for (n, _, _), d in zip(typed, dims) if d is not None}
         plain_varying = any(d is None and t.local == "V" for (_, _, t), d in zip(typed, dims))
         return SpmdType.shard(landed.pop()) if len(landed) == 1 and not plain_varying else V
-    if name in ("sum", "mean") and len(typed) == 1 and dims[0] is not None:
+    if name == "expand" and len(typed) == 1 and dims[0] is not None:
+        # New dims come in front; a sharded dim keeps its size (it is not one to broadcast).
+        return SpmdType.shard(dims[0] + len(out_shape) - len(_shape(typed[0][0].meta["val"]) or ()))
+    if name in _REDUCTIONS and len(typed) == 1 and dims[0] is not None:
         reduced = node.args[1] if len(node.args) > 1 else None
         in_rank = len(_shape(typed[0][0].meta["val"]) or ())
+        reduced = [reduced] if isinstance(reduced, int) else reduced
         reduced_dims = set(range(in_rank)) if not reduced else {d % in_rank for d in reduced}
         if dims[0] in reduced_dims:
-            return P if name == "sum" else V  # a mean of a shard is not a partial mean
+            return P if name == "sum" else V  # a mean (or max) of a shard is not a partial one
         keepdim = len(node.args) > 2 and node.args[2]
         return SpmdType.shard(dims[0] if keepdim else dims[0] - sum(d < dims[0] for d in reduced_dims))
     return V

@@ -71,15 +71,16 @@ __all__ = ["Candidate", "Edge", "FanoutRule", "PNode", "Problem", "build_problem
 log = logging.getLogger(__name__)
 
 
-_Tables = tuple[Table, Table, Table]
+_Tables = tuple[Table, Table, Table, Table]
 _MEASURE_TABLES: collections.OrderedDict[Any, _Tables] = collections.OrderedDict()
 
 
 def _measure_tables(mesh: Any, profile: HardwareProfile) -> _Tables:
     """The measurements made on meshes like ``mesh`` under ``profile`` (the 8 latest such keys
     kept in this process, and on disk across processes: :mod:`~dtcompile.auto_parallel.store`):
-    the measured candidates, why measurements failed, and the priced transfers
-    (:func:`~dtcompile.auto_parallel.transfer.transfer`'s cache).
+    the measured candidates, why measurements failed, the priced transfers
+    (:func:`~dtcompile.auto_parallel.transfer.transfer`'s cache) and the strategies DTensor
+    lists for an op given its inputs' possible layouts.
 
     A measurement depends on the op, its arguments, shapes and layouts (its key in the
     table) and on the mesh's device, shape, axis names, ranks and flattenings (the
@@ -88,7 +89,7 @@ def _measure_tables(mesh: Any, profile: HardwareProfile) -> _Tables:
     key = (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()),
            flattenings(mesh), profile)
     if key not in _MEASURE_TABLES:
-        _MEASURE_TABLES[key] = (Table(key, "measures"), Table(key, "errors"), Table(key, "transfers"))
+        _MEASURE_TABLES[key] = tuple(Table(key, part) for part in ("measures", "errors", "transfers", "strategies"))
         while len(_MEASURE_TABLES) > 8:
             _MEASURE_TABLES.popitem(last=False)
     _MEASURE_TABLES.move_to_end(key)
@@ -132,7 +133,7 @@ class _Builder:
         self.nodes: dict[str, PNode] = {}
         # Measurements outlive one plan: planning again (other pins, another budget, the
         # next model of a batch) measures only what it has not seen on this mesh.
-        self.measures, self.errors, self.transfers = _measure_tables(mesh, profile)
+        self.measures, self.errors, self.transfers, self.strategies = _measure_tables(mesh, profile)
         """Measured candidates (``None``: DTensor cannot run it); why a measurement failed,
         for the error when nothing can run an op."""
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
@@ -248,12 +249,14 @@ class _Builder:
         run, the replicated fallback (:mod:`dtcompile.auto_parallel.local_ops`)."""
         start = time.perf_counter()
         out_shapes = [m[0] if m else None for m in metas]
-        local = ""
-        try:
-            strategies = op_strategies(node.target, args, kwargs, in_metas, options, out_shapes, self.mesh)
-        except UnsupportedOp:
-            local = BORROWED
-            strategies = borrowed_strategies(node.target, args, kwargs, in_metas, options, out_shapes, self.mesh)
+        asked = (node.target, repr((args, kwargs)), tuple(in_metas), tuple(map(tuple, options)), tuple(out_shapes))
+        if asked not in self.strategies:
+            try:
+                self.strategies[asked] = ("", op_strategies(node.target, args, kwargs, in_metas, options, out_shapes, self.mesh))
+            except UnsupportedOp:
+                self.strategies[asked] = (BORROWED, borrowed_strategies(
+                    node.target, args, kwargs, in_metas, options, out_shapes, self.mesh))
+        local, strategies = self.strategies[asked]
         self.seconds["strategies"] += time.perf_counter() - start
         # A Partial input only comes from a producer that makes it (redistribute cannot); the
         # strategy's variant that is handed it replicated stays (see strategies.py).
@@ -462,7 +465,7 @@ def build_problem(
     start = time.perf_counter()
     edges, fanout_rules = build_edges(b.nodes, mesh, profile, bucket_cap_bytes, regathered, b.transfers)
     b.seconds["edges"] = time.perf_counter() - start
-    for table in (b.measures, b.errors, b.transfers):
+    for table in (b.measures, b.errors, b.transfers, b.strategies):
         table.save()
     param_bytes = {}
     for _, node in traced.params:

@@ -142,3 +142,32 @@ def test_the_check_runs_on_the_graph_as_traced_with_every_pass_off():
         (traced,) = result["traced"]  # one inference graph
         by_op = {name.rstrip("_0123456789"): types for name, types in traced.items()}
         assert by_op["mm"] == {"world": "P"} and by_op["all_reduce"] == {"world": "R"}, traced
+
+
+def _fuzz_program_on_rank(rank: int, seed: int) -> dict[str, Any]:
+    from support.spmd_fuzz import build, generate, run_program
+
+    program = generate(seed)
+    backend = dtcompile.backend(inductor=False)
+    try:
+        run_program(torch.compile(build(program), backend=backend, fullgraph=True), program, rank)
+    except Exception as exc:
+        return {"error": str(exc)}
+    forward = next(r for r in backend.records if r.kind == "forward")
+    return {"types": {name.rstrip("_0123456789"): t["world"] for name, t in forward.spmd_types_traced.items()}}
+
+
+def test_head_sharded_attention_is_typed_through_expand_and_bmm_and_its_partial_sum_checked():
+    """Two of the SPMD-type fuzzer's programs (tests/clients/test_spmd_fuzz.py), which found that
+    ``expand`` and a batch-sharded ``bmm`` lost the shard dim (the output projection's partial
+    sum was then plain ``V`` and a ReLU on it passed): heads sharded, q @ k^T and the weighted sum
+    keep the heads' shard, the row-parallel projection is a partial sum."""
+    clean, planted = run_threaded(WORLD_SIZE, _fuzz_program_on_rank, 78), run_threaded(WORLD_SIZE, _fuzz_program_on_rank, 74)
+    for result in clean:
+        types = result["types"]
+        assert types["bmm"] == "S(0)" and types["expand"] == "S(0)" and types["amax"] == "S(0)", types
+        assert types["all_reduce"] == "R" and "?" not in types.values(), types
+    for result in planted:
+        error = result.get("error", "")
+        assert "aten.relu.default" in error and "partial since mm_" in error, error
+        assert "y0 = torch.relu(y0)" in error, error
