@@ -224,6 +224,13 @@ def shared_models() -> None:
               f"{auto.cost_us:.2f} | {auto_us:.2f} | {hand_us:.2f} | {auto_us / hand_us:.3f} |")
 
 
+def _peak_mib() -> float:
+    """The process's peak resident memory so far (it only grows: the hand plan's row includes the auto plan's)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", action="store_true", help="the shared test models, compiled, against their hand plans")
@@ -259,25 +266,25 @@ def main() -> None:
         auto = dtcompile.auto_parallel.plan(
             model, mesh, (x,), input_placements=boundary, output_placements=boundary, param_memory_budget_bytes=budget
         )
-        rows.append(("auto", auto, time.perf_counter() - start))
+        rows.append(("auto", auto, time.perf_counter() - start, _peak_mib()))
         start = time.perf_counter()
         hand = dtcompile.auto_parallel.plan(
             model, mesh, (x,), input_placements=boundary, output_placements=boundary, fixed=pinned
         )
-        rows.append(("hand TP + FSDP", hand, time.perf_counter() - start))
+        rows.append(("hand TP + FSDP", hand, time.perf_counter() - start, _peak_mib()))
         assert hand.param_bytes_per_rank() == budget
 
     print(f"{args.layers} layers, Llama-3-8B sizes, {args.attention} attention, batch {args.batch} x seq {args.seq}, bf16; "
           "mesh dp=8 x tp=8 (fake PG), h100")
-    print("| plan | total s | trace s | strategies s | measure s | edges s | solve s | variables | groups | nodes | step us | params B/rank |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for label, solution, total in rows:
+    print("| plan | total s | trace s | strategies s | measure s | edges s | solve s | variables | groups | nodes | step us | params B/rank | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, solution, total, peak in rows:
         sec = solution.problem.seconds
         r = solution.result
         print(
             f"| {label} | {total:.1f} | {sec['trace']:.1f} | {sec['strategies']:.1f} | {sec['measure']:.1f} | "
             f"{sec['edges']:.1f} | {sec['solve']:.1f} | {r.num_variables} | {r.num_groups} | "
-            f"{len(solution.problem.nodes)} | {solution.cost_us:.0f} | {solution.param_bytes_per_rank()} |"
+            f"{len(solution.problem.nodes)} | {solution.cost_us:.0f} | {solution.param_bytes_per_rank()} | {peak:.0f} |"
         )
     print(f"auto / hand step cost: {auto.cost_us / hand.cost_us:.3f}")
     layer0 = {n: p for n, p in auto.param_placements.items() if n.startswith("layers.1.")}
