@@ -26,53 +26,11 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/support: the model and the measured step
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self, blocks: int, hidden: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(32, hidden) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def measured_peak(model: nn.Module, x: torch.Tensor, solution, backend) -> int:
-    import dtcompile
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from dtcompile.testing import measure_memory
-
-    parallel = dtcompile.auto_parallel.parallelize(model, solution)
-    compiled = torch.compile(parallel, backend=backend)
-    local = distribute_tensor(x, solution.problem.mesh, solution.input_placements[0])
-    optimizer = torch.optim.Adam(parallel.parameters(), lr=1e-3)
-
-    def step() -> None:
-        out = compiled(local)
-        (out.to_local() if isinstance(out, DTensor) else out).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    return measure_memory(step, [*parallel.parameters(), local, *states]).peak_bytes
+from support.peak_models import Stack, measured_peak  # noqa: E402
 
 
 def main() -> None:

@@ -203,7 +203,9 @@ def plan(
         tie_repeated_layers(problem)
         progress.step("layers tied")
         # The peak model is built where a budget asks for it (else when the solution is asked).
+        start = time.perf_counter()
         memory = step_memory(problem, states) if memory_budget_bytes is not None else None
+        problem.seconds["memory"] = time.perf_counter() - start
         result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes, memory=memory,
                        memory_budget_bytes=memory_budget_bytes)
         problem.seconds["solve"] = result.seconds

@@ -252,14 +252,20 @@ def measure_op(
         for i in differentiable:
             shape, dtype = out_metas[i]
             grad_outs.append((shape, dtype, grad_layouts[i]))
-    flat = [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for (shape, dtype, _), layout in zip(tensors, in_layouts)]
+    # An op that writes in place needs its inputs made by an autograd function (not leaves).
+    leaves = isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+    flat = [
+        _fake_local(fake_mode, shape, dtype, layout, mesh, rg and not leaves)
+        for (shape, dtype, rg), layout in zip(tensors, in_layouts)
+    ]
     grads_local = [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
     recorder = _Recorder()
     recorder.known(flat + grads_local)
     outs: list[Any] = []
     with recorder, _releasing_masks(outs):
         dts = [
-            _dtensor(local, mesh, layout, shape, rg)
+            _dtensor(local, mesh, layout, shape, rg) if leaves
+            else DTensor.from_local(local, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
             for (shape, _, rg), layout, local in zip(tensors, in_layouts, flat)
         ]
         call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
@@ -278,7 +284,8 @@ def measure_op(
         if kept:
             diff = [outs[differentiable[j]] for j in kept]
             grads = [
-                _dtensor(g, mesh, layout, shape, False)
+                _dtensor(g, mesh, layout, shape, False) if leaves
+                else DTensor.from_local(g, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
                 for j, ((shape, _, layout), g) in enumerate(zip(grad_outs, grads_local)) if j in kept
             ]
             wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
@@ -296,7 +303,9 @@ def measure_op(
 def _dtensor(local: torch.Tensor, mesh: Any, layout: Layout, shape: Sequence[int], requires_grad: bool) -> DTensor:
     """A DTensor of global ``shape`` (contiguous) laid out as ``layout`` over ``local``: a leaf
     (``requires_grad``) as DTensor's ops make their results, not through ``from_local``'s
-    autograd function, which took a fifth of a measurement (the same graphs are recorded)."""
+    autograd function, which took a fifth of a measurement (the same graphs are recorded).
+    Not for an op that writes in place (autograd refuses that on a leaf): those, and
+    ``local_map`` regions and ops run on local shards, take ``from_local``'s."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(torch.Size(shape), _global_stride(shape), local.dtype)

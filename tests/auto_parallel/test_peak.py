@@ -7,61 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from support.peak_models import Stack, measured_peak
+from torch.distributed.tensor import Replicate
 
 import dtcompile
 from dtcompile.auto_parallel import Infeasible
-from dtcompile.testing import fake_world, measure_memory
-
-
-class _Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(x)))
-
-
-class _Stack(nn.Module):
-    """Three residual MLP blocks, 25k parameters: at batch 512 the activations the forward saves
-    (1.6 MiB replicated) are 16 times the parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block(32, 128) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+from dtcompile.testing import fake_world
 
 
 @pytest.fixture
 def stack():
     torch.manual_seed(0)
-    return _Stack(), torch.randn(512, 32)
-
-
-def _measured_peak(model, x, solution, backend) -> int:
-    """One compiled training step with Adam (after a first one that compiles and makes the
-    optimizer's state), on this rank of the fake world: its peak as the allocator saw it."""
-    parallel = dtcompile.auto_parallel.parallelize(model, solution)
-    compiled = torch.compile(parallel, backend=backend)
-    local = distribute_tensor(x, solution.problem.mesh, solution.input_placements[0])
-    optimizer = torch.optim.Adam(parallel.parameters(), lr=1e-3)
-
-    def step():
-        out = compiled(local)
-        (out.to_local() if isinstance(out, DTensor) else out).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    return measure_memory(step, [*parallel.parameters(), local, *states]).peak_bytes
+    return Stack(), torch.randn(512, 32)
 
 
 @pytest.mark.inductor
@@ -84,11 +41,11 @@ def test_a_budget_only_the_step_peak_sees_is_kept_by_the_compiled_step(stack):
         assert planned.cost_us > free.cost_us  # memory bought with time
         assert f"budget {dtcompile.base.notation.format_bytes(budget)}" in planned.explain().splitlines()[-1]
 
-        measured = _measured_peak(model, x, planned, backend)
+        measured = measured_peak(model, x, planned, backend)
         assert measured == pytest.approx(estimate.total, rel=0.10), (measured, estimate)
         assert measured <= budget, (measured, budget)
         torch._dynamo.reset()
-        over = _measured_peak(model, x, blind, dtcompile.backend())
+        over = measured_peak(model, x, blind, dtcompile.backend())
         assert over > budget, (over, budget)
         assert over == pytest.approx(free.peak_memory().total, rel=0.10)
 

@@ -114,7 +114,7 @@ def test_stats_say_where_planning_took_its_time_and_repeated_layers_are_measured
     for layers in (2, 3):
         reference, _, x = build_block_stack(tp_mesh, layers)
         stats = dtcompile.auto_parallel.plan(reference, tp_mesh, (x,)).stats
-        assert all(stats[f"{stage}_s"] >= 0 for stage in ("trace", "strategies", "measure", "edges", "solve"))
+        assert all(stats[f"{stage}_s"] >= 0 for stage in ("trace", "strategies", "measure", "edges", "memory", "solve"))
         assert 0 < stats["candidates_kept"] <= stats["candidates"] and stats["variables"] > 0
         made[layers] = stats["measurements_made"], stats["measurements_reused"]
     # The third layer asks nothing the first two did not: every measurement of the second plan
