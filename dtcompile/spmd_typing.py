@@ -300,8 +300,10 @@ def _shard_rule(node: fx.Node, axis: str, typed: list[tuple[fx.Node, int, SpmdTy
         plain_varying = any(d is None and t.local == "V" for (_, _, t), d in zip(typed, dims))
         return SpmdType.shard(landed.pop()) if len(landed) == 1 and not plain_varying else V
     if name == "expand" and len(typed) == 1 and dims[0] is not None:
-        # New dims come in front; a sharded dim keeps its size (it is not one to broadcast).
-        return SpmdType.shard(dims[0] + len(out_shape) - len(_shape(typed[0][0].meta["val"]) or ()))
+        # New dims come in front; a shard of a dim broadcast from size 1 is no shard of the output.
+        in_shape = _shape(typed[0][0].meta["val"]) or ()
+        moved = dims[0] + len(out_shape) - len(in_shape)
+        return SpmdType.shard(moved) if out_shape[moved] == in_shape[dims[0]] else V
     if name in _REDUCTIONS and len(typed) == 1 and dims[0] is not None:
         reduced = node.args[1] if len(node.args) > 1 else None
         in_rank = len(_shape(typed[0][0].meta["val"]) or ())

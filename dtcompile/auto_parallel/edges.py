@@ -42,7 +42,7 @@ from dtcompile.auto_parallel.transfer import Transfer, bucketed_time_us, transfe
 from dtcompile.base.op_facts import GRADIENT_PASSTHROUGH
 from dtcompile.cost import HardwareProfile
 
-__all__ = ["build_edges"]
+__all__ = ["build_edges", "view_origin"]
 
 INF = math.inf
 
@@ -68,11 +68,17 @@ def _read_in_backward(nodes: Mapping[str, PNode], consumers: Mapping[tuple[str, 
     return read
 
 
-def _param_of(nodes: Mapping[str, PNode], name: str) -> str | None:
-    """The parameter node ``name`` is, or is a view of (``t(w)``), else ``None``."""
+def view_origin(nodes: Mapping[str, PNode], name: str) -> PNode:
+    """The node ``name`` is a view of, through views of one value (``t(w)``: ``w``), or itself."""
     node = nodes[name]
     while node.kind == "op" and node.target.rpartition(".")[2] in GRADIENT_PASSTHROUGH and len(node.inputs) == 1:
         node = nodes[node.inputs[0][0]]
+    return node
+
+
+def _param_of(nodes: Mapping[str, PNode], name: str) -> str | None:
+    """The parameter node ``name`` is, or is a view of (``t(w)``), else ``None``."""
+    node = view_origin(nodes, name)
     return node.name if node.kind == "param" else None
 
 

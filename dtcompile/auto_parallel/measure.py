@@ -264,9 +264,7 @@ def measure_op(
     outs: list[Any] = []
     with recorder, _releasing_masks(outs):
         dts = [
-            _dtensor(local, mesh, layout, shape, rg) if leaves
-            else DTensor.from_local(local, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
-            for (shape, _, rg), layout, local in zip(tensors, in_layouts, flat)
+            _dtensor(local, mesh, layout, shape, rg, leaves) for (shape, _, rg), layout, local in zip(tensors, in_layouts, flat)
         ]
         call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
         out = target(*call_args, **call_kwargs)
@@ -284,8 +282,7 @@ def measure_op(
         if kept:
             diff = [outs[differentiable[j]] for j in kept]
             grads = [
-                _dtensor(g, mesh, layout, shape, False) if leaves
-                else DTensor.from_local(g, mesh, layout, run_check=False, shape=shape, stride=_global_stride(shape))
+                _dtensor(g, mesh, layout, shape, False, leaves)
                 for j, ((shape, _, layout), g) in enumerate(zip(grad_outs, grads_local)) if j in kept
             ]
             wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
@@ -300,12 +297,17 @@ def measure_op(
     return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved, saved_outs, own)
 
 
-def _dtensor(local: torch.Tensor, mesh: Any, layout: Layout, shape: Sequence[int], requires_grad: bool) -> DTensor:
-    """A DTensor of global ``shape`` (contiguous) laid out as ``layout`` over ``local``: a leaf
-    (``requires_grad``) as DTensor's ops make their results, not through ``from_local``'s
-    autograd function, which took a fifth of a measurement (the same graphs are recorded).
-    Not for an op that writes in place (autograd refuses that on a leaf): those, and
-    ``local_map`` regions and ops run on local shards, take ``from_local``'s."""
+def _dtensor(local: torch.Tensor, mesh: Any, layout: Layout, shape: Sequence[int], requires_grad: bool,
+             leaf: bool) -> DTensor:
+    """A DTensor of global ``shape`` (contiguous) laid out as ``layout`` over ``local``.
+
+    ``leaf``: made as DTensor's ops make their results, a leaf (``requires_grad``), not
+    through ``from_local``'s autograd function, which took a fifth of a measurement (the
+    same graphs are recorded).  Not for an op that writes in place (autograd refuses that
+    on a leaf), nor a ``local_map`` region or an op run on local shards: those take
+    ``from_local``'s, over a ``local`` that requires grad itself."""
+    if not leaf:
+        return DTensor.from_local(local, mesh, layout, run_check=False, shape=tuple(shape), stride=_global_stride(shape))
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(torch.Size(shape), _global_stride(shape), local.dtype)
@@ -520,7 +522,7 @@ def trace_redistribution(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def run(local: torch.Tensor) -> torch.Tensor:
-        dt = DTensor.from_local(local, mesh, src, run_check=False, shape=tuple(shape), stride=_global_stride(shape))
+        dt = _dtensor(local, mesh, src, shape, False, leaf=False)
         return dt.redistribute(mesh, dst).to_local()
 
     local = _fake_local(FakeTensorMode(), shape, dtype, src, mesh, False)

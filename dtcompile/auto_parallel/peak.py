@@ -42,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from dtcompile.auto_parallel.edges import view_origin
 from dtcompile.auto_parallel.graph import Candidate, PNode, Problem
 from dtcompile.auto_parallel.placements import local_numel, unstrided
 from dtcompile.base.notation import format_bytes
-from dtcompile.base.op_facts import GRADIENT_PASSTHROUGH
 
 __all__ = ["END", "MOMENTS", "OPTIMIZER_STATES", "TURN", "PeakEstimate", "StepMemory", "optimizer_states", "step_memory"]
 
@@ -154,9 +154,7 @@ MOMENTS = (TURN, END)
 def _held_origin(nodes: Mapping[str, PNode], name: str) -> PNode | None:
     """The parameter or input node ``name`` is, or is a view of (``t(w)``), else ``None``:
     its storage is alive throughout the step whatever reads it."""
-    node = nodes[name]
-    while node.kind == "op" and node.target.rpartition(".")[2] in GRADIENT_PASSTHROUGH and len(node.inputs) == 1:
-        node = nodes[node.inputs[0][0]]
+    node = view_origin(nodes, name)
     return node if node.kind in ("param", "input") else None
 
 
