@@ -59,6 +59,7 @@ from dtcompile.graph_compile import GraphCompile, devices_of
 from dtcompile.rank_check import CheckedOnFirstCall, RanksDisagree, agree, check_groups
 from dtcompile.rank_schedule import CheckOutcome, Schedule, agreed_earlier, agreement_marks
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, RankCheck
+from dtcompile.spmd_carry import carry_spmd_types
 
 __all__ = ["DTCompileBackend"]
 
@@ -144,6 +145,8 @@ class DTCompileBackend:
             if job.served_from_cache():
                 job.record_cache_hit()
         run = with_outputs_put_back(compiled, job.constants, job.views)
+        if job.spmd_carry is not None:
+            run = carry_spmd_types(run, job.spmd_carry)
         if not job.checking:
             return run
         schedule = job.schedule()

@@ -69,7 +69,9 @@ from dtcompile.rank_schedule import (
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
-from dtcompile.spmd_typing import input_types, type_graph
+from dtcompile.spmd_carry import SpmdCarry, traced_copy
+from dtcompile.spmd_layouts import with_declared_types
+from dtcompile.spmd_typing import axis_objects, input_types, type_graph
 from dynamo_vars.dtensor_state import loss_parallel_backward
 
 if TYPE_CHECKING:
@@ -168,6 +170,15 @@ def devices_of(example_inputs: Sequence[Any]) -> frozenset[str]:
     return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
 
 
+def dynamo_outputs_in_aot_forward() -> tuple[int, int]:
+    """Where the Dynamo graph's outputs are among those of the AOT forward (or inference) graph
+    being compiled: (after how many, how many); AOTAutograd returns the inputs it mutates first."""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    if meta is None:
+        return 0, 0
+    return meta.num_mutated_inp_runtime_indices, len(meta.output_info)
+
+
 def _aot_cache_hits() -> int:
     from torch._dynamo.utils import counters
 
@@ -186,7 +197,7 @@ class GraphCompile:
         self.info = describe_dynamo_graph(
             gm, str(compile_id) if compile_id is not None else "?", axes, self.profile_choice.profile, self.profile_choice.why
         )
-        self.info.spmd_inputs = input_types(gm, example_inputs, axes)
+        self.info.spmd_inputs = with_declared_types(gm, example_inputs, input_types(gm, example_inputs, axes))
         log.info("%s: cost profile %s", self.info.compile_id, self.profile_choice)
         self.constants = split_constant_outputs(gm)
         self.views = split_input_views(gm)
@@ -225,6 +236,9 @@ class GraphCompile:
         self._kept: dict[str, list[str]] = {}
         self.spmd_types_traced: dict[GraphKind, dict[str, dict[str, str]]] = {}
         """Per AOT graph, its nodes' SPMD types as traced (checked), before the passes."""
+        self.spmd_carry: SpmdCarry | None = None
+        """Where the inputs are typed and the graph was traced here: what its outputs are
+        stamped with, and what a call with inputs typed otherwise is checked on."""
 
     # ---- stage 1: trace (or be served)
     def trace(self) -> Callable[..., Any]:
@@ -337,9 +351,17 @@ class GraphCompile:
         if not self.info.spmd_inputs:
             return {}
         info = self.info
+        traced = traced_copy(gm) if kind != GraphKind.BACKWARD else None
         typed, outputs = type_graph(gm, kind, info.spmd_inputs, info.axes, info.spmd_forward, info.spmd_forward_outputs)
         if kind == GraphKind.FORWARD:
             info.spmd_forward, info.spmd_forward_outputs = typed, outputs
+        if traced is not None:
+            offset, count = dynamo_outputs_in_aot_forward()
+            self.spmd_carry = SpmdCarry(
+                dynamo_graph=self.gm, traced=traced, kind=kind, axes=info.axes, inputs=tuple(info.spmd_inputs),
+                outputs=list(outputs[offset : offset + count]), axis_objects=axis_objects(self.gm, info.axes),
+                output_offset=offset,
+            )
         return typed
 
     # ---- stage 4: lower

@@ -47,7 +47,7 @@ from dtcompile.base.channels import GraphKind, Meta
 from dtcompile.base.notation import source_of
 from dtcompile.base.op_facts import SPMD_TYPE_PRESERVING, TRANSPOSES, op_name
 
-__all__ = ["AxisTypes", "SpmdType", "SpmdTypeCheckError", "format_types", "input_types", "type_graph"]
+__all__ = ["AxisTypes", "SpmdType", "SpmdTypeCheckError", "axis_objects", "format_types", "input_types", "type_graph"]
 
 
 class SpmdType(str):
@@ -118,6 +118,19 @@ def _axis_names(group_names: Sequence[str], axes: Mapping[str, str]) -> dict[Any
         except Exception:  # a group spmd_types cannot lay out (a fake one): its axes keep their own names
             continue
     return names
+
+
+def axis_objects(gm: fx.GraphModule, axes: Mapping[str, str]) -> dict[str, Any]:
+    """Mesh axis name -> ``spmd_types``' axis of that name (what a type is stamped with), for
+    the graph's groups and ``spmd_types``' current mesh; ``{}`` without ``spmd_types``."""
+    if "spmd_types" not in sys.modules:
+        return {}
+    from dtcompile.collectives import group_names_in
+
+    found: dict[str, Any] = {}
+    for axis, name in _axis_names(group_names_in(gm), axes).items():
+        found.setdefault(name, axis)  # the current mesh's axis first
+    return found
 
 
 def _fsdp_compute_types() -> dict[int, tuple[Any, Any]]:

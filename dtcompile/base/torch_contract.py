@@ -108,6 +108,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._guards", "detect_fake_mode", ("inputs",)),
     # dtcompile.spmd_typing: the FSDP2 modules alive, for the types FSDP2 saved for their parameters
     ("torch.distributed._composable_state", "_module_state_mapping", None),
+    # dtcompile.spmd_layouts: the frame Dynamo translates (its modules' declared input layouts)
+    ("torch._dynamo.symbolic_convert", "InstructionTranslator.current_tx", ()),
     ("torch.distributed._local_tensor", "LocalTensor", None),
     ("torch.distributed._local_tensor", "LocalTensorMode", None),
     # dynamo_vars

@@ -84,8 +84,8 @@ pytestmark = [
 WORLD_SIZE = 2
 NUM_STEPS = 2
 # name -> (world size, tensor parallel degree): TP + SP on 2 ranks; FSDP2 x TP + SP on 4
-# (data parallel over the rest of the world, 2 x 2).
-PLANS = {"tp_sp": (2, 2), "fsdp_tp": (4, 2)}
+# (data parallel over the rest of the world, 2 x 2); TP without SP on 2.
+PLANS = {"tp_sp": (2, 2), "fsdp_tp": (4, 2), "tp": (2, 2)}
 DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, HIDDEN_DIM = 64, 4, 2, 2, 128
 VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH = 128, 16, 4
 # Adam's first update, lr * g / (|g| + 1e-8), turns a rounding difference in a
@@ -153,18 +153,21 @@ def _train_on_rank(
     weights: dict[str, torch.Tensor],
     batches: Batches,
     plan: str = "tp_sp",
+    plant_in: str | None = None,
 ) -> Run:
     """torchtitan's parallelize (spmd_types) and training steps on this rank of ``plan``'s world;
-    compiled with dtcompile(**options) unless None."""
+    compiled with dtcompile(**options) unless None.  The tokens and labels are typed as torchtitan's
+    trainer types them (``annotate_input_spmd_types``).  ``plant_in``: the name of a block whose
+    FFN output reduction is dropped (:func:`_drop_ffn_reduction`)."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types, set_current_spmd_mesh
     from torchtitan.distributed.utils import clip_grad_norm_
 
     world_size, tensor_parallel_degree = PLANS[plan]
-    parallelism = ParallelismConfig(tensor_parallel_degree=tensor_parallel_degree, enable_sequence_parallel=True)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tensor_parallel_degree, enable_sequence_parallel=plan != "tp")
     assert parallelism.spmd_backend == "spmd_types", "torchtitan's default SPMD backend"
     parallel_dims = ParallelDims.from_config(parallelism, world_size)
     parallel_dims.build_mesh()
@@ -172,7 +175,7 @@ def _train_on_rank(
     if model_name == "llama3":
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-        set_llama3_sharding_config(config, enable_sp=True)
+        set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     else:
         from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
@@ -191,6 +194,8 @@ def _train_on_rank(
     model = parallelize(parallelize_fn, model, parallel_dims, parallelism, compile_config)
     force_sum_reduction(model)
     load_weights(model, weights)
+    if plant_in is not None:
+        _drop_ffn_reduction(model.layers[plant_in])
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=VOCAB_SIZE), compile_config=compile_config)
     with set_current_spmd_mesh(parallel_dims.spmd_dense_mesh()):
         run = train(
@@ -203,9 +208,11 @@ def _train_on_rank(
             data_parallel_rank=rank // tensor_parallel_degree,
             clip_grad_norm=lambda params: clip_grad_norm_(params, MAX_NORM),
             counter=counter,
+            prepare=lambda tokens, labels: annotate_input_spmd_types(parallel_dims, tokens, labels, {})[:2],
         )
     if compiled:
         run.graphs = sorted((r.kind, tuple(map(collective_text, r.collectives))) for r in backend.records)
+        run.records = list(backend.records)
     return run
 
 
@@ -224,6 +231,7 @@ def test_torchtitan_spmd_types_blocks_compiled_match_eager_and_one_process(model
         # The block once for both blocks, the loss once; nothing more in step 2.
         assert run.num_frames == [2] * NUM_STEPS, f"rank {rank}: frames compiled after each step {run.num_frames}"
         assert run.graphs == GRAPHS, f"rank {rank}: {run.graphs}"
+        check_blocks_typed(run, ("tp",), rank)
 
 
 def test_torchtitan_spmd_types_fsdp2_x_tp_on_4_ranks_compiled_matches_eager_and_one_process(torchtitan_spmd_types):
@@ -245,6 +253,7 @@ def test_torchtitan_spmd_types_fsdp2_x_tp_on_4_ranks_compiled_matches_eager_and_
         # The tensor-parallel collectives of the 2-rank run on each tp pair, for half the batch;
         # FSDP's run in its hooks, outside the graphs.
         assert run.graphs == _graphs(GLOBAL_BATCH // num_slices), f"rank {rank}: {run.graphs}"
+        check_blocks_typed(run, ("dp", "tp"), rank)
 
 
 # ---- SPMD types in the compiled graphs (dtcompile.spmd_typing)
@@ -256,8 +265,6 @@ def _typed_block_on_rank(rank: int, sequence_parallel: bool, plant: bool) -> dic
     is ``S(1)`` on tp under sequence parallel, ``R`` without); ``plant`` drops the FFN's output
     all-reduce (its ``w2`` leaves its output partial).  Returns the explain report of the block,
     or the compile error, and the block's output compiled and eager."""
-    import dataclasses
-
     import spmd_types as spmd
     from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
@@ -276,8 +283,7 @@ def _typed_block_on_rank(rank: int, sequence_parallel: bool, plant: bool) -> dic
     load_weights(model, initial_weights(MODELS["llama3"]()))
     block = model.layers["0"]
     if plant:
-        w2 = block.feed_forward.w2
-        w2._sharding_config = dataclasses.replace(w2._sharding_config, out_dst_shardings=w2._sharding_config.out_src_shardings)
+        _drop_ffn_reduction(block)
     torch.manual_seed(0)  # the same activations on both ranks: the residual stream is replicated
     x = torch.randn(2, SEQ_LEN, DIM)
     if sequence_parallel:
@@ -299,6 +305,37 @@ def _tensor_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if " = " in line and "  # " in line]
 
 
+def _untyped_lines(text: str, axes: tuple[str, ...]) -> list[str]:
+    """The annotated graph's tensor nodes not typed on each of ``axes``, or typed ``?`` there
+    (multi-output nodes, attention and split, are typed on their ``getitem``s)."""
+    lines = [line for line in _tensor_lines(text) if "getitem" not in line.split(" = ")[1][:20]
+             and not line.split(" = ")[1].startswith(("aten._scaled_dot", "aten.split", "aten._scaled"))]
+    return [line for line in lines if any(f" {axis}:" not in line or f"{axis}:?" in line for axis in axes)]
+
+
+def _drop_ffn_reduction(block: torch.nn.Module) -> None:
+    """The plant: ``block``'s FFN ``w2`` leaves its output partial (its output layout declared as
+    the partial sum it makes, so torchtitan skips the all-reduce before the residual add; eager
+    runs it and adds a partial sum on each rank)."""
+    import dataclasses
+
+    w2 = block.feed_forward.w2
+    w2._sharding_config = dataclasses.replace(w2._sharding_config, out_dst_shardings=w2._sharding_config.out_src_shardings)
+
+
+def check_blocks_typed(run: Run, axes: tuple[str, ...], rank: int) -> None:
+    """Every tensor node of every block's forward graph is typed on each of ``axes`` (no ``?``):
+    read from torchtitan's own annotations, its modules' declared layouts and the types the
+    compiled blocks carry, none added by the test."""
+    blocks = [r for r in run.records if r.kind == "forward" and "aten.mm" in str(r.graph.code)]
+    assert blocks, f"rank {rank}: no block forward compiled"
+    for record in blocks:
+        text = record.annotated()
+        assert _tensor_lines(text), text
+        untyped = _untyped_lines(text, axes)
+        assert not untyped, f"rank {rank}, {record.compile_id}: nodes not typed on {axes}:\n" + "\n".join(untyped)
+
+
 def test_explain_types_every_tensor_node_per_axis_and_names_every_collectives_axis(torchtitan_spmd_types):
     """``dtcompile.explain`` on torchtitan's Llama3 block under spmd_types, TP + SP on 2 ranks:
     every tensor node of the forward and backward graphs carries its type on ``tp``, every
@@ -308,11 +345,8 @@ def test_explain_types_every_tensor_node_per_axis_and_names_every_collectives_ax
         text = record.annotated()
         lines = _tensor_lines(text)
         assert lines, text
-        untyped = [line for line in lines if " tp:" not in line and "getitem" not in line.split(" = ")[1][:20]
-                   and not line.split(" = ")[1].startswith(("aten._scaled_dot", "aten.split", "aten._scaled"))]
-        assert not untyped, f"{record.kind} graph: nodes without a type on tp:\n" + "\n".join(untyped)
-        unknown = [line for line in lines if "tp:?" in line]
-        assert not unknown, f"{record.kind} graph: nodes of unknown type:\n" + "\n".join(unknown)
+        untyped = _untyped_lines(text, ("tp",))
+        assert not untyped, f"{record.kind} graph: nodes without a type on tp, or of unknown type:\n" + "\n".join(untyped)
         collectives = [line for line in lines if "_c10d_functional." in line and "wait_tensor" not in line]
         assert collectives and all("[tp]" in line for line in collectives), collectives
     forward = next(r for r in report.graphs if r.kind == "forward").annotated()
@@ -348,3 +382,24 @@ def test_a_planted_missing_reduction_is_a_compile_error_naming_the_node(torchtit
         torch.testing.assert_close(result["compiled"], result["eager"], **TOL)
         # The eager planted output differs: the plant is a wrong result eager runs silently.
         assert not torch.allclose(planted[rank]["eager"], result["eager"], **TOL)
+
+
+def test_a_missing_reduction_planted_in_block_2_stops_training_at_its_compile_naming_the_node_and_line(torchtitan_spmd_types):
+    """torchtitan's Llama3 trained on its default path (TP without SP, per-block compile), the FFN
+    output reduction dropped in its second block only: block 1 compiles and checks; block 2 differs
+    in that module's layout, so Dynamo compiles it again, and the check refuses it, naming the
+    residual add, the matmul whose partial sum reaches it and the model's line.  No input of the
+    blocks is annotated by the test: their types come from torchtitan (the trainer's input
+    annotation, the modules' declared layouts, FSDP2's saved parameter types)."""
+    from dtcompile.testing import RankFailure
+
+    weights = initial_weights(MODELS["llama3"]())
+    batches = global_batches(1, VOCAB_SIZE, SEQ_LEN, GLOBAL_BATCH)
+    with pytest.raises(RankFailure) as failure:
+        run_threaded(WORLD_SIZE, _train_on_rank, "llama3", MODES["aot"], weights, batches, "tp", "1")
+    text = str(failure.value)
+    for rank in range(WORLD_SIZE):
+        assert f"--- rank {rank} ---" in text, text
+    assert text.count("SpmdTypeCheckError") >= WORLD_SIZE and "mesh axis 'tp'" in text, text
+    assert "aten.add.Tensor" in text and "partial since mm_" in text and "aten.mm.default" in text, text
+    assert "llama3/model.py" in text and "in forward: `out = h + self.feed_forward(self.ffn_norm(h))`" in text, text

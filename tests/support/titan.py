@@ -388,15 +388,20 @@ def train(
     data_parallel_rank: int,
     clip_grad_norm: Callable[[list[torch.nn.Parameter]], torch.Tensor],
     counter: Any = None,
+    prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Run:
     """torchtitan's training steps on one rank, which reads slice ``data_parallel_rank`` of ``num_slices`` of each batch.
 
     ``counter`` (a ``CompileCounterWithBackend``) when compiled: its frame count is recorded after each step.
+    ``prepare``: what the trainer does to this rank's tokens and labels before the model
+    (``post_dataloading_process``: on the spmd_types path, ``annotate_input_spmd_types``).
     """
     run = Run([], [], [], [] if counter is not None else None)
     for tokens, labels in batches:
         global_valid_tokens = torch.tensor(labels.numel())
         tokens, labels = tokens.chunk(num_slices)[data_parallel_rank], labels.chunk(num_slices)[data_parallel_rank]
+        if prepare is not None:
+            tokens, labels = prepare(tokens, labels)
         loss, _ = loss_fn(model(tokens), labels, global_valid_tokens)
         loss.backward()
         run.losses.append(loss.detach().clone())

@@ -1,0 +1,120 @@
+"""SPMD types across compiled graphs: stamped on their outputs, re-checked when their inputs' change.
+
+:mod:`dtcompile.spmd_typing` types and checks a graph when it is compiled, from
+its inputs' types then.  Two things happen at run time that the compile did not see:
+
+- **The outputs leave untyped.**  A compiled graph's outputs are new tensors with no
+  ``spmd_types`` type, so the next compiled graph (torchtitan's next block) would
+  start untyped.  :func:`carry_spmd_types` stamps each output with the type the
+  check computed for it (``spmd_types.assert_type``, as ``spmd_types``' eager
+  checker would have typed it): ``S(d)``, ``R``, ``I``, ``V`` or ``P`` per mesh
+  axis, an axis the check left ``?`` not at all.
+- **The same code is called with inputs typed otherwise.**  Dynamo does not guard on
+  an attribute it never read, so a graph compiled for an ``R`` input runs as it is
+  for a ``P`` one.  Each call compares its inputs' ``spmd_types`` annotations with
+  those of the calls already checked; inputs typed otherwise are typed again, and
+  the graph as traced (kept from the compile, before the passes) is checked again
+  for them: a contradiction is the same :class:`~dtcompile.spmd_typing.SpmdTypeCheckError`
+  the compile would have raised, before the graph runs.  The code itself does not
+  depend on the types, so a graph that checks runs as compiled (its outputs typed
+  for the new inputs).  Each typing of the inputs is checked once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from dtcompile.base.channels import GraphKind
+from dtcompile.spmd_typing import AxisTypes, input_types, type_graph
+
+__all__ = ["SpmdCarry", "carry_spmd_types", "traced_copy"]
+
+
+def traced_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph (its nodes' meta shared, not copied) that the passes do not
+    rewrite: what a re-check types again."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return fx.GraphModule(gm, graph)
+
+
+def _annotation(value: Any) -> Any:
+    """An input's ``spmd_types`` annotation as a key (its local types and partition spec), or None."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    local = getattr(value, "_local_type", None)
+    if not local:
+        return None
+    return tuple(local.items()), getattr(value, "_partition_spec", None)
+
+
+@dataclass
+class SpmdCarry:
+    """A compiled graph's SPMD types, as its wrapper needs them at run time."""
+
+    dynamo_graph: fx.GraphModule
+    """The Dynamo graph (its collectives' groups name the axes of new inputs)."""
+    traced: fx.GraphModule
+    """Its forward (or inference) AOT graph as traced, before the passes (:func:`traced_copy`)."""
+    kind: GraphKind
+    axes: Mapping[str, str]
+    inputs: tuple[AxisTypes | None, ...]
+    """The inputs' types the compile checked."""
+    outputs: list[AxisTypes | None]
+    """The Dynamo graph's outputs' types for those inputs."""
+    axis_objects: Mapping[str, Any]
+    """Mesh axis name -> ``spmd_types``' axis (what a stamp is keyed by)."""
+    output_offset: int = 0
+    """Where the Dynamo graph's outputs start among the AOT graph's (mutated inputs first)."""
+    checked: dict[tuple[Any, ...], list[AxisTypes | None]] = field(default_factory=dict)
+    """Inputs' annotations already checked -> the outputs' types for them."""
+
+    def outputs_for(self, args: Sequence[Any]) -> list[AxisTypes | None]:
+        """The outputs' types for a call's inputs ``args``: checked once per annotation of them."""
+        key = tuple(_annotation(a) for a in args)
+        found = self.checked.get(key)
+        if found is None:
+            found = self.checked[key] = self._check(args)
+        return found
+
+    def _check(self, args: Sequence[Any]) -> list[AxisTypes | None]:
+        typed = input_types(self.dynamo_graph, args, self.axes) or (None,) * len(args)
+        # An input its annotation leaves untyped keeps what the compile found for it (a module's
+        # declared layout, FSDP2's saved type).
+        types = tuple(t if t is not None else self.inputs[i] if i < len(self.inputs) else None for i, t in enumerate(typed))
+        if types == tuple(self.inputs):
+            return self.outputs
+        _, outputs = type_graph(self.traced, self.kind, types, self.axes)
+        return outputs[self.output_offset : self.output_offset + len(self.outputs)]
+
+    def stamp(self, outputs: Sequence[Any], types: Sequence[AxisTypes | None]) -> None:
+        """Types each output tensor that has no type yet as ``types`` says, on its known axes."""
+        import spmd_types as spmd
+
+        by_name = {"R": spmd.R, "I": spmd.I, "V": spmd.V, "P": spmd.P}
+        for value, found in zip(outputs, types):
+            if not isinstance(value, torch.Tensor) or not found or spmd.get_local_type(value):
+                continue
+            stamp = {self.axis_objects[axis]: spmd.S(t.dim) if t.dim is not None else by_name[t.local]
+                     for axis, t in found.items() if t != "?" and axis in self.axis_objects}
+            if stamp:
+                spmd.assert_type(value, stamp)
+
+
+def carry_spmd_types(run: Callable[..., Any], carry: SpmdCarry) -> Callable[..., Any]:
+    """``run`` (a compiled graph's callable), checking its inputs' types first and stamping its
+    outputs' types after (see the module doc)."""
+
+    def typed_run(*args: Any) -> Any:
+        types = carry.outputs_for(args)
+        outputs = run(*args)
+        carry.stamp(outputs, types)
+        return outputs
+
+    return typed_run
