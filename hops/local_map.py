@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +32,7 @@ from dtcompile.hops.spec import (
     mismatch_error,
     other_mesh_error,
     output_count_error,
+    placements_of_types,
 )
 
 __all__ = ["LocalMapCall", "local_map", "local_map_call", "make_spec", "region_name"]
@@ -59,9 +60,11 @@ def region_name(func: Callable[..., Any]) -> str:
 
 
 def _placements_arg(
-    name: str, value: Any, what: str, count: int, ndim: int
+    name: str, value: Any, what: str, count: int, mesh: Any
 ) -> tuple[str | None, ...]:
-    """One placement string (or None) per flat input/output, checked against the mesh's ndim."""
+    """One placement string (or None) per flat input/output, checked against the mesh; an
+    entry may be SPMD types by mesh axis name (:func:`~dtcompile.hops.spec.placements_of_types`)."""
+    ndim = mesh.ndim
     noun = "output" if what == "out_placements" else "input"
     if len(value) != count:
         raise LocalMapError(
@@ -74,6 +77,11 @@ def _placements_arg(
         if ps is None:
             texts.append(None)
             continue
+        if isinstance(ps, Mapping):
+            try:
+                ps = placements_of_types(ps, mesh, f"{what}[{i}]")
+            except ValueError as e:
+                raise LocalMapError(f"local_map {name}: {e}") from None
         ps = tuple(ps)
         if len(ps) != ndim:
             raise LocalMapError(
@@ -122,7 +130,6 @@ def make_spec(
     """
     from torch.distributed.tensor import DTensor
 
-    ndim = mesh.ndim
     if in_placements is None:
         in_texts = tuple(
             format_placements(a.placements) if isinstance(a, DTensor) else None
@@ -130,13 +137,13 @@ def make_spec(
         )
     else:
         in_texts = _placements_arg(
-            name, in_placements, "in_placements", len(flat_args), ndim
+            name, in_placements, "in_placements", len(flat_args), mesh
         )
     grad_texts = (
         in_texts
         if in_grad_placements is None
         else _placements_arg(
-            name, in_grad_placements, "in_grad_placements", len(flat_args), ndim
+            name, in_grad_placements, "in_grad_placements", len(flat_args), mesh
         )
     )
     for i, a in enumerate(flat_args):
@@ -164,7 +171,7 @@ def make_spec(
     outs = _out_placements_tuple(out_placements)
     if num_outputs is not None and len(outs) != num_outputs:
         raise output_count_error(name, num_outputs, len(outs))
-    out_texts = _placements_arg(name, outs, "out_placements", len(outs), ndim)
+    out_texts = _placements_arg(name, outs, "out_placements", len(outs), mesh)
     tensor = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
     return RegionSpec(
         name=name,

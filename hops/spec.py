@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from dtcompile.base.notation import describe_mesh
@@ -28,11 +28,45 @@ __all__ = [
     "other_mesh_error",
     "output_count_error",
     "parse_placements",
+    "placements_of_types",
 ]
 
 
 class LocalMapError(ValueError):
     """A ``local_map`` call whose arguments or results do not match its declared placements."""
+
+
+_SPMD_TYPE = re.compile(r"S\((\d+)\)|(R|I|P|V)")
+
+
+def placements_of_types(types: Mapping[Any, Any], mesh: Any, what: str) -> tuple[Any, ...]:
+    """SPMD types per mesh axis name (``{"dp": "S(0)", "tp": "R"}``; ``spmd_types``' ``S(0)``,
+    ``R``, ``I``, ``P`` or dtcompile's ``SpmdType`` as values) as DTensor placements in the
+    mesh's axis order: ``S(d)`` is ``Shard(d)``, ``R`` and ``I`` ``Replicate()``, ``P``
+    ``Partial()``.  Raises ``ValueError`` naming ``what`` for an axis the mesh lacks or one
+    left out, or ``V`` (varying, with no dim to shard)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names:
+        raise ValueError(f"{what} gives SPMD types by mesh axis name, and {describe_mesh(mesh)} has no axis names; "
+                         "build it with mesh_dim_names=(...), or give one placement per axis")
+    given = {str(getattr(axis, "value", axis)): t for axis, t in types.items()}
+    unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
+    if unknown or missing:
+        raise ValueError(f"{what} = {given}: " + "; ".join(
+            [f"{unknown} are not axes of the mesh {names}"] * bool(unknown) + [f"no type for {missing}"] * bool(missing))
+            + "; give one type per mesh axis")
+    placements = []
+    for name in names:
+        text = given[name] if isinstance(given[name], str) else repr(given[name])
+        found = _SPMD_TYPE.fullmatch(text)
+        if found is None or found[2] == "V":
+            why = "V says the value varies but not which dim it shards: write S(d)" if found else \
+                "not an SPMD type (S(d) with d >= 0, R, I or P)"
+            raise ValueError(f"{what}: {text!r} on axis {name!r} is {why}")
+        placements.append(Shard(int(found[1])) if found[1] else Partial() if found[2] == "P" else Replicate())
+    return tuple(placements)
 
 
 _PLACEMENT = re.compile(r"_S\((\d+),(\d+)\)|S\((\d+)\)|R|P\((\w+)\)")

@@ -61,8 +61,14 @@ def _without_redistribution_advice() -> Iterator[None]:
 
 
 def _layout(what: str, value: Any, mesh: Any) -> Layout:
+    """A pinned layout: placements, one per mesh axis, or SPMD types by mesh axis name
+    (``{"dp": "S(0)", "tp": "R"}``: :func:`dtcompile.hops.spec.placements_of_types`)."""
     from torch.distributed.tensor import Placement
 
+    from dtcompile.hops.spec import placements_of_types
+
+    if isinstance(value, Mapping):
+        value = placements_of_types(value, mesh, f"auto_parallel: {what}")
     if isinstance(value, Placement):
         value = (value,)
     if not isinstance(value, Sequence) or not all(isinstance(p, Placement) for p in value):

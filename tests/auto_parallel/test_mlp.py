@@ -123,6 +123,23 @@ def test_pinned_parameters_keep_their_placements_and_collectives_still_match(mlp
     assert predicted_collectives(solution) == compiled
 
 
+def test_spmd_types_by_axis_name_pin_as_their_placements_do(mlp):
+    """Pins, inputs and outputs written as SPMD types per mesh axis name (``S(d)``, ``R``/``I``)
+    plan as the placements they name: the same plan, the same parameters."""
+    typed = {name: {"tp": f"S({p[0].dim})" if isinstance(p[0], Shard) else "I"} for name, p in MEGATRON.items()}
+    mesh, reference, _, x, _ = mlp
+    by_types = dtcompile.auto_parallel(reference, mesh, (x,), input_placements=[{"tp": "R"}], output_placements=[{"tp": "R"}],
+                                       fixed=typed)[1]
+    by_placements = _plan(mlp, fixed=MEGATRON)[1]
+    assert by_types.param_placements == by_placements.param_placements == MEGATRON
+    assert by_types.input_placements == by_placements.input_placements
+    assert by_types.cost_us == pytest.approx(by_placements.cost_us, rel=1e-9)
+    with pytest.raises(ValueError, match=r"input_placements\[0\] = \{'dp': 'R'\}: \['dp'\] are not axes of the mesh"):
+        dtcompile.auto_parallel(reference, mesh, (x,), input_placements=[{"dp": "R"}])
+    with pytest.raises(ValueError, match="a pinned layout cannot be Partial"):
+        dtcompile.auto_parallel(reference, mesh, (x,), output_placements=[{"tp": "P"}])
+
+
 def test_arguments_are_checked_with_the_fix_in_the_message(mlp):
     mesh, reference, _, x, _ = mlp
     with pytest.raises(ValueError, match=r"fixed names 'w3.weight', which is neither a parameter"):

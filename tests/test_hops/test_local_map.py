@@ -1094,3 +1094,74 @@ def test_local_map_call_recognises_a_region_and_nothing_else():
     assert local_map_call(staticmethod(made)) == call  # as a class attribute
     for other in (body, staticmethod(body), made.func, None, 3):
         assert local_map_call(other) is None
+
+
+# ---------------------------------------------------------------- SPMD types where placements go
+
+
+def _row_parallel_region(mesh, ins, out):
+    """x (rows, hidden) sharded on hidden @ w.t() sharded alike: a partial sum per rank."""
+    return local_map(lambda x, w: x @ w.t(), out_placements=out, in_placements=ins, device_mesh=mesh)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_spmd_types_by_axis_name_declare_a_region_as_its_placements_do(compiled):
+    """``{"dp": "S(0)", "tp": "S(1)"}`` (spmd_types' spelling, per mesh axis name) is the same
+    declaration as ``(Shard(0), Shard(1))``: the same outputs and gradients on simulated ranks,
+    and the single-process result; ``P`` is ``Partial()``, ``R`` and ``I`` ``Replicate()``."""
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    with simulated_world(8, (2, 4), ("dp", "tp")) as mesh:
+        results = _typed_and_placed(mesh, x, w, compiled)
+    (t_placements, *t_values), (p_placements, *p_values) = results
+    assert t_placements == p_placements == (Shard(0), Partial())
+    for a, b in zip(t_values, p_values):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(t_values[0], x @ w.t())  # and the single-process result
+
+
+def _typed_and_placed(dp_tp_mesh, x, w, compiled):
+    typed = _row_parallel_region(
+        dp_tp_mesh, ({"dp": "S(0)", "tp": "S(1)"}, {"tp": "S(1)", "dp": "I"}), {"dp": "S(0)", "tp": "P"})
+    placed = _row_parallel_region(dp_tp_mesh, ((Shard(0), Shard(1)), (Replicate(), Shard(1))), (Shard(0), Partial()))
+    results = []
+    for region in (typed, placed):
+        backend = dtcompile.backend(inductor=False)
+        run = torch.compile(region, backend=backend, fullgraph=True) if compiled else region
+        dx = distribute_tensor(x, dp_tp_mesh, [Shard(0), Shard(1)]).requires_grad_(True)
+        dw = distribute_tensor(w, dp_tp_mesh, [Replicate(), Shard(1)]).requires_grad_(True)
+        out = run(dx, dw)
+        out.full_tensor().sum().backward()
+        results.append((out.placements, out.full_tensor(), dx.grad.full_tensor(), dw.grad.full_tensor()))
+    return results
+
+
+def test_a_region_declared_in_spmd_types_compiles_to_the_spec_its_placements_give(dp_tp_mesh):
+    specs = []
+    for ins, out in (
+        (({"dp": "S(0)", "tp": "S(1)"}, {"tp": "S(1)", "dp": "I"}), {"dp": "S(0)", "tp": "P"}),
+        (((Shard(0), Shard(1)), (Replicate(), Shard(1))), (Shard(0), Partial())),
+    ):
+        backend = dtcompile.backend(inductor=False)
+        x = distribute_tensor(torch.randn(8, 16), dp_tp_mesh, [Shard(0), Shard(1)])
+        w = distribute_tensor(torch.randn(4, 16), dp_tp_mesh, [Replicate(), Shard(1)])
+        torch.compile(_row_parallel_region(dp_tp_mesh, ins, out), backend=backend, fullgraph=True)(x, w)
+        specs.append([str(region.spec) for record in backend.records for region in record.regions])
+    assert specs[0] == specs[1] and len(specs[0]) == 1, specs
+    assert "[S(0)S(1), RS(1)] -> [S(0)P(sum)]" in specs[0][0], specs
+
+
+@pytest.mark.parametrize(
+    "ins, message",
+    [
+        (({"dp": "S(0)"}, {"dp": "R", "tp": "S(1)"}), r"in_placements\[0\] = \{'dp': 'S\(0\)'\}: no type for \['tp'\]"),
+        (({"dp": "S(0)", "tp": "S(1)", "cp": "R"}, {"dp": "R", "tp": "S(1)"}), r"\['cp'\] are not axes of the mesh \('dp', 'tp'\)"),
+        (({"dp": "S(0)", "tp": "V"}, {"dp": "R", "tp": "S(1)"}), r"'V' on axis 'tp' is V says the value varies but not which dim it shards: write S\(d\)"),
+        (({"dp": "S(0)", "tp": "Shard(1)"}, {"dp": "R", "tp": "S(1)"}), r"'Shard\(1\)' on axis 'tp' is not an SPMD type"),
+    ],
+    ids=["missing axis", "unknown axis", "V", "not a type"],
+)
+def test_spmd_types_that_do_not_fit_the_mesh_name_the_entry_and_the_fix(dp_tp_mesh, ins, message):
+    x = distribute_tensor(torch.randn(8, 16), dp_tp_mesh, [Shard(0), Shard(1)])
+    w = distribute_tensor(torch.randn(4, 16), dp_tp_mesh, [Replicate(), Shard(1)])
+    with pytest.raises(LocalMapError, match=message):
+        _row_parallel_region(dp_tp_mesh, ins, {"dp": "S(0)", "tp": "P"})(x, w)
