@@ -69,7 +69,7 @@ from dtcompile.rank_schedule import (
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
 from dtcompile.regions import format_with_regions, is_region
 from dtcompile.reshard import param_names
-from dtcompile.spmd_carry import SpmdCarry, traced_copy
+from dtcompile.spmd_carry import SpmdCarry, outputs_from_json, outputs_to_json, traced_copy
 from dtcompile.spmd_layouts import with_declared_types
 from dtcompile.spmd_typing import axis_objects, input_types, type_graph
 from dynamo_vars.dtensor_state import loss_parallel_backward
@@ -362,6 +362,8 @@ class GraphCompile:
                 outputs=list(outputs[offset : offset + count]), axis_objects=axis_objects(self.gm, info.axes),
                 output_offset=offset,
             )
+            if self.beside_cache_key is not None:
+                save_beside_cache(BesideCacheFolders.SPMD_TYPES, self.beside_cache_key, outputs_to_json(self.spmd_carry.outputs))
         return typed
 
     # ---- stage 4: lower
@@ -429,6 +431,13 @@ class GraphCompile:
         """Records a graph AOTAutograd's cache served (nothing traced here); says so in the log,
         and logs again the artifacts the run that compiled it kept beside the cache."""
         saved = load_beside_cache(BesideCacheFolders.REPORTS, self.beside_cache_key) if self.beside_cache_key is not None else None
+        kept = load_beside_cache(BesideCacheFolders.SPMD_TYPES, self.beside_cache_key) if self.info.spmd_inputs and self.beside_cache_key else None
+        outputs = outputs_from_json(kept) if kept is not None else None
+        if outputs is not None:
+            self.spmd_carry = SpmdCarry(
+                dynamo_graph=self.gm, traced=None, kind=GraphKind.FORWARD, axes=self.info.axes,
+                inputs=tuple(self.info.spmd_inputs), outputs=outputs, axis_objects=axis_objects(self.gm, self.info.axes),
+            )
         cached = CachedCompile(compile_id=self.info.compile_id, graph=self.gm, reported=bool(saved))
         self.backend.cached.append(cached)
         log.info("%s", cached)

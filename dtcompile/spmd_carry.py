@@ -22,6 +22,7 @@ its inputs' types then.  Two things happen at run time that the compile did not 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +31,9 @@ import torch
 from torch import fx
 
 from dtcompile.base.channels import GraphKind
-from dtcompile.spmd_typing import AxisTypes, input_types, type_graph
+from dtcompile.spmd_typing import AxisTypes, SpmdType, input_types, type_graph
 
-__all__ = ["SpmdCarry", "carry_spmd_types", "traced_copy"]
+__all__ = ["SpmdCarry", "carry_spmd_types", "outputs_from_json", "outputs_to_json", "traced_copy"]
 
 
 def traced_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -42,6 +43,18 @@ def traced_copy(gm: fx.GraphModule) -> fx.GraphModule:
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     return fx.GraphModule(gm, graph)
+
+
+def outputs_to_json(outputs: Sequence[AxisTypes | None]) -> list[dict[str, str] | None]:
+    """The outputs' types as kept beside the compile cache (``BesideCacheFolders.SPMD_TYPES``)."""
+    return [dict(t) if t is not None else None for t in outputs]
+
+
+def outputs_from_json(kept: Any) -> list[AxisTypes | None] | None:
+    """What :func:`outputs_to_json` kept, or None where it is not that."""
+    if not isinstance(kept, list) or not all(t is None or isinstance(t, dict) for t in kept):
+        return None
+    return [{axis: SpmdType.of_text(text) for axis, text in t.items()} if t is not None else None for t in kept]
 
 
 def _annotation(value: Any) -> Any:
@@ -60,8 +73,9 @@ class SpmdCarry:
 
     dynamo_graph: fx.GraphModule
     """The Dynamo graph (its collectives' groups name the axes of new inputs)."""
-    traced: fx.GraphModule
-    """Its forward (or inference) AOT graph as traced, before the passes (:func:`traced_copy`)."""
+    traced: fx.GraphModule | None
+    """Its forward (or inference) AOT graph as traced, before the passes (:func:`traced_copy`);
+    None for a graph the compile cache served (not traced in this process)."""
     kind: GraphKind
     axes: Mapping[str, str]
     inputs: tuple[AxisTypes | None, ...]
@@ -90,6 +104,14 @@ class SpmdCarry:
         types = tuple(t if t is not None else self.inputs[i] if i < len(self.inputs) else None for i, t in enumerate(typed))
         if types == tuple(self.inputs):
             return self.outputs
+        if self.traced is None:
+            warnings.warn(
+                "dtcompile: a graph the compile cache served is called with inputs typed otherwise than it was "
+                "compiled for; it was not traced in this process, so its SPMD types are not checked again and its "
+                "outputs are left untyped for this call (clear the cache, or compile with aot_cache=False, to check it)",
+                stacklevel=3,
+            )
+            return [None] * len(self.outputs)
         _, outputs = type_graph(self.traced, self.kind, types, self.axes)
         return outputs[self.output_offset : self.output_offset + len(self.outputs)]
 

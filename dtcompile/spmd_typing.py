@@ -76,6 +76,13 @@ class SpmdType(str):
         """``S(dim)``: varying, a shard of ``dim``."""
         return cls("V", dim)
 
+    @classmethod
+    def of_text(cls, text: str) -> SpmdType:
+        """The type printed ``text`` (``"S(1)"``, ``"P"``): what JSON kept of one."""
+        if text.startswith("S(") and text.endswith(")"):
+            return cls.shard(int(text[2:-1]))
+        return cls(text)
+
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as what it is made from (its text alone is not a constructor argument).
         return (SpmdType, (self.local, self.dim))

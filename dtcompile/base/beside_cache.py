@@ -11,6 +11,9 @@ graph's key (its compile key, Dynamo code and inputs):
 - ``dtcompile_reports/``: its ``TORCH_TRACE`` artifacts (:mod:`dtcompile.artifacts`),
   logged again when the cache serves it, so a warm-cache trace reports what a
   cold one does.
+- ``dtcompile_spmd_types/``: its outputs' SPMD types (:mod:`dtcompile.spmd_carry`),
+  stamped on its outputs when the cache serves it, so the next graph starts typed
+  on a warm run as on a cold one.
 
 Writes are atomic (a temporary file, then a rename); a file that cannot be
 written is a warning, one that cannot be read is ``None``: the caller then does

@@ -129,3 +129,5 @@ class BesideCacheFolders:
     """Each compiled graph's collectives, for the ranks' check of a run the cache serves."""
     REPORTS = "dtcompile_reports"
     """Each compiled graph's artifacts, logged again when the cache serves it."""
+    SPMD_TYPES = "dtcompile_spmd_types"
+    """Each compiled graph's outputs' SPMD types, stamped on them when the cache serves it."""

@@ -626,6 +626,55 @@ def test_spmd_typed_torchtitan_block_cold_and_warm_equal_eager_with_its_types(tm
         assert types_of("_c10d_functional.reduce_scatter_tensor.default") == ["S(0)", "S(0)"], w["artifacts"][forward]
 
 
+def _carried_rank(rank: int) -> dict[str, Any]:
+    """test_spmd_carry's chain on a gloo rank, with dtcompile's defaults (Inductor, the compile
+    cache): a row-parallel matmul compiled on its own, its output all-reduced (``R``) or left a
+    partial sum (``P``), then a bias add compiled on its own that takes it with no annotation."""
+    import spmd_types as spmd
+    import torch.distributed as dist
+
+    import dtcompile
+
+    module = _client_tests("test_spmd_carry")
+    x, w, b = module._inputs(rank)
+    result: dict[str, Any] = {}
+    for reduce in (True, False):
+        backend = dtcompile.backend()
+        first = torch.compile(module._row_parallel, backend=backend, fullgraph=True)
+        second = torch.compile(module._add_bias, backend=backend, fullgraph=True)
+        y, _ = first(x, w, reduce)
+        entry: dict[str, Any] = {"y": {str(a): repr(t) for a, t in spmd.get_local_type(y).items()},
+                                 "served": len(backend.cached)}
+        try:
+            entry["out"] = second(y, b)
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        result[reduce] = entry
+        torch._dynamo.reset()
+    dist.barrier()
+    return result
+
+
+def test_compiled_outputs_carry_their_types_on_a_warm_cache_too(tmp_path):
+    """A graph the compile cache serves is not traced, so the types its outputs carry come from
+    beside the cache (``BesideCacheFolders.SPMD_TYPES``): the warm run stamps what the cold one
+    did, and the next graph is typed and checked alike, a partial sum refused on both runs."""
+    pytest.importorskip("spmd_types")
+    cold, warm = run_cold_and_warm(WORLD_SIZE, _carried_rank, cache_dir=tmp_path, timeout=TIMEOUT)
+    for rank in range(WORLD_SIZE):
+        c, w = cold[rank], warm[rank]
+        assert w[True]["served"] >= 1, f"rank {rank}: the warm run served nothing from the cache: {w}"
+        for run, result in (("cold", c), ("warm", w)):
+            what = f"rank {rank}, {run}"
+            (reduced_axis_type,) = result[True]["y"].values()
+            (partial_axis_type,) = result[False]["y"].values()
+            assert (reduced_axis_type, partial_axis_type) == ("R", "P"), f"{what}: {result}"
+            assert "error" not in result[True], f"{what}: {result[True]['error']}"
+            error = result[False].get("error")
+            assert error is not None and "SpmdTypeCheckError" in error and "in _add_bias" in error, f"{what}: {error}"
+        torch.testing.assert_close(w[True]["out"], c[True]["out"])
+
+
 def _step_rank(rank: int) -> dict[str, Any]:
     """``compile_step`` with AdamW inside, Inductor-lowered, on the SimpleFSDP stack: 3 steps
     (the first eager, creating AdamW's state) against the same model stepped eagerly."""
