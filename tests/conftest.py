@@ -11,7 +11,8 @@ one, ``trace_dir``, which adds it here), ``models`` where it compiles a whole sh
 model on threaded ranks (or pins one whole).  A name once put pure checks in the slow
 tiers: the torch contract's Inductor names, the option validation, the pricing of
 gloo, which then never ran on the older releases.  The fast
-tier is ``pytest -n 2 -m "not gloo and not inductor and not subprocess and not models and not fuzz"``
+tier is ``pytest -n 2 -m "not gloo and not inductor and not subprocess and not models and not fuzz and not slow"``
+(``slow``: its tests over about 2.5 s, which CI's older releases run with it)
 (``fuzz``: the differential fuzzer's batch and its pinned finds, tests/fuzz; ``--fuzz-examples N`` and
 ``--fuzz-seed S`` run it longer or elsewhere).
 """

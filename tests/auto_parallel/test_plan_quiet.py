@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -15,6 +16,7 @@ from dtcompile.testing import fake_world
 _ADVICE = "torch.distributed.tensor._redistribute"
 
 
+@pytest.mark.slow
 def test_planning_on_a_2d_mesh_shows_no_redistribution_advice(caplog):
     with torch.random.fork_rng():
         torch.manual_seed(0)

@@ -49,6 +49,7 @@ def _check_plan(case_name, fake_world):
     return solution, auto_us, hand_us
 
 
+@pytest.mark.slow
 def test_fsdp_mlp_is_no_dearer_than_fsdp_and_predicts_its_collectives(fake_world):
     solution, auto_us, hand_us = _check_plan("fsdp_mlp", fake_world)
     assert auto_us == pytest.approx(hand_us)  # the solver finds FSDP itself

@@ -102,6 +102,7 @@ def test_the_cost_profile_comes_from_the_compile_config(tp_mesh):
         dtcompile.auto_parallel.plan(reference, tp_mesh, (x,), config={"inductor": False})
 
 
+@pytest.mark.slow
 def test_stats_say_where_planning_took_its_time_and_repeated_layers_are_measured_once(tp_mesh, monkeypatch):
     import collections
 

@@ -45,6 +45,7 @@ def _gathered_weights(parallel) -> int:
     return sum(p.numel() * p.element_size() for p in parallel.parameters())
 
 
+@pytest.mark.slow
 def test_fsdp_compiled_holds_what_fsdp2_holds_between_forward_and_backward(fake_world):
     # The stack of issue #31 (4 x LayerNorm, Linear 256->1024, GELU, Linear 1024->256; 64 rows).
     mesh, reference, parallel, x = _stack(fake_world)

@@ -268,6 +268,7 @@ def _rank_recompiles(rank: int, world_size: int, extra_collective_on_rank0: bool
     return RankRun(eager, results, error, [c.outcome for c in backend.checks], 0, 0)
 
 
+@pytest.mark.slow
 def test_threaded_recompile_on_one_rank_with_the_same_collectives_agrees():
     """Rank 0 recompiles (its guard on ``scale`` fails), rank 1 does not: the new graph's
     collectives are the ones its frame agreed on, so nothing is exchanged, and the ranks'
@@ -281,6 +282,7 @@ def test_threaded_recompile_on_one_rank_with_the_same_collectives_agrees():
             torch.testing.assert_close(step.output, run.eager.output, **TOL)
 
 
+@pytest.mark.slow
 def test_threaded_recompile_on_one_rank_with_new_collectives_ends_with_the_error():
     """Rank 0's new graph has a collective rank 1's has not, and rank 1 never comes to the
     check: rank 0 ends with the error naming it; rank 1, waiting in its collective for

@@ -122,6 +122,7 @@ forward total: 5 collectives, 20480 B per rank
 backward total: 11 collectives, 58368 B per rank""")
 
 
+@pytest.mark.slow
 def test_collective_bytes_follow_from_shapes(world4):
     case = CASES["tp_sp_block"]
     mesh = case.mesh(4)

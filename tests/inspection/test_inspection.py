@@ -83,6 +83,7 @@ def _explain(case_name: str, world_size: int, mesh) -> dtcompile.Report:
 
 
 @pytest.mark.parametrize("case_name", list(CASES))
+@pytest.mark.slow
 def test_every_aot_call_node_is_annotated_and_bytes_follow_from_shapes(fake_world, case_name):
     case = CASES[case_name]
     world_size = 8 if case_name == "block_2d" else 4
@@ -297,6 +298,7 @@ slice_tensor_3 = aten.slice.Tensor(wait_tensor_default_1, 0, 8, 136)  # grad of 
 reshape_default_9 = aten.reshape.default(slice_tensor_3, [8, 16])  # grad of local_1; bucket of 2: reduce_scatter_tensor_2, reduce_scatter_tensor_3""")
 
 
+@pytest.mark.slow
 def test_annotated_placements_tp_sp_block(fake_world):
     report = _explain("tp_sp_block", 4, fake_world(4, (4,), ("tp",)))
     (main,) = {g.info.compile_id: g.info for g in report.graphs if g.info.compile_id == "1/0"}.values()
@@ -343,6 +345,7 @@ outputs_6 = .redistribute(Spec(f32[2, 8, 64](P(sum))), placements=(Shard(dim=1))
 hook_result_8 = .to_local(Spec(f32[2, 8, 64](S(1))))""")
 
 
+@pytest.mark.slow
 def test_annotated_placements_block_2d_collectives(fake_world):
     report = _explain("block_2d", 8, fake_world(8, (2, 4), ("dp", "tp")))
     (main,) = {g.info.compile_id: g.info for g in report.graphs if g.info.compile_id == "1/0"}.values()

@@ -35,6 +35,7 @@ def _length(spans, lane: str) -> float:
     ("fsdp_mlp", (4,), ("dp",)),
     ("block_2d", (2, 2), ("dp", "tp")),
 ])
+@pytest.mark.slow
 def test_the_bars_add_up_to_the_simulated_times(fake_world, case, mesh_shape, names):
     """Compute bars sum to the compute time, waiting bars to the exposed communication, every
     collective has its bar, and no two bars of one lane overlap."""
@@ -80,6 +81,7 @@ def _trace_of(records) -> report_tool.Trace:
     return trace
 
 
+@pytest.mark.slow
 def test_the_report_draws_a_timeline_per_graph(fake_world):
     records = _compiled("tp_sp_block", fake_world(4, (4,), ("tp",)))
     page = report_tool.render_html(_trace_of(records))

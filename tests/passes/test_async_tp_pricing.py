@@ -109,6 +109,7 @@ def _llama_block_decisions(mesh) -> tuple[list[str], list[tuple[str, object]]]:
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.slow
 def test_the_priced_pass_fuses_the_llama_8b_tp_sp_block_on_2_4_and_8_ranks(fake_world, ranks):
     """The fake process group on a cpu mesh, meta tensors.  Not a cuda mesh: without a GPU,
     AOTAutograd's trace of fake CUDA tensors asks for a CUDA context (and falls back to

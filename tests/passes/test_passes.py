@@ -116,6 +116,7 @@ def _block_backend_records(mesh, **options):
     return schedule, backend.records
 
 
+@pytest.mark.slow
 def test_async_tp_fuses_every_gather_matmul_and_matmul_scatter_pair(fake_world):
     # The fused schedule itself is pinned in test_models.py::test_tp_sp_block_schedule.
     schedule, records = _block_backend_records(fake_world(4, (4,), ("tp",)))
@@ -133,6 +134,7 @@ backward: fused all_gather(dim 1) + 1 matmul(s): all_gather_into_tensor_3 -> mm_
 backward: reduce_scatter_tensor_3: not fused: its input comes from aten.add.Tensor (add_10), not from one matmul""")
 
 
+@pytest.mark.slow
 def test_overlap_sinks_waits_and_fills_windows_in_the_block_backward(fake_world):
     _, records = _block_backend_records(fake_world(4, (4,), ("tp",)), disable_passes={"async_tp"})
     moves = [f"{r.kind}: {d}" for r in records for p in r.passes if p.name == "overlap" for d in map(str, p.decisions)]

@@ -101,6 +101,7 @@ def test_stock_torch_fails_exactly_the_pinned_idioms():
     assert len(IDIOMS) - len(failures) == 64
 
 
+@pytest.mark.slow
 def test_results_carry_the_users_mesh_after_other_programs_ran():
     """A model compiled first (its meshes are equal to the idioms' meshes) must not leak its
     mesh, real or fake, into later compiled outputs and gradients."""

@@ -138,6 +138,7 @@ def test_idiom_compiles_once_after_an_eager_model_ran_on_rank_threads(name):
     assert (result.num_frames, result.num_graph_breaks) == (1, 0)
 
 
+@pytest.mark.slow
 def test_the_model_run_eagerly_compiles_once_after_its_threaded_run():
     """The same model, compiled on a simulated world of the same mesh: one frame for three
     steps, the placements and the mesh of eager (a recompile marked its sizes dynamic and
