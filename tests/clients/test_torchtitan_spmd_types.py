@@ -308,8 +308,8 @@ def _tensor_lines(text: str) -> list[str]:
 def _untyped_lines(text: str, axes: tuple[str, ...]) -> list[str]:
     """The annotated graph's tensor nodes not typed on each of ``axes``, or typed ``?`` there
     (multi-output nodes, attention and split, are typed on their ``getitem``s)."""
-    lines = [line for line in _tensor_lines(text) if "getitem" not in line.split(" = ")[1][:20]
-             and not line.split(" = ")[1].startswith(("aten._scaled_dot", "aten.split", "aten._scaled"))]
+    lines = [line for line in _tensor_lines(text)
+             if not line.split(" = ")[1].startswith(("aten._scaled_dot", "aten.split", "aten._scaled"))]
     return [line for line in lines if any(f" {axis}:" not in line or f"{axis}:?" in line for axis in axes)]
 
 
