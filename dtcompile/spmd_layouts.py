@@ -66,8 +66,12 @@ def _declared(module: Any) -> Any:
     layouts = list((getattr(config, "in_src_shardings", None) or {}).values())
     if not layouts or any(not hasattr(layout, "per_axis_spmd_types") for layout in layouts):
         return None
-    first = layouts[0].per_axis_spmd_types()
-    return layouts[0] if all(layout.per_axis_spmd_types() == first for layout in layouts[1:]) else None
+    try:
+        first = layouts[0].per_axis_spmd_types()
+        alike = all(layout.per_axis_spmd_types() == first for layout in layouts[1:])
+    except (TypeError, ValueError):  # a declaration torchtitan's own reader refuses: nothing is read
+        return None
+    return layouts[0] if alike else None
 
 
 def _module_paths(node: fx.Node) -> Iterator[str]:
