@@ -357,14 +357,20 @@ class GraphCompile:
             info.spmd_forward, info.spmd_forward_outputs = typed, outputs
         if traced is not None:
             offset, count = dynamo_outputs_in_aot_forward()
-            self.spmd_carry = SpmdCarry(
-                dynamo_graph=self.gm, traced=traced, kind=kind, axes=info.axes, inputs=tuple(info.spmd_inputs),
-                outputs=list(outputs[offset : offset + count]), axis_objects=axis_objects(self.gm, info.axes),
-                output_offset=offset,
-            )
+            self._keep_spmd_carry(list(outputs[offset : offset + count]), traced, kind, offset)
             if self.beside_cache_key is not None:
                 save_beside_cache(BesideCacheFolders.SPMD_TYPES, self.beside_cache_key, outputs_to_json(self.spmd_carry.outputs))
         return typed
+
+    def _keep_spmd_carry(self, outputs: list[Any], traced: fx.GraphModule | None = None,
+                         kind: GraphKind = GraphKind.FORWARD, offset: int = 0) -> None:
+        """What the compiled graph's wrapper stamps and re-checks (:mod:`dtcompile.spmd_carry`):
+        the Dynamo graph's ``outputs``' types, and its AOT graph as ``traced`` where it was."""
+        info = self.info
+        self.spmd_carry = SpmdCarry(
+            dynamo_graph=self.gm, traced=traced, kind=kind, axes=info.axes, inputs=tuple(info.spmd_inputs),
+            outputs=outputs, axis_objects=axis_objects(self.gm, info.axes), output_offset=offset,
+        )
 
     # ---- stage 4: lower
     def lower(
@@ -434,10 +440,7 @@ class GraphCompile:
         kept = load_beside_cache(BesideCacheFolders.SPMD_TYPES, self.beside_cache_key) if self.info.spmd_inputs and self.beside_cache_key else None
         outputs = outputs_from_json(kept) if kept is not None else None
         if outputs is not None:
-            self.spmd_carry = SpmdCarry(
-                dynamo_graph=self.gm, traced=None, kind=GraphKind.FORWARD, axes=self.info.axes,
-                inputs=tuple(self.info.spmd_inputs), outputs=outputs, axis_objects=axis_objects(self.gm, self.info.axes),
-            )
+            self._keep_spmd_carry(outputs)
         cached = CachedCompile(compile_id=self.info.compile_id, graph=self.gm, reported=bool(saved))
         self.backend.cached.append(cached)
         log.info("%s", cached)

@@ -59,12 +59,13 @@ def outputs_from_json(kept: Any) -> list[AxisTypes | None] | None:
 
 def _annotation(value: Any) -> Any:
     """An input's ``spmd_types`` annotation as a key (its local types and partition spec), or None."""
+    import spmd_types as spmd
+    from spmd_types.runtime import get_partition_spec
+
     if not isinstance(value, torch.Tensor):
         return None
-    local = getattr(value, "_local_type", None)
-    if not local:
-        return None
-    return tuple(local.items()), getattr(value, "_partition_spec", None)
+    local = spmd.get_local_type(value)
+    return (tuple(local.items()), get_partition_spec(value)) if local else None
 
 
 @dataclass
@@ -86,15 +87,16 @@ class SpmdCarry:
     """Mesh axis name -> ``spmd_types``' axis (what a stamp is keyed by)."""
     output_offset: int = 0
     """Where the Dynamo graph's outputs start among the AOT graph's (mutated inputs first)."""
-    checked: dict[tuple[Any, ...], list[AxisTypes | None]] = field(default_factory=dict)
-    """Inputs' annotations already checked -> the outputs' types for them."""
+    checked: dict[tuple[Any, ...], list[dict[Any, Any] | None]] = field(default_factory=dict)
+    """Inputs' annotations already checked -> the outputs' stamps for them (:meth:`_stamps`)."""
 
-    def outputs_for(self, args: Sequence[Any]) -> list[AxisTypes | None]:
-        """The outputs' types for a call's inputs ``args``: checked once per annotation of them."""
+    def stamps_for(self, args: Sequence[Any]) -> list[dict[Any, Any] | None]:
+        """What each output of a call with inputs ``args`` is stamped with: its types checked, and
+        made ``spmd_types``' own, once per annotation of the inputs."""
         key = tuple(_annotation(a) for a in args)
         found = self.checked.get(key)
         if found is None:
-            found = self.checked[key] = self._check(args)
+            found = self.checked[key] = self._stamps(self._check(args))
         return found
 
     def _check(self, args: Sequence[Any]) -> list[AxisTypes | None]:
@@ -115,17 +117,25 @@ class SpmdCarry:
         _, outputs = type_graph(self.traced, self.kind, types, self.axes)
         return outputs[self.output_offset : self.output_offset + len(self.outputs)]
 
-    def stamp(self, outputs: Sequence[Any], types: Sequence[AxisTypes | None]) -> None:
-        """Types each output tensor that has no type yet as ``types`` says, on its known axes."""
+    def _stamps(self, types: Sequence[AxisTypes | None]) -> list[dict[Any, Any] | None]:
+        """Each output's types as ``spmd_types`` keys and types (``spmd_types.S(d)``, ``R``...), on
+        its known axes; None for an output with none."""
         import spmd_types as spmd
 
-        by_name = {"R": spmd.R, "I": spmd.I, "V": spmd.V, "P": spmd.P}
-        for value, found in zip(outputs, types):
-            if not isinstance(value, torch.Tensor) or not found or spmd.get_local_type(value):
-                continue
-            stamp = {self.axis_objects[axis]: spmd.S(t.dim) if t.dim is not None else by_name[t.local]
-                     for axis, t in found.items() if t != "?" and axis in self.axis_objects}
-            if stamp:
+        stamps = []
+        for found in types:
+            stamp = {self.axis_objects[axis]: spmd.S(t.dim) if t.dim is not None else getattr(spmd, t.local)
+                     for axis, t in (found or {}).items() if t != "?" and axis in self.axis_objects}
+            stamps.append(stamp or None)
+        return stamps
+
+    @staticmethod
+    def stamp(outputs: Sequence[Any], stamps: Sequence[dict[Any, Any] | None]) -> None:
+        """Types each output tensor that has no type yet with its stamp (:meth:`stamps_for`)."""
+        import spmd_types as spmd
+
+        for value, stamp in zip(outputs, stamps):
+            if stamp is not None and isinstance(value, torch.Tensor) and not spmd.get_local_type(value):
                 spmd.assert_type(value, stamp)
 
 
@@ -134,9 +144,9 @@ def carry_spmd_types(run: Callable[..., Any], carry: SpmdCarry) -> Callable[...,
     outputs' types after (see the module doc)."""
 
     def typed_run(*args: Any) -> Any:
-        types = carry.outputs_for(args)
+        stamps = carry.stamps_for(args)
         outputs = run(*args)
-        carry.stamp(outputs, types)
+        carry.stamp(outputs, stamps)
         return outputs
 
     return typed_run
