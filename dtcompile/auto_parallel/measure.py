@@ -425,17 +425,9 @@ def _plan_cached(
     shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, flattened: tuple[str, ...],
     direction: str,
 ) -> tuple[tuple[PlannedCollective, ...], int, bool]:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._redistribute import (
-        _FlattenedTransformInfo,
-        _gen_transform_infos,
-        _optimize_transform_infos,
-    )
+    from torch.distributed.tensor._redistribute import _FlattenedTransformInfo
 
-    meta = TensorMeta(torch.Size(shape), _global_stride(shape), dtype)
-    src_spec = DTensorSpec(mesh, src, tensor_meta=meta)
-    dst_spec = DTensorSpec(mesh, dst, tensor_meta=meta)
-    infos = _optimize_transform_infos(_gen_transform_infos(src_spec, dst_spec), mesh, src, dst)
+    infos = _transform_steps(shape, dtype, src, dst, mesh, flattened)
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     itemsize = dtype.itemsize
     current = list(src)
@@ -485,6 +477,43 @@ def _plan_cached(
             continue  # a local chunk (replicate -> shard) or replicate -> partial: no communication
         found.append(PlannedCollective(direction, op, axis, size, numel * itemsize, span))
     return tuple(found), moved * itemsize, read_at_once
+
+
+def _transform_steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any,
+                     flattened: tuple[str, ...]) -> tuple[Any, ...]:
+    """DTensor's steps from ``src`` to ``dst`` (``_TransformInfo``\\ s, merged over flattened meshes).
+
+    Its greedy planner, the one it uses for placements without ``_StridedShard`` unless told
+    to search (``_FORCE_MIN_COST_REDISTRIBUTION_PLAN``), takes the same steps whatever the
+    shape (only each step's ``logical_shape``, unread here, differs): those are asked once per
+    layouts and mesh; others once per shape (:func:`_plan_cached`)."""
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    greedy = not getattr(redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None) and not any(
+        isinstance(p, _StridedShard) for p in (*src, *dst)
+    )
+    if not greedy:
+        return _steps(shape, dtype, src, dst, mesh)
+    key = (src, dst, mesh, id(mesh), flattened)
+    if key not in _STEPS:
+        _STEPS[key] = _steps(shape, dtype, src, dst, mesh)
+        while len(_STEPS) > 4096:
+            del _STEPS[next(iter(_STEPS))]
+    return _STEPS[key]
+
+
+_STEPS: dict[Any, tuple[Any, ...]] = {}
+
+
+def _steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> tuple[Any, ...]:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, _optimize_transform_infos
+
+    meta = TensorMeta(torch.Size(shape), _global_stride(shape), dtype)
+    src_spec = DTensorSpec(mesh, src, tensor_meta=meta)
+    dst_spec = DTensorSpec(mesh, dst, tensor_meta=meta)
+    return tuple(_optimize_transform_infos(_gen_transform_infos(src_spec, dst_spec), mesh, src, dst))
 
 
 def plan_redistribution(

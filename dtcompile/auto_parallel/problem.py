@@ -47,6 +47,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
 from dtcompile.auto_parallel.edges import build_edges
+from dtcompile.auto_parallel.expansion import kept_expansions
 from dtcompile.auto_parallel.graph import Candidate, Edge, FanoutRule, PNode, Problem
 from dtcompile.auto_parallel.local_ops import BORROWED, REPLICATED, borrowed_strategies, replicated_strategy, run_local
 from dtcompile.auto_parallel.measure import RanInstead, _TensorSlot, flattenings, measure_op
@@ -455,12 +456,13 @@ def build_problem(
     b = _Builder(traced, mesh, profile, dict(fixed or {}), bucket_cap_bytes, regathered)
     b.placeholders()
     nodes = traced.gm.graph.nodes
-    for node in track(nodes, "auto_parallel: candidate placements", len(nodes), unit="node"):
-        if node.op == "call_function" and node.target is not operator.getitem:
-            _refuse_writes(node, traced)
-            b.call(node)
-        elif node.op == "get_attr" and not isinstance(getattr(traced.gm, node.target), fx.GraphModule):
-            b.tensor_constant(node)
+    with kept_expansions():
+        for node in track(nodes, "auto_parallel: candidate placements", len(nodes), unit="node"):
+            if node.op == "call_function" and node.target is not operator.getitem:
+                _refuse_writes(node, traced)
+                b.call(node)
+            elif node.op == "get_attr" and not isinstance(getattr(traced.gm, node.target), fx.GraphModule):
+                b.tensor_constant(node)
     b.outputs(dict(output_layouts or {}))
     start = time.perf_counter()
     edges, fanout_rules = build_edges(b.nodes, mesh, profile, bucket_cap_bytes, regathered, b.transfers)

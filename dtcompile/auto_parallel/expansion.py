@@ -1,0 +1,186 @@
+"""DTensor's expansion of an op's single-mesh-dim strategies, kept per op and shapes while the planner measures.
+
+DTensor decides how to run an op by expanding its single-mesh-dim strategies
+over the mesh (``expand_to_full_mesh_op_strategy``: every combination, one
+``DTensorSpec`` each, each input's redistribution cost from the layout it
+arrives in) and taking the cheapest.  Its sharding cache is keyed by the
+inputs' layouts, and the planner hands every op each layout its candidates
+read: on a cold plan nearly every question is new, and the expansion was most
+of planning (Llama on 2 x 2: 913 expansions, 12.5 of 23.7 s, most of it
+building the same specs again).
+
+What the expansion lists does not depend on the inputs' layouts; only the
+costs do.  While :func:`kept_expansions` is held, an expansion is computed once
+per question that can differ (the mesh, the op, its inputs' and outputs'
+shapes, the filled single-dim strategies) and each later call builds only the
+costs, with DTensor's own ``redistribute_cost`` (kept per pair of specs), in
+DTensor's order; DTensor then selects as it always does.  The answer is the
+one DTensor computes: a call whose result may depend on its inputs' layouts
+beyond the costs goes to DTensor's own expansion, namely one that
+writes in place, fills an ``out=`` argument, filters candidates with the op's
+own rule, reads an argument from another mesh, or has an input that is
+``_StridedShard`` or unevenly sharded (where an uneven strategy is allowed only
+if it is what arrives).  ``tests/auto_parallel/test_expansion.py`` checks that
+problems built with and without it are equal.
+
+A :class:`~dtcompile.base.scoped_patch.ScopedPatch`: the module attribute DTensor
+reads is replaced while some plan holds it, for every thread; it answers every
+caller as DTensor would, so one that is not planning gets the same result.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dtcompile.base.scoped_patch import ScopedPatch
+
+__all__ = ["kept_expansions"]
+
+_KEPT = 4096  # expansions kept while held (a one-layer model asks for about 150)
+# The keyword arguments whose values are part of an expansion's key; any other (a newer
+# torch's) sends the call to DTensor's own expansion.
+_KEYED = {"output_tensor_meta", "input_index", "allow_unbacked_sharding", "allow_uneven_sharding"}
+_PASSED_ON = {"inplace_op", "full_mesh_strategy_filter", "different_mesh_args"}
+
+_lock = threading.Lock()
+_expansions: collections.OrderedDict[Any, list[tuple[Any, list[Any]]]] = collections.OrderedDict()
+_costs: dict[Any, float] = {}
+_metas: dict[Any, Any] = {}
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _spec_key(spec: Any) -> Any:
+    # The mesh object too: meshes compare equal before and after ``_flatten``, and what a
+    # spec's mesh has flattened decides the collectives of its redistribution.
+    return tuple(spec.placements), spec.tensor_meta, getattr(spec, "shard_order", None), spec.mesh, id(spec.mesh)
+
+
+def _cost(src: Any, dst: Any, redistribute_cost: Callable[[Any, Any], float]) -> float:
+    key = (_spec_key(src), _spec_key(dst))
+    cost = _costs.get(key)
+    if cost is None:
+        cost = _costs[key] = redistribute_cost(src, dst)
+    return cost
+
+
+def _key(mesh: Any, op_schema: Any, rules: Any, kwargs: dict[str, Any], inputs: list[Any]) -> Any | None:
+    """What the expansion's list depends on, or ``None`` where it may depend on more (see the module)."""
+    from torch.distributed.tensor._ops.utils import is_tensor_shardable
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if kwargs.get("inplace_op") or kwargs.get("full_mesh_strategy_filter") is not None:
+        return None
+    if kwargs.get("different_mesh_args") is not None or not set(kwargs) <= _KEYED | _PASSED_ON:
+        return None
+    if op_schema.is_out_variant_op():
+        return None
+    specs = [strategy.strategies[0].output_spec for strategy in inputs]
+    if any(isinstance(p, _StridedShard) for spec in specs for p in spec.placements):
+        return None
+    # An input sharded evenly: a strategy whose layouts it arrives in is kept for the shapes'
+    # sake alone, so allow_uneven_sharding changes nothing.
+    if not all(is_tensor_shardable(strategy.shape, spec) for strategy, spec in zip(inputs, specs)):
+        return None
+    return (
+        mesh, id(mesh), op_schema.op, tuple(strategy.tensor_meta for strategy in inputs), len(op_schema.args_strategy),
+        _hashable(rules), tuple(sorted((k, _hashable(kwargs[k])) for k in _KEYED if k in kwargs)),
+    )
+
+
+def _kept(original: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.distributed.tensor._collective_utils import redistribute_cost
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+
+    def expand_to_full_mesh_op_strategy(mesh: Any, op_schema: Any, single_mesh_dim_strategies: Any, **kwargs: Any) -> Any:
+        inputs = op_schema.args_strategy + op_schema.kwargs_strategy
+        key = _key(mesh, op_schema, single_mesh_dim_strategies, kwargs, inputs)
+        with _lock:
+            listed = None if key is None else _expansions.get(key)
+            if listed is not None:
+                _expansions.move_to_end(key)
+        if listed is None:
+            expanded = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+            if key is not None:
+                with _lock:
+                    _expansions[key] = [(s.output_specs, list(s.input_specs)) for s in expanded.strategies]
+                    while len(_expansions) > _KEPT:
+                        _expansions.popitem(last=False)
+            return expanded
+        return OpStrategy([
+            OpSpec(
+                output_specs=outs,
+                input_specs=list(ins),
+                redistribute_cost=[
+                    [_cost(s.output_spec, spec, redistribute_cost) for s in strategy.strategies]
+                    for strategy, spec in zip(inputs, ins)
+                ],
+            )
+            for outs, ins in listed
+        ])
+
+    expand_to_full_mesh_op_strategy.__wrapped__ = original  # type: ignore[attr-defined]
+    return expand_to_full_mesh_op_strategy
+
+
+def _meta_key(op_schema: Any) -> Any | None:
+    """The op and its arguments with each tensor's spec reduced to its global metadata (all that
+    DTensor's output-metadata propagation reads of it); ``None`` where that is not hashable."""
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    leaves, tree = pytree.tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))
+    key = (op_schema.op, tree, tuple((DTensorSpec, v.tensor_meta) if isinstance(v, DTensorSpec) else v for v in leaves))
+    try:
+        hash(key)
+    except TypeError:  # a symbolic size, a list argument pytree keeps as a leaf
+        return None
+    return key
+
+
+def _kept_metas(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def _propagate_tensor_meta_non_cached(op_schema: Any) -> Any:
+        key = _meta_key(op_schema)
+        with _lock:
+            found = None if key is None else _metas.get(key, _metas)
+        if found is _metas or key is None:
+            found = original(op_schema)
+            if key is not None:
+                with _lock:
+                    _metas[key] = found
+        return list(found) if isinstance(found, list) else found
+
+    return _propagate_tensor_meta_non_cached
+
+
+def _keep_expansions() -> Callable[[], None]:
+    import torch.distributed.tensor._ops.utils as utils
+    from torch.distributed.tensor import DTensor
+
+    original = utils.expand_to_full_mesh_op_strategy
+    utils.expand_to_full_mesh_op_strategy = _kept(original)
+    # DTensor's output metadata of an op (made in a fresh FakeTensorMode each time): from the
+    # inputs' global shapes alone.  Bound on the one propagator DTensor dispatches through.
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator._propagate_tensor_meta_non_cached = _kept_metas(propagator._propagate_tensor_meta_non_cached)
+
+    def undo() -> None:
+        utils.expand_to_full_mesh_op_strategy = original
+        del propagator._propagate_tensor_meta_non_cached
+        with _lock:  # what is kept holds meshes: kept for as long as some plan is being built
+            _expansions.clear()
+            _costs.clear()
+            _metas.clear()
+
+    return undo
+
+
+kept_expansions = ScopedPatch(_keep_expansions)
+"""``with kept_expansions():`` DTensor's expansions are kept (see the module)."""
