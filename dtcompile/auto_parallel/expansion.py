@@ -31,6 +31,7 @@ caller as DTensor would, so one that is not planning gets the same result.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,7 @@ _KEPT = 4096  # expansions kept while held (a one-layer model asks for about 150
 # The keyword arguments whose values are part of an expansion's key; any other (a newer
 # torch's) sends the call to DTensor's own expansion.
 _KEYED = {"output_tensor_meta", "input_index", "allow_unbacked_sharding", "allow_uneven_sharding"}
-_PASSED_ON = {"inplace_op", "full_mesh_strategy_filter", "different_mesh_args"}
+_PASSED_ON = {"inplace_op", "full_mesh_strategy_filter", "is_valid_strategy_cb", "different_mesh_args"}
 
 _lock = threading.Lock()
 _expansions: collections.OrderedDict[Any, list[tuple[Any, list[Any]]]] = collections.OrderedDict()
@@ -57,14 +58,33 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _spec_key(spec: Any) -> Any:
-    # The mesh object too: meshes compare equal before and after ``_flatten``, and what a
-    # spec's mesh has flattened decides the collectives of its redistribution.
-    return tuple(spec.placements), spec.tensor_meta, getattr(spec, "shard_order", None), spec.mesh, id(spec.mesh)
+def _facts(spec: Any) -> tuple[Any, Any]:
+    """What DTensor's ``redistribute_cost`` reads of ``spec`` as source or target: its layout,
+    mesh (the object too: meshes compare equal before and after ``_flatten``) and bytes; and
+    its shape and shard order where its redistribution's steps may depend on them (see
+    :func:`_cost`)."""
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    meta = spec.tensor_meta
+    order = getattr(spec, "shard_order", None)
+    greedy = (
+        meta is not None and not getattr(redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None)
+        and not any(isinstance(p, _StridedShard) for p in spec.placements)
+        and DTensorSpec.is_default_device_order(order)
+    )
+    layout = (tuple(spec.placements), spec.mesh, id(spec.mesh), None if meta is None else math.prod(meta.shape) * meta.dtype.itemsize)
+    return layout, None if greedy else (meta, order)
 
 
-def _cost(src: Any, dst: Any, redistribute_cost: Callable[[Any, Any], float]) -> float:
-    key = (_spec_key(src), _spec_key(dst))
+def _cost(src: Any, src_facts: tuple[Any, Any], dst: Any, dst_facts: tuple[Any, Any],
+          redistribute_cost: Callable[[Any, Any], float]) -> float:
+    """DTensor's ``redistribute_cost(src, dst)``, kept by what it reads: the layouts, meshes and
+    the bytes of ``src``, and the steps of the redistribution, which DTensor's greedy planner
+    takes whatever the shape (:func:`~dtcompile.auto_parallel.measure._transform_steps`); where
+    it searches instead (``_StridedShard``, a shard order of its own), the shapes too."""
+    key = (src_facts, dst_facts[0][:3], dst_facts[1])
     cost = _costs.get(key)
     if cost is None:
         cost = _costs[key] = redistribute_cost(src, dst)
@@ -77,6 +97,8 @@ def _key(mesh: Any, op_schema: Any, rules: Any, kwargs: dict[str, Any], inputs: 
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if kwargs.get("inplace_op") or kwargs.get("full_mesh_strategy_filter") is not None:
+        return None
+    if kwargs.get("is_valid_strategy_cb") is not None:  # torch 2.13's name for that filter
         return None
     if kwargs.get("different_mesh_args") is not None or not set(kwargs) <= _KEYED | _PASSED_ON:
         return None
@@ -110,20 +132,24 @@ def _kept(original: Callable[..., Any]) -> Callable[..., Any]:
             expanded = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
             if key is not None:
                 with _lock:
-                    _expansions[key] = [(s.output_specs, list(s.input_specs)) for s in expanded.strategies]
+                    _expansions[key] = [
+                        (s.output_specs, list(s.input_specs), [_facts(spec) for spec in s.input_specs])
+                        for s in expanded.strategies
+                    ]
                     while len(_expansions) > _KEPT:
                         _expansions.popitem(last=False)
             return expanded
+        sources = [[(s.output_spec, _facts(s.output_spec)) for s in strategy.strategies] for strategy in inputs]
         return OpStrategy([
             OpSpec(
                 output_specs=outs,
                 input_specs=list(ins),
                 redistribute_cost=[
-                    [_cost(s.output_spec, spec, redistribute_cost) for s in strategy.strategies]
-                    for strategy, spec in zip(inputs, ins)
+                    [_cost(src, src_facts, spec, facts, redistribute_cost) for src, src_facts in from_input]
+                    for from_input, spec, facts in zip(sources, ins, ins_facts)
                 ],
             )
-            for outs, ins in listed
+            for outs, ins, ins_facts in listed
         ])
 
     expand_to_full_mesh_op_strategy.__wrapped__ = original  # type: ignore[attr-defined]
