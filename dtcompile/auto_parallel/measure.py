@@ -193,6 +193,11 @@ def _local_shape(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]
     return tuple(local)
 
 
+def _meta_local(shape: Sequence[int], dtype: torch.dtype, layout: Layout, mesh: Any, requires_grad: bool) -> torch.Tensor:
+    """A local shard of that layout on the ``meta`` device (see :func:`measure_op`)."""
+    return torch.empty(_local_shape(shape, layout, mesh.shape), dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
 def _fake_local(fake_mode: Any, shape: Sequence[int], dtype: torch.dtype, layout: Layout, mesh: Any, requires_grad: bool) -> torch.Tensor:
     with fake_mode:
         return torch.empty(_local_shape(shape, layout, mesh.shape), dtype=dtype, device=mesh.device_type, requires_grad=requires_grad)
@@ -240,7 +245,38 @@ def measure_op(
     DTensor's forward runs another strategy (other output layouts, or a collective before
     the op), found before the backward is traced: such a strategy is not a candidate, and
     neither is any other with these input layouts but the one DTensor ran.
+
+    An aten op runs on shards on the ``meta`` device (its meta kernel, without a fake
+    mode's dispatch: a fifth of a measurement); where that fails (an op without a meta
+    kernel) and anything else (a ``local_map`` region, which may read its values), on
+    fake shards of ``fake_mode`` on the mesh's device.  What DTensor decides and the ops it
+    issues are the same on both; the local ops' shapes are all the roofline reads.
     """
+    measured = functools.partial(
+        _measure, target, args, kwargs, tensors, in_layouts, out_metas, grad_layouts, mesh, profile,
+        expected_outs=expected_outs,
+    )
+    if isinstance(target, torch._ops.OpOverload):
+        try:
+            return measured(_meta_local)
+        except Exception:
+            pass
+    return measured(functools.partial(_fake_local, fake_mode))
+
+
+def _measure(
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tensors: Sequence[tuple[tuple[int, ...], torch.dtype, bool]],
+    in_layouts: Sequence[Layout],
+    out_metas: Sequence[tuple[tuple[int, ...], torch.dtype] | None],
+    grad_layouts: Sequence[Layout | None],
+    mesh: Any,
+    profile: HardwareProfile,
+    make_local: Any,
+    expected_outs: Sequence[Layout | None] | None = None,
+) -> OpMeasure | RanInstead:
     num_in = len(tensors)
     differentiable = [
         i for i, (meta, layout) in enumerate(zip(out_metas, grad_layouts))
@@ -254,11 +290,8 @@ def measure_op(
             grad_outs.append((shape, dtype, grad_layouts[i]))
     # An op that writes in place needs its inputs made by an autograd function (not leaves).
     leaves = isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
-    flat = [
-        _fake_local(fake_mode, shape, dtype, layout, mesh, rg and not leaves)
-        for (shape, dtype, rg), layout in zip(tensors, in_layouts)
-    ]
-    grads_local = [_fake_local(fake_mode, shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
+    flat = [make_local(shape, dtype, layout, mesh, rg and not leaves) for (shape, dtype, rg), layout in zip(tensors, in_layouts)]
+    grads_local = [make_local(shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
     recorder = _Recorder()
     recorder.known(flat + grads_local)
     outs: list[Any] = []

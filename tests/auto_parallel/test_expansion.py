@@ -1,11 +1,13 @@
-"""What the planner keeps of DTensor's answers while it measures changes no problem it builds.
+"""How the planner measures faster changes no problem it builds.
 
-:mod:`dtcompile.auto_parallel.expansion` keeps DTensor's expansion of an op's strategies and
-its output metadata per op and shapes, and :func:`dtcompile.auto_parallel.measure._transform_steps`
-keeps DTensor's redistribution steps per layouts: both claim DTensor's own answer.  Here every
-candidate (its measured costs, gradient layouts, collectives, saved values) and every edge
-price of a problem built cold with them equals the same problem built cold without them,
-on models nobody here wrote (the zoo's, torchtitan's), on a 1-D and a 2-D mesh.
+:mod:`dtcompile.auto_parallel.expansion` keeps DTensor's expansion of an op's strategies, its
+output metadata and its redistribution costs per what each reads;
+:func:`dtcompile.auto_parallel.measure._transform_steps` keeps DTensor's redistribution steps
+per layouts; and an aten op is measured on ``meta`` shards rather than fake ones
+(:func:`~dtcompile.auto_parallel.measure.measure_op`): each claims DTensor's own answer.  Here
+every candidate (its measured costs, gradient layouts, collectives, saved values) and every
+edge price of a problem built cold with them equals the same problem built cold without any
+of them, on models nobody here wrote (the zoo's, torchtitan's), on a 1-D and a 2-D mesh.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ CASES = [
 ]
 
 
+def _no_meta_shards(*_):
+    raise RuntimeError("measured on fake shards only")
+
+
 def _cold_problem(name, shape, names, monkeypatch, kept):
     """The problem of zoo model ``name``, built with nothing measured or asked before."""
     monkeypatch.setenv("DTCOMPILE_AUTO_PARALLEL_CACHE_DIR", "0")  # nothing read from disk either
@@ -42,6 +48,7 @@ def _cold_problem(name, shape, names, monkeypatch, kept):
     measure._plan_cached.cache_clear()
     if not kept:
         monkeypatch.setattr(problem_module, "kept_expansions", contextlib.nullcontext)
+        monkeypatch.setattr(measure, "_meta_local", _no_meta_shards)
         monkeypatch.setattr(measure, "_transform_steps", lambda shape, dtype, src, dst, mesh, flattened:
                             measure._steps(shape, dtype, src, dst, mesh))
     clear_sharding_caches()
@@ -65,7 +72,7 @@ def _described(solution):
 
 
 @pytest.mark.parametrize(("name", "shape", "names"), CASES, ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in CASES])
-def test_problems_built_with_kept_answers_equal_those_built_without(name, shape, names, monkeypatch):
+def test_problems_built_the_fast_way_equal_those_built_the_slow_way(name, shape, names, monkeypatch):
     without = _cold_problem(name, shape, names, monkeypatch, kept=False)
     kept = _cold_problem(name, shape, names, monkeypatch, kept=True)
     nodes_without, edges_without, rules_without = _described(without)
