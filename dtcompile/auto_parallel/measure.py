@@ -462,13 +462,14 @@ def _plan_cached(
 
     infos = _transform_steps(shape, dtype, src, dst, mesh, flattened)
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    mesh_shape = tuple(mesh.shape)
     itemsize = dtype.itemsize
     current = list(src)
     found = []
     moved = 0  # elements read and written by the local copies around the collectives
     read_at_once = False  # local work follows the last collective: its result is read at once
     for info in infos:
-        before = local_numel(shape, tuple(current), mesh.shape)
+        before = local_numel(shape, tuple(current), mesh_shape)
         a, b = info.src_dst_placements
         if isinstance(info, _FlattenedTransformInfo):
             dims = info.original_mesh_dims
@@ -481,8 +482,8 @@ def _plan_cached(
         for d in dims:
             gathered[d] = Replicate()
             current[d] = b
-        full = local_numel(shape, tuple(gathered), mesh.shape)
-        after = local_numel(shape, tuple(current), mesh.shape)
+        full = local_numel(shape, tuple(gathered), mesh_shape)
+        after = local_numel(shape, tuple(current), mesh_shape)
         # Collectives run on dim 0: another dim is put back together (cat) after a
         # gather, laid out (cat) before a reduce-scatter; a chunk is cloned.
         read_at_once = False
