@@ -72,6 +72,13 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "computes its cache key (ScopedPatch)"),
     ("dtcompile.cache_keys", "_register_mesh_reducer.undo", _C, "puts copyreg's entry back as it was"),
     ("dtcompile.cache_keys", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
+    ("dtcompile.auto_parallel.expansion", "_keep_expansions", _C,
+     "DTensor's expand_to_full_mesh_op_strategy (a module attribute) and its sharding propagator's "
+     "_propagate_tensor_meta_non_cached (an attribute of that one object) replaced by kept versions that "
+     "answer as DTensor does, while a plan is being built (ScopedPatch)"),
+    ("dtcompile.auto_parallel.expansion", "_keep_expansions.undo", _C,
+     "puts DTensor's function back and removes the propagator's attribute"),
+    ("dtcompile.auto_parallel.expansion", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     ("dtcompile.lowering", "inline_regions", _O, "removes a region body from the graph module being lowered"),
     ("dtcompile.step", "_make_graph", _C,
      "autograd's engine runs the backward on the calling thread while compile_step traces the step "
