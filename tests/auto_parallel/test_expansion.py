@@ -71,6 +71,7 @@ def _described(solution):
     return nodes, edges, [(r.fanout, r.consumer, r.slot, r.ok) for r in problem.fanout_rules]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "shape", "names"), CASES, ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in CASES])
 def test_problems_built_the_fast_way_equal_those_built_the_slow_way(name, shape, names, monkeypatch):
     without = _cold_problem(name, shape, names, monkeypatch, kept=False)
