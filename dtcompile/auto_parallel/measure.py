@@ -252,82 +252,65 @@ def measure_op(
     fake shards of ``fake_mode`` on the mesh's device.  What DTensor decides and the ops it
     issues are the same on both; the local ops' shapes are all the roofline reads.
     """
-    measured = functools.partial(
-        _measure, target, args, kwargs, tensors, in_layouts, out_metas, grad_layouts, mesh, profile,
-        expected_outs=expected_outs,
-    )
+    def measured(make_local: Any) -> OpMeasure | RanInstead:
+        num_in = len(tensors)
+        differentiable = [
+            i for i, (meta, layout) in enumerate(zip(out_metas, grad_layouts))
+            if meta is not None and layout is not None and meta[1].is_floating_point
+        ]
+        wants_grad = any(rg for _, _, rg in tensors)
+        grad_outs = []
+        if wants_grad:
+            for i in differentiable:
+                shape, dtype = out_metas[i]
+                grad_outs.append((shape, dtype, grad_layouts[i]))
+        # An op that writes in place needs its inputs made by an autograd function (not leaves).
+        leaves = isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+        flat = [make_local(shape, dtype, layout, mesh, rg and not leaves) for (shape, dtype, rg), layout in zip(tensors, in_layouts)]
+        grads_local = [make_local(shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
+        recorder = _Recorder()
+        recorder.known(flat + grads_local)
+        outs: list[Any] = []
+        with recorder, _releasing_masks(outs):
+            dts = [
+                _dtensor(local, mesh, layout, shape, rg, leaves) for (shape, _, rg), layout, local in zip(tensors, in_layouts, flat)
+            ]
+            call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
+            out = target(*call_args, **call_kwargs)
+            outs += list(out) if isinstance(out, (tuple, list)) else [out]
+            out_layouts = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
+            out_rg = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
+            boundary = len(recorder.graph.nodes)
+            if expected_outs is not None:
+                ran = RanInstead(out_layouts, _communicated(recorder.graph, mesh))
+                if not ran.runs(expected_outs):
+                    return ran
+            grad_layouts_in: tuple[Layout | None, ...] = (None,) * num_in
+            # Only outputs autograd differentiates take a gradient (not an op's saved statistics).
+            kept = [j for j, i in enumerate(differentiable) if out_rg[i]] if grad_outs else []
+            if kept:
+                diff = [outs[differentiable[j]] for j in kept]
+                grads = [
+                    _dtensor(g, mesh, layout, shape, False, leaves)
+                    for j, ((shape, _, layout), g) in enumerate(zip(grad_outs, grads_local)) if j in kept
+                ]
+                wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
+                got = iter(torch.autograd.grad(diff, wrt, grads, allow_unused=True))
+                grad_layouts_in = tuple(
+                    (lambda g: tuple(g.placements) if isinstance(g, DTensor) else None)(next(got)) if rg else None
+                    for _, _, rg in tensors
+                )
+        forward, backward, found = _read_graph(recorder.graph, boundary, mesh, profile)
+        out_nodes = [recorder.node_of(o._local_tensor) if isinstance(o, DTensor) else None for o in outs]
+        saved, saved_outs, own = _read_by_backward(recorder.graph, boundary, num_in, out_nodes)
+        return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved, saved_outs, own)
+
     if isinstance(target, torch._ops.OpOverload):
         try:
             return measured(_meta_local)
         except Exception:
             pass
     return measured(functools.partial(_fake_local, fake_mode))
-
-
-def _measure(
-    target: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    tensors: Sequence[tuple[tuple[int, ...], torch.dtype, bool]],
-    in_layouts: Sequence[Layout],
-    out_metas: Sequence[tuple[tuple[int, ...], torch.dtype] | None],
-    grad_layouts: Sequence[Layout | None],
-    mesh: Any,
-    profile: HardwareProfile,
-    make_local: Any,
-    expected_outs: Sequence[Layout | None] | None = None,
-) -> OpMeasure | RanInstead:
-    num_in = len(tensors)
-    differentiable = [
-        i for i, (meta, layout) in enumerate(zip(out_metas, grad_layouts))
-        if meta is not None and layout is not None and meta[1].is_floating_point
-    ]
-    wants_grad = any(rg for _, _, rg in tensors)
-    grad_outs = []
-    if wants_grad:
-        for i in differentiable:
-            shape, dtype = out_metas[i]
-            grad_outs.append((shape, dtype, grad_layouts[i]))
-    # An op that writes in place needs its inputs made by an autograd function (not leaves).
-    leaves = isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
-    flat = [make_local(shape, dtype, layout, mesh, rg and not leaves) for (shape, dtype, rg), layout in zip(tensors, in_layouts)]
-    grads_local = [make_local(shape, dtype, layout, mesh, False) for shape, dtype, layout in grad_outs]
-    recorder = _Recorder()
-    recorder.known(flat + grads_local)
-    outs: list[Any] = []
-    with recorder, _releasing_masks(outs):
-        dts = [
-            _dtensor(local, mesh, layout, shape, rg, leaves) for (shape, _, rg), layout, local in zip(tensors, in_layouts, flat)
-        ]
-        call_args, call_kwargs = pytree.tree_map_only(_TensorSlot, lambda slot: dts[slot.index], (args, kwargs))
-        out = target(*call_args, **call_kwargs)
-        outs += list(out) if isinstance(out, (tuple, list)) else [out]
-        out_layouts = tuple(o.placements if isinstance(o, DTensor) else None for o in outs)
-        out_rg = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
-        boundary = len(recorder.graph.nodes)
-        if expected_outs is not None:
-            ran = RanInstead(out_layouts, _communicated(recorder.graph, mesh))
-            if not ran.runs(expected_outs):
-                return ran
-        grad_layouts_in: tuple[Layout | None, ...] = (None,) * num_in
-        # Only outputs autograd differentiates take a gradient (not an op's saved statistics).
-        kept = [j for j, i in enumerate(differentiable) if out_rg[i]] if grad_outs else []
-        if kept:
-            diff = [outs[differentiable[j]] for j in kept]
-            grads = [
-                _dtensor(g, mesh, layout, shape, False, leaves)
-                for j, ((shape, _, layout), g) in enumerate(zip(grad_outs, grads_local)) if j in kept
-            ]
-            wrt = [dt for dt, (_, _, rg) in zip(dts, tensors) if rg]
-            got = iter(torch.autograd.grad(diff, wrt, grads, allow_unused=True))
-            grad_layouts_in = tuple(
-                (lambda g: tuple(g.placements) if isinstance(g, DTensor) else None)(next(got)) if rg else None
-                for _, _, rg in tensors
-            )
-    forward, backward, found = _read_graph(recorder.graph, boundary, mesh, profile)
-    out_nodes = [recorder.node_of(o._local_tensor) if isinstance(o, DTensor) else None for o in outs]
-    saved, saved_outs, own = _read_by_backward(recorder.graph, boundary, num_in, out_nodes)
-    return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved, saved_outs, own)
 
 
 def _dtensor(local: torch.Tensor, mesh: Any, layout: Layout, shape: Sequence[int], requires_grad: bool,
