@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -512,15 +513,20 @@ def _transform_steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, ds
     )
     if not greedy:
         return _steps(shape, dtype, src, dst, mesh)
-    key = (src, dst, mesh, id(mesh), flattened)
-    if key not in _STEPS:
-        _STEPS[key] = _steps(shape, dtype, src, dst, mesh)
-        while len(_STEPS) > 4096:
-            del _STEPS[next(iter(_STEPS))]
-    return _STEPS[key]
+    key = (src, dst, mesh, id(mesh), flattened)  # (the mesh object: kept alive by the steps)
+    with _STEPS_LOCK:
+        found = _STEPS.get(key)
+    if found is None:
+        found = _steps(shape, dtype, src, dst, mesh)
+        with _STEPS_LOCK:  # rank threads may plan at once
+            _STEPS[key] = found
+            while len(_STEPS) > 4096:
+                del _STEPS[next(iter(_STEPS))]
+    return found
 
 
 _STEPS: dict[Any, tuple[Any, ...]] = {}
+_STEPS_LOCK = threading.Lock()
 
 
 def _steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> tuple[Any, ...]:
