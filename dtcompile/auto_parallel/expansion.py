@@ -1,4 +1,4 @@
-"""DTensor's expansion of an op's single-mesh-dim strategies, kept per op and shapes while the planner measures.
+"""DTensor's answers to the planner's questions, kept per what they read while a plan is built.
 
 DTensor decides how to run an op by expanding its single-mesh-dim strategies
 over the mesh (``expand_to_full_mesh_op_strategy``: every combination, one
@@ -6,26 +6,29 @@ over the mesh (``expand_to_full_mesh_op_strategy``: every combination, one
 arrives in) and taking the cheapest.  Its sharding cache is keyed by the
 inputs' layouts, and the planner hands every op each layout its candidates
 read: on a cold plan nearly every question is new, and the expansion was most
-of planning (Llama on 2 x 2: 913 expansions, 12.5 of 23.7 s, most of it
-building the same specs again).
+of planning (Llama on 2 x 2, under cProfile: 913 expansions, 12.5 of 23.7 s,
+most of it building the same specs again).
 
 What the expansion lists does not depend on the inputs' layouts; only the
 costs do.  While :func:`kept_expansions` is held, an expansion is computed once
 per question that can differ (the mesh, the op, its inputs' and outputs'
 shapes, the filled single-dim strategies) and each later call builds only the
-costs, with DTensor's own ``redistribute_cost`` (kept per pair of specs), in
-DTensor's order; DTensor then selects as it always does.  The answer is the
-one DTensor computes: a call whose result may depend on its inputs' layouts
-beyond the costs goes to DTensor's own expansion, namely one that
-writes in place, fills an ``out=`` argument, filters candidates with the op's
-own rule, reads an argument from another mesh, or has an input that is
+costs, in DTensor's order, with DTensor's own ``redistribute_cost``, itself kept
+per what it reads (:func:`_cost`); DTensor then selects as it always does.  The
+answer is the one DTensor computes: a call whose result may depend on its
+inputs' layouts beyond the costs goes to DTensor's own expansion, namely one
+that writes in place, fills an ``out=`` argument, filters candidates with the
+op's own rule, reads an argument from another mesh, or has an input that is
 ``_StridedShard`` or unevenly sharded (where an uneven strategy is allowed only
-if it is what arrives).  ``tests/auto_parallel/test_expansion.py`` checks that
-problems built with and without it are equal.
+if it is what arrives).  DTensor's output metadata of an op (which it computes
+on fake tensors of the global shapes, in a new fake mode each time) is kept per
+op and global shapes too.  ``tests/auto_parallel/test_expansion.py`` checks that
+problems built with and without them are equal.
 
-A :class:`~dtcompile.base.scoped_patch.ScopedPatch`: the module attribute DTensor
-reads is replaced while some plan holds it, for every thread; it answers every
-caller as DTensor would, so one that is not planning gets the same result.
+A :class:`~dtcompile.base.scoped_patch.ScopedPatch`: the module attribute and the
+propagator's method DTensor calls are replaced while some plan holds them, for
+every thread; they answer every caller as DTensor would, so one that is not
+planning gets the same result.  What they kept is let go when the last plan ends.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ _KEYED = {"output_tensor_meta", "input_index", "allow_unbacked_sharding", "allow
 _PASSED_ON = {"inplace_op", "full_mesh_strategy_filter", "is_valid_strategy_cb", "different_mesh_args"}
 
 _lock = threading.Lock()
-_expansions: collections.OrderedDict[Any, list[tuple[Any, list[Any]]]] = collections.OrderedDict()
+# key -> per strategy: (output specs, input specs, the input specs' facts for _cost)
+_expansions: collections.OrderedDict[Any, list[tuple[Any, list[Any], list[Any]]]] = collections.OrderedDict()
 _costs: dict[Any, float] = {}
 _metas: dict[Any, Any] = {}
 
