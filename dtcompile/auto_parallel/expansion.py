@@ -39,6 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dtcompile.auto_parallel.measure import steps_ignore_shape
 from dtcompile.base.scoped_patch import ScopedPatch
 
 __all__ = ["kept_expansions"]
@@ -67,17 +68,11 @@ def _facts(spec: Any) -> tuple[Any, Any]:
     mesh (the object too: meshes compare equal before and after ``_flatten``) and bytes; and
     its shape and shard order where its redistribution's steps may depend on them (see
     :func:`_cost`)."""
-    import torch.distributed.tensor._redistribute as redistribute
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     meta = spec.tensor_meta
     order = getattr(spec, "shard_order", None)
-    greedy = (
-        meta is not None and not getattr(redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None)
-        and not any(isinstance(p, _StridedShard) for p in spec.placements)
-        and DTensorSpec.is_default_device_order(order)
-    )
+    greedy = meta is not None and steps_ignore_shape(spec.placements) and DTensorSpec.is_default_device_order(order)
     layout = (tuple(spec.placements), spec.mesh, id(spec.mesh), None if meta is None else math.prod(meta.shape) * meta.dtype.itemsize)
     return layout, None if greedy else (meta, order)
 
@@ -178,13 +173,14 @@ def _meta_key(op_schema: Any) -> Any | None:
 def _kept_metas(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def _propagate_tensor_meta_non_cached(op_schema: Any) -> Any:
         key = _meta_key(op_schema)
+        if key is None:
+            return original(op_schema)
         with _lock:
-            found = None if key is None else _metas.get(key, _metas)
-        if found is _metas or key is None:
+            found = _metas.get(key, _metas)  # (_metas: not kept yet; None is an answer)
+        if found is _metas:
             found = original(op_schema)
-            if key is not None:
-                with _lock:
-                    _metas[key] = found
+            with _lock:
+                _metas[key] = found
         return list(found) if isinstance(found, list) else found
 
     return _propagate_tensor_meta_non_cached

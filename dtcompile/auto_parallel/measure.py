@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -505,13 +505,7 @@ def _transform_steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, ds
     to search (``_FORCE_MIN_COST_REDISTRIBUTION_PLAN``), takes the same steps whatever the
     shape (only each step's ``logical_shape``, unread here, differs): those are asked once per
     layouts and mesh; others once per shape (:func:`_plan_cached`)."""
-    import torch.distributed.tensor._redistribute as redistribute
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    greedy = not getattr(redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None) and not any(
-        isinstance(p, _StridedShard) for p in (*src, *dst)
-    )
-    if not greedy:
+    if not steps_ignore_shape((*src, *dst)):
         return _steps(shape, dtype, src, dst, mesh)
     key = (src, dst, mesh, id(mesh), flattened)  # (the mesh object: kept alive by the steps)
     with _STEPS_LOCK:
@@ -527,6 +521,18 @@ def _transform_steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, ds
 
 _STEPS: dict[Any, tuple[Any, ...]] = {}
 _STEPS_LOCK = threading.Lock()
+
+
+def steps_ignore_shape(placements: Iterable[Any]) -> bool:
+    """Whether DTensor plans a redistribution between layouts of these placements (in its default
+    shard order) with its greedy planner, whose steps are the same whatever the shape: unless it
+    is told to search (``_FORCE_MIN_COST_REDISTRIBUTION_PLAN``) or one is ``_StridedShard``."""
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return not getattr(redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None) and not any(
+        isinstance(p, _StridedShard) for p in placements
+    )
 
 
 def _steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> tuple[Any, ...]:
