@@ -34,9 +34,11 @@ planning gets the same result.  What they kept is let go when the last plan ends
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dtcompile.auto_parallel.measure import steps_ignore_shape
@@ -51,10 +53,24 @@ _KEYED = {"output_tensor_meta", "input_index", "allow_unbacked_sharding", "allow
 _PASSED_ON = {"inplace_op", "full_mesh_strategy_filter", "is_valid_strategy_cb", "different_mesh_args"}
 
 _lock = threading.Lock()
-# key -> per strategy: (output specs, input specs, the input specs' facts for _cost)
-_expansions: collections.OrderedDict[Any, list[tuple[Any, list[Any], list[Any]]]] = collections.OrderedDict()
-_costs: dict[Any, float] = {}
+_expansions: collections.OrderedDict[Any, _Listed] = collections.OrderedDict()
+_ids: dict[Any, int] = {}  # a spec's facts (see _facts) -> a number, hashed at once
+_costs: dict[tuple[int, int], float] = {}  # (source's facts, target's) -> DTensor's cost
+# (an expansion, an input, the source's facts) -> the costs of each of its strategies
+_columns: dict[tuple[int, int, int], tuple[float, ...]] = {}
 _metas: dict[Any, Any] = {}
+_numbers = itertools.count()
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """An expansion as kept: per strategy its output and input specs, and per input the
+    numbers of each strategy's input spec's facts (as a target of ``redistribute_cost``)."""
+
+    number: int
+    outputs: list[Any]
+    inputs: list[list[Any]]
+    targets: list[tuple[int, ...]]
 
 
 def _hashable(value: Any) -> Any:
@@ -77,16 +93,30 @@ def _facts(spec: Any) -> tuple[Any, Any]:
     return layout, None if greedy else (meta, order)
 
 
-def _cost(src: Any, src_facts: tuple[Any, Any], dst: Any, dst_facts: tuple[Any, Any],
-          redistribute_cost: Callable[[Any, Any], float]) -> float:
+def _number(facts: Any) -> int:
+    with _lock:
+        return _ids.setdefault(facts, len(_ids))
+
+
+def _source(spec: Any) -> int:
+    """The number of ``spec``'s facts as a source of ``redistribute_cost``: all of them."""
+    return _number(_facts(spec))
+
+
+def _target(spec: Any) -> int:
+    """The number of ``spec``'s facts as a target: its bytes are not read."""
+    layout, steps = _facts(spec)
+    return _number(("target", layout[:3], steps))
+
+
+def _cost(src: Any, src_number: int, dst: Any, dst_number: int, redistribute_cost: Callable[[Any, Any], float]) -> float:
     """DTensor's ``redistribute_cost(src, dst)``, kept by what it reads: the layouts, meshes and
     the bytes of ``src``, and the steps of the redistribution, which DTensor's greedy planner
     takes whatever the shape (:func:`~dtcompile.auto_parallel.measure._transform_steps`); where
     it searches instead (``_StridedShard``, a shard order of its own), the shapes too."""
-    key = (src_facts, dst_facts[0][:3], dst_facts[1])
-    cost = _costs.get(key)
+    cost = _costs.get((src_number, dst_number))
     if cost is None:
-        cost = _costs[key] = redistribute_cost(src, dst)
+        cost = _costs[src_number, dst_number] = redistribute_cost(src, dst)
     return cost
 
 
@@ -130,25 +160,37 @@ def _kept(original: Callable[..., Any]) -> Callable[..., Any]:
         if listed is None:
             expanded = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
             if key is not None:
+                strategies = expanded.strategies
+                kept = _Listed(
+                    next(_numbers), [s.output_specs for s in strategies], [list(s.input_specs) for s in strategies],
+                    [tuple(_target(s.input_specs[i]) for s in strategies) for i in range(len(inputs))],
+                )
                 with _lock:
-                    _expansions[key] = [
-                        (s.output_specs, list(s.input_specs), [_facts(spec) for spec in s.input_specs])
-                        for s in expanded.strategies
-                    ]
+                    _expansions[key] = kept
                     while len(_expansions) > _KEPT:
                         _expansions.popitem(last=False)
             return expanded
-        sources = [[(s.output_spec, _facts(s.output_spec)) for s in strategy.strategies] for strategy in inputs]
+        # Per input, per source: the cost of each strategy's input spec from it.
+        columns = []
+        for i, strategy in enumerate(inputs):
+            from_input = []
+            for source in strategy.strategies:
+                src = source.output_spec
+                src_number = _source(src)
+                column = _columns.get((listed.number, i, src_number))
+                if column is None:
+                    column = _columns[listed.number, i, src_number] = tuple(
+                        _cost(src, src_number, ins[i], dst_number, redistribute_cost)
+                        for ins, dst_number in zip(listed.inputs, listed.targets[i])
+                    )
+                from_input.append(column)
+            columns.append(from_input)
         return OpStrategy([
             OpSpec(
-                output_specs=outs,
-                input_specs=list(ins),
-                redistribute_cost=[
-                    [_cost(src, src_facts, spec, facts, redistribute_cost) for src, src_facts in from_input]
-                    for from_input, spec, facts in zip(sources, ins, ins_facts)
-                ],
+                output_specs=outs, input_specs=list(ins),
+                redistribute_cost=[[column[j] for column in from_input] for from_input in columns],
             )
-            for outs, ins, ins_facts in listed
+            for j, (outs, ins) in enumerate(zip(listed.outputs, listed.inputs))
         ])
 
     expand_to_full_mesh_op_strategy.__wrapped__ = original  # type: ignore[attr-defined]
@@ -202,7 +244,9 @@ def _keep_expansions() -> Callable[[], None]:
         del propagator._propagate_tensor_meta_non_cached
         with _lock:  # what is kept holds meshes: kept for as long as some plan is being built
             _expansions.clear()
+            _ids.clear()
             _costs.clear()
+            _columns.clear()
             _metas.clear()
 
     return undo

@@ -12,7 +12,7 @@ the life of the process (then the entry says why that is safe).
 such a change takes (``setattr``/``delattr`` on another object, a write or a mutating
 call through an imported object or one a function hands out, ``global``, ``copyreg``,
 ``ScopedPatch``, ``config.patch``, registrations with ``torch.library``, torch's
-``_set_*``/``_install_*`` switches) and fails on a function that makes one and is not
+``_set_*``/``_install_*`` switches, ``gc.freeze``) and fails on a function that makes one and is not
 listed here, and on an entry that no longer makes one.
 
 Bottom layer: data only, imports nothing.
@@ -72,6 +72,10 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "computes its cache key (ScopedPatch)"),
     ("dtcompile.cache_keys", "_register_mesh_reducer.undo", _C, "puts copyreg's entry back as it was"),
     ("dtcompile.cache_keys", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
+    ("dtcompile.auto_parallel.api", "_freeze_heap", _C,
+     "the garbage collector's generations: the objects made before a plan frozen (gc.freeze) while "
+     "some thread plans, unless the process froze its own (ScopedPatch)"),
+    ("dtcompile.auto_parallel.api", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     ("dtcompile.auto_parallel.expansion", "_keep_expansions", _C,
      "DTensor's expand_to_full_mesh_op_strategy (a module attribute) and its sharding propagator's "
      "_propagate_tensor_meta_non_cached (an attribute of that one object) replaced by kept versions that "

@@ -11,7 +11,7 @@ the forms such a change takes, per function:
 - a mutating call (``update``, ``pop``, ``clear``, ``patch``, ...) on such an object;
 - ``global`` (module state rebound at run time);
 - a registration (``torch.library.custom_op``, ``register_fake``, ``ScopedPatch``, ...);
-- a switch of an imported module (``_set_*``, ``_install_*``, ``enable_*``, ``disable*``).
+- a switch of an imported module (``_set_*``, ``_install_*``, ``enable_*``, ``disable*``, ``gc.freeze``).
 
 A function that does one of these and is not listed fails the test, and so does an entry
 that no longer matches a function that does.  The plant below shows both.
@@ -35,7 +35,7 @@ REGISTERS = frozenset({"custom_op", "register_fake", "register_autograd", "regis
                        "register_pytree_node", "ScopedPatch"})
 
 
-SWITCH = re.compile(r"^_*(set|install|uninstall|register|enable|disable)(_|$)")
+SWITCH = re.compile(r"^_*(set|install|uninstall|register|enable|disable|freeze|unfreeze)(_|$)")
 
 
 class Site(NamedTuple):

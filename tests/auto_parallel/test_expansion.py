@@ -124,6 +124,7 @@ def test_kept_answers_are_asked_and_let_go():
     assert utils.expand_to_full_mesh_op_strategy is original
     assert "_propagate_tensor_meta_non_cached" not in vars(propagator)
     assert not expansion._expansions and not expansion._costs and not expansion._metas
+    assert not expansion._ids and not expansion._columns
 
 
 def test_an_in_place_op_goes_to_dtensors_own_expansion():
