@@ -46,6 +46,7 @@ __all__ = [
     "flattenings",
     "measure_op",
     "plan_redistribution",
+    "planned_redistribution",
     "redistribution_copy_bytes",
     "result_read_at_once",
     "trace_redistribution",
@@ -551,25 +552,30 @@ def plan_redistribution(
     """The collectives of redistributing a ``shape`` tensor from ``src`` to ``dst``, as
     DTensor's planner orders them (one per mesh axis that changes, or one over a
     flattened mesh where DTensor merges them)."""
+    return planned_redistribution(shape, dtype, src, dst, mesh, direction)[0]
+
+
+def planned_redistribution(
+    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: GraphKind = GraphKind.FORWARD
+) -> tuple[tuple[PlannedCollective, ...], int, bool]:
+    """That redistribution's collectives (:func:`plan_redistribution`), the bytes its local
+    copies read and write (:func:`redistribution_copy_bytes`) and whether its result is read
+    at once (:func:`result_read_at_once`), from one plan."""
     if tuple(src) == tuple(dst):
-        return ()
-    return _plan(shape, dtype, src, dst, mesh, direction)[0]
+        return (), 0, False
+    return _plan(shape, dtype, src, dst, mesh, direction)
 
 
 def result_read_at_once(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> bool:
     """Whether local work (a cat, a chunk) follows that redistribution's last collective, so
     its result is read as soon as it arrives (dtcompile's bucketing cannot wait for others)."""
-    if tuple(src) == tuple(dst):
-        return False
-    return _plan(shape, dtype, src, dst, mesh, GraphKind.FORWARD)[2]
+    return planned_redistribution(shape, dtype, src, dst, mesh)[2]
 
 
 def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> int:
     """Bytes the local copies of that redistribution read and write (a ``cat`` putting a
     gathered dim other than 0 back together, a cloned chunk), for the roofline."""
-    if tuple(src) == tuple(dst):
-        return 0
-    return _plan(shape, dtype, src, dst, mesh, GraphKind.FORWARD)[1]
+    return planned_redistribution(shape, dtype, src, dst, mesh)[1]
 
 
 def trace_redistribution(

@@ -3,7 +3,7 @@
 A value read in another layout than it is made in goes through ``redistribute``:
 forward from the producer's layout to the reader's, backward the gradient from
 the reader's gradient layout to the one its producer wants (:func:`transfer`,
-priced with :func:`~dtcompile.auto_parallel.measure.plan_redistribution` and the
+priced with :func:`~dtcompile.auto_parallel.measure.planned_redistribution` and the
 local copies around it).  The collectives of an edge out of a parameter (its
 all-gather, its gradient's reduction) wait for no activation, and dtcompile's
 ``bucketing`` pass merges them per kind and mesh axis into one collective (up to
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Partial
 
-from dtcompile.auto_parallel.measure import plan_redistribution, redistribution_copy_bytes, result_read_at_once
+from dtcompile.auto_parallel.measure import planned_redistribution
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, grad_layout
 from dtcompile.base.channels import GraphKind
 from dtcompile.cost import HardwareProfile, collective_time_us
@@ -77,8 +77,7 @@ def transfer(
     elif grad is not None and grad_layout(grad, out) != want:
         result = None
     else:
-        found = plan_redistribution(shape, dtype, out, read, mesh, GraphKind.FORWARD)
-        copied = redistribution_copy_bytes(shape, dtype, out, read, mesh)
+        found, copied, _ = planned_redistribution(shape, dtype, out, read, mesh, GraphKind.FORWARD)
         # Forward, only the first collective reads the parameter itself; a later one reads
         # what the one before made, ready only as the graph reaches it.
         bucketable = tuple(i == 0 for i in range(len(found)))
@@ -87,12 +86,12 @@ def transfer(
             copied *= 2
             found, bucketable = found + again, bucketable + bucketable
         if grad is not None:
-            backward = plan_redistribution(shape, dtype, grad, want, mesh, GraphKind.BACKWARD)
+            backward, copied_back, read_at_once = planned_redistribution(shape, dtype, grad, want, mesh, GraphKind.BACKWARD)
             found += backward
-            copied += redistribution_copy_bytes(shape, dtype, grad, want, mesh)
+            copied += copied_back
             # Backward, only the last collective makes the gradient itself, read at the end,
             # unless local work (a chunk, a cat) reads its result at once.
-            last_ok = not result_read_at_once(shape, dtype, grad, want, mesh)
+            last_ok = not read_at_once
             bucketable += tuple(last_ok and i == len(backward) - 1 for i in range(len(backward)))
         copy_us = profile.memory_time_us(copied)
         result = Transfer(found, sum(c.time_us(profile) for c in found) + copy_us, bucketable=bucketable)
