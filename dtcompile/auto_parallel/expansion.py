@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtcompile.auto_parallel.measure import steps_ignore_shape
+from dtcompile.auto_parallel.placements import is_strided
 from dtcompile.base.scoped_patch import ScopedPatch
 
 __all__ = ["kept_expansions"]
@@ -123,7 +124,6 @@ def _cost(src: Any, src_number: int, dst: Any, dst_number: int, redistribute_cos
 def _key(mesh: Any, op_schema: Any, rules: Any, kwargs: dict[str, Any], inputs: list[Any]) -> Any | None:
     """What the expansion's list depends on, or ``None`` where it may depend on more (see the module)."""
     from torch.distributed.tensor._ops.utils import is_tensor_shardable
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     if kwargs.get("inplace_op") or kwargs.get("full_mesh_strategy_filter") is not None:
         return None
@@ -134,7 +134,7 @@ def _key(mesh: Any, op_schema: Any, rules: Any, kwargs: dict[str, Any], inputs: 
     if op_schema.is_out_variant_op():
         return None
     specs = [strategy.strategies[0].output_spec for strategy in inputs]
-    if any(isinstance(p, _StridedShard) for spec in specs for p in spec.placements):
+    if any(is_strided(p) for spec in specs for p in spec.placements):
         return None
     # An input sharded evenly: a strategy whose layouts it arrives in is kept for the shapes'
     # sake alone, so allow_uneven_sharding changes nothing.

@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, is_shard, local_numel
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, is_shard, is_strided, local_numel
 from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import collective_info, flattened_axes
 from dtcompile.cost import HardwareProfile
@@ -529,11 +529,8 @@ def steps_ignore_shape(placements: Iterable[Any]) -> bool:
     shard order) with its greedy planner, whose steps are the same whatever the shape: unless it
     is told to search (``_FORCE_MIN_COST_REDISTRIBUTION_PLAN``) or one is ``_StridedShard``."""
     import torch.distributed.tensor._redistribute as redistribute
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return not getattr(redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None) and not any(
-        isinstance(p, _StridedShard) for p in placements
-    )
+    return not getattr(redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None) and not any(map(is_strided, placements))
 
 
 def _steps(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> tuple[Any, ...]:

@@ -84,6 +84,12 @@ def is_shard(placement: Any) -> bool:
     return isinstance(placement, (Shard, _StridedShard)) if known is None else known
 
 
+def is_strided(placement: Any) -> bool:
+    """``_StridedShard``."""
+    kind = type(placement)
+    return kind is _StridedShard or (kind not in _SHARDS and isinstance(placement, _StridedShard))
+
+
 def even(shape: Sequence[int], layout: Layout, mesh_shape: Sequence[int]) -> bool:
     """Whether every sharded dim of ``shape`` divides evenly by the axes that shard it."""
     ways = [1] * len(shape)
@@ -151,7 +157,7 @@ def strided_variant(layout: Layout, mesh_shape: Sequence[int]) -> Layout | None:
 
 def unstrided(layout: Layout) -> Layout:
     """``layout`` gathered over its ``_StridedShard`` axes: where ops read a value stored so."""
-    return tuple(Replicate() if isinstance(p, _StridedShard) else p for p in layout)
+    return tuple(Replicate() if is_strided(p) else p for p in layout)
 
 
 def grad_layout(grad: Layout, value: Layout) -> Layout:
