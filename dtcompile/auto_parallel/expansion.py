@@ -14,7 +14,8 @@ costs do.  While :func:`kept_expansions` is held, an expansion is computed once
 per question that can differ (the mesh, the op, its inputs' and outputs'
 shapes, the filled single-dim strategies) and each later call builds only the
 costs, in DTensor's order, with DTensor's own ``redistribute_cost``, itself kept
-per what it reads (:func:`_cost`); DTensor then selects as it always does.  The
+per what it reads (:func:`_cost`), once per input and source layout; DTensor then
+selects as it always does.  The
 answer is the one DTensor computes: a call whose result may depend on its
 inputs' layouts beyond the costs goes to DTensor's own expansion, namely one
 that writes in place, fills an ``out=`` argument, filters candidates with the

@@ -48,7 +48,6 @@ __all__ = [
     "plan_redistribution",
     "planned_redistribution",
     "redistribution_copy_bytes",
-    "result_read_at_once",
     "trace_redistribution",
 ]
 
@@ -556,17 +555,12 @@ def planned_redistribution(
     shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any, direction: GraphKind = GraphKind.FORWARD
 ) -> tuple[tuple[PlannedCollective, ...], int, bool]:
     """That redistribution's collectives (:func:`plan_redistribution`), the bytes its local
-    copies read and write (:func:`redistribution_copy_bytes`) and whether its result is read
-    at once (:func:`result_read_at_once`), from one plan."""
+    copies read and write (:func:`redistribution_copy_bytes`) and whether local work (a cat, a
+    chunk) follows its last collective, so that its result is read as soon as it arrives
+    (dtcompile's bucketing cannot wait for others), from one plan."""
     if tuple(src) == tuple(dst):
         return (), 0, False
     return _plan(shape, dtype, src, dst, mesh, direction)
-
-
-def result_read_at_once(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> bool:
-    """Whether local work (a cat, a chunk) follows that redistribution's last collective, so
-    its result is read as soon as it arrives (dtcompile's bucketing cannot wait for others)."""
-    return planned_redistribution(shape, dtype, src, dst, mesh)[2]
 
 
 def redistribution_copy_bytes(shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout, mesh: Any) -> int:
