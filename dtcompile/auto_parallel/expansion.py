@@ -15,7 +15,9 @@ per question that can differ (the mesh, the op, its inputs' and outputs'
 shapes, the filled single-dim strategies) and each later call builds only the
 costs, in DTensor's order, with DTensor's own ``redistribute_cost``, itself kept
 per what it reads (:func:`_cost`), once per input and source layout; DTensor then
-selects as it always does.  The
+selects as it always does.  The same kept cost answers DTensor's other strategy
+functions, and the steps that cost reads (its planner's ``_gen_transform_infos``)
+are asked once per layouts where they do not depend on the shape (:func:`_kept_steps`).  The
 answer is the one DTensor computes: a call whose result may depend on its
 inputs' layouts beyond the costs goes to DTensor's own expansion, namely one
 that writes in place, fills an ``out=`` argument, filters candidates with the
@@ -26,7 +28,7 @@ on fake tensors of the global shapes, in a new fake mode each time) is kept per
 op and global shapes too.  ``tests/auto_parallel/test_expansion.py`` checks that
 problems built with and without them are equal.
 
-A :class:`~dtcompile.base.scoped_patch.ScopedPatch`: the module attribute and the
+A :class:`~dtcompile.base.scoped_patch.ScopedPatch`: the module attributes and the
 propagator's method DTensor calls are replaced while some plan holds them, for
 every thread; they answer every caller as DTensor would, so one that is not
 planning gets the same result.  What they kept is let go when the last plan ends.
@@ -61,6 +63,8 @@ _costs: dict[tuple[int, int], float] = {}  # (source's facts, target's) -> DTens
 # (an expansion, an input, the source's facts) -> the costs of each of its strategies
 _columns: dict[tuple[int, int, int], tuple[float, ...]] = {}
 _metas: dict[Any, Any] = {}
+_steps: dict[Any, Any] = {}  # (layouts, meshes) -> DTensor's greedy steps, read by its cost
+_pricing = threading.local()  # .on: this thread is in DTensor's redistribute_cost (see _cost)
 _numbers = itertools.count()
 
 
@@ -81,18 +85,26 @@ def _hashable(value: Any) -> Any:
     return value
 
 
+def _greedy(spec: Any) -> bool:
+    """Whether DTensor's greedy planner takes ``spec``'s redistributions, whose steps are the
+    same whatever the shape (:func:`~dtcompile.auto_parallel.measure.steps_ignore_shape`, in
+    the default shard order)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return (
+        spec.tensor_meta is not None and steps_ignore_shape(spec.placements)
+        and DTensorSpec.is_default_device_order(getattr(spec, "shard_order", None))
+    )
+
+
 def _facts(spec: Any) -> tuple[Any, Any]:
     """What DTensor's ``redistribute_cost`` reads of ``spec`` as source or target: its layout,
     mesh (the object too: meshes compare equal before and after ``_flatten``) and bytes; and
     its shape and shard order where its redistribution's steps may depend on them (see
     :func:`_cost`)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
     meta = spec.tensor_meta
-    order = getattr(spec, "shard_order", None)
-    greedy = meta is not None and steps_ignore_shape(spec.placements) and DTensorSpec.is_default_device_order(order)
     layout = (tuple(spec.placements), spec.mesh, id(spec.mesh), None if meta is None else math.prod(meta.shape) * meta.dtype.itemsize)
-    return layout, None if greedy else (meta, order)
+    return layout, None if _greedy(spec) else (meta, getattr(spec, "shard_order", None))
 
 
 def _number(facts: Any) -> int:
@@ -111,15 +123,54 @@ def _target(spec: Any) -> int:
     return _number(("target", layout[:3], steps))
 
 
-def _cost(src: Any, src_number: int, dst: Any, dst_number: int, redistribute_cost: Callable[[Any, Any], float]) -> float:
+def _cost(src: Any, src_number: int, dst: Any, dst_number: int) -> float:
     """DTensor's ``redistribute_cost(src, dst)``, kept by what it reads: the layouts, meshes and
     the bytes of ``src``, and the steps of the redistribution, which DTensor's greedy planner
     takes whatever the shape (:func:`~dtcompile.auto_parallel.measure._transform_steps`); where
-    it searches instead (``_StridedShard``, a shard order of its own), the shapes too."""
+    it searches instead (``_StridedShard``, a shard order of its own), the shapes too.  Its
+    steps are asked of DTensor once per layouts (see :func:`_kept_steps`)."""
     cost = _costs.get((src_number, dst_number))
     if cost is None:
-        cost = _costs[src_number, dst_number] = redistribute_cost(src, dst)
+        from torch.distributed.tensor._collective_utils import redistribute_cost
+
+        _pricing.on = True
+        try:
+            cost = _costs[src_number, dst_number] = redistribute_cost(src, dst)
+        finally:
+            _pricing.on = False
     return cost
+
+
+def _kept_cost(current_spec: Any, target_spec: Any) -> float:
+    """DTensor's ``redistribute_cost``, kept (:func:`_cost`): what its strategy functions
+    call while a plan is being built."""
+    return _cost(current_spec, _source(current_spec), target_spec, _target(target_spec))
+
+
+def _kept_steps(original: Callable[..., Any]) -> Callable[..., Any]:
+    """DTensor's ``_gen_transform_infos``, which on a thread pricing a redistribution
+    (:func:`_cost`) answers a pair its greedy planner takes from the steps it gave the first
+    pair of the same layouts on the same mesh: only each step's ``logical_shape`` differs
+    with the shape, and ``redistribute_cost`` reads the placements and mesh dims alone.  Any
+    other caller (a redistribution, which reads the shapes) gets DTensor's own answer."""
+
+    def _gen_transform_infos(src_spec: Any, dst_spec: Any, use_graph_based_transform: bool | None = None) -> Any:
+        if not getattr(_pricing, "on", False) or use_graph_based_transform is not None:
+            return original(src_spec, dst_spec, use_graph_based_transform)
+        if not (_greedy(src_spec) and _greedy(dst_spec)):
+            return original(src_spec, dst_spec)
+        key = (src_spec.placements, dst_spec.placements, src_spec.mesh, id(src_spec.mesh), dst_spec.mesh, id(dst_spec.mesh))
+        with _lock:
+            found = _steps.get(key)
+        if found is None:
+            found = original(src_spec, dst_spec)
+            with _lock:
+                _steps[key] = found
+        return found
+
+    _gen_transform_infos.cache_clear = original.cache_clear  # type: ignore[attr-defined]
+    _gen_transform_infos.__wrapped__ = original  # type: ignore[attr-defined]
+    return _gen_transform_infos
 
 
 def _key(mesh: Any, op_schema: Any, rules: Any, kwargs: dict[str, Any], inputs: list[Any]) -> Any | None:
@@ -148,7 +199,6 @@ def _key(mesh: Any, op_schema: Any, rules: Any, kwargs: dict[str, Any], inputs: 
 
 
 def _kept(original: Callable[..., Any]) -> Callable[..., Any]:
-    from torch.distributed.tensor._collective_utils import redistribute_cost
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
     def expand_to_full_mesh_op_strategy(mesh: Any, op_schema: Any, single_mesh_dim_strategies: Any, **kwargs: Any) -> Any:
@@ -181,7 +231,7 @@ def _kept(original: Callable[..., Any]) -> Callable[..., Any]:
                 column = _columns.get((listed.number, i, src_number))
                 if column is None:
                     column = _columns[listed.number, i, src_number] = tuple(
-                        _cost(src, src_number, ins[i], dst_number, redistribute_cost)
+                        _cost(src, src_number, ins[i], dst_number)
                         for ins, dst_number in zip(listed.inputs, listed.targets[i])
                     )
                 from_input.append(column)
@@ -231,10 +281,17 @@ def _kept_metas(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 def _keep_expansions() -> Callable[[], None]:
     import torch.distributed.tensor._ops.utils as utils
+    import torch.distributed.tensor._redistribute as redistribute
     from torch.distributed.tensor import DTensor
 
     original = utils.expand_to_full_mesh_op_strategy
     utils.expand_to_full_mesh_op_strategy = _kept(original)
+    # The costs DTensor's strategy functions ask (generate_redistribute_costs reads the name
+    # in its module), and the steps its cost reads.
+    cost = utils.redistribute_cost
+    utils.redistribute_cost = _kept_cost
+    steps = redistribute._gen_transform_infos
+    redistribute._gen_transform_infos = _kept_steps(steps)
     # DTensor's output metadata of an op (made in a fresh FakeTensorMode each time): from the
     # inputs' global shapes alone.  Bound on the one propagator DTensor dispatches through.
     propagator = DTensor._op_dispatcher.sharding_propagator
@@ -242,6 +299,8 @@ def _keep_expansions() -> Callable[[], None]:
 
     def undo() -> None:
         utils.expand_to_full_mesh_op_strategy = original
+        utils.redistribute_cost = cost
+        redistribute._gen_transform_infos = steps
         del propagator._propagate_tensor_meta_non_cached
         with _lock:  # what is kept holds meshes: kept for as long as some plan is being built
             _expansions.clear()
@@ -249,6 +308,7 @@ def _keep_expansions() -> Callable[[], None]:
             _costs.clear()
             _columns.clear()
             _metas.clear()
+            _steps.clear()
 
     return undo
 

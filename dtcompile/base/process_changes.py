@@ -77,11 +77,12 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "some thread plans, unless the process froze its own (ScopedPatch)"),
     ("dtcompile.auto_parallel.api", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     ("dtcompile.auto_parallel.expansion", "_keep_expansions", _C,
-     "DTensor's expand_to_full_mesh_op_strategy (a module attribute) and its sharding propagator's "
+     "DTensor's expand_to_full_mesh_op_strategy, the redistribute_cost its strategy functions call "
+     "(module attributes of _ops.utils), _redistribute._gen_transform_infos, and its sharding propagator's "
      "_propagate_tensor_meta_non_cached (an attribute of that one object) replaced by kept versions that "
      "answer as DTensor does, while a plan is being built (ScopedPatch)"),
     ("dtcompile.auto_parallel.expansion", "_keep_expansions.undo", _C,
-     "puts DTensor's function back and removes the propagator's attribute"),
+     "puts DTensor's functions back and removes the propagator's attribute"),
     ("dtcompile.auto_parallel.expansion", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     ("dtcompile.lowering", "inline_regions", _O, "removes a region body from the graph module being lowered"),
     ("dtcompile.step", "_make_graph", _C,

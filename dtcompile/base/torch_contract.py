@@ -206,6 +206,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch.distributed.tensor._redistribute", "_gen_transform_infos", ("src_spec", "dst_spec")),
     # dtcompile.auto_parallel.expansion: DTensor's answers kept by what they read while a plan is built
     ("torch.distributed.tensor._collective_utils", "redistribute_cost", ("current_spec", "target_spec")),
+    ("torch.distributed.tensor._ops.utils", "redistribute_cost", ("current_spec", "target_spec")),
     ("torch.distributed.tensor._ops.utils", "is_tensor_shardable", ("shape", "spec")),
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec.is_default_device_order", ("shard_order",)),
     ("torch.distributed.tensor._redistribute", "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None),

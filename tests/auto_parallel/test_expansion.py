@@ -92,8 +92,11 @@ def test_kept_answers_are_asked_and_let_go():
     from one expansion, with the answers it gives without it; once built, DTensor's own
     function is back and nothing is held."""
     import torch.distributed.tensor._ops.utils as utils
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor._collective_utils import redistribute_cost
 
     original = utils.expand_to_full_mesh_op_strategy
+    steps = redistribute._gen_transform_infos
     propagator = DTensor._op_dispatcher.sharding_propagator
     asked = [[Shard(0), Shard(1)], [Shard(0), Replicate()], [Replicate(), Shard(0)], [Shard(1), Shard(0)],
              [Replicate(), Partial()], [Partial(), Shard(1)]]
@@ -122,9 +125,10 @@ def test_kept_answers_are_asked_and_let_go():
         # Twelve questions (mm and mul, six layouts each), fewer expansions: the list is kept.
         assert 0 < len(expansion._expansions) < 12 and expansion._metas
     assert utils.expand_to_full_mesh_op_strategy is original
+    assert utils.redistribute_cost is redistribute_cost and redistribute._gen_transform_infos is steps
     assert "_propagate_tensor_meta_non_cached" not in vars(propagator)
     assert not expansion._expansions and not expansion._costs and not expansion._metas
-    assert not expansion._ids and not expansion._columns
+    assert not expansion._ids and not expansion._columns and not expansion._steps
 
 
 def test_an_in_place_op_goes_to_dtensors_own_expansion():
@@ -157,3 +161,43 @@ def test_redistribution_steps_are_the_same_for_every_shape(mesh_shape):
                     for shape in shapes
                 ]
                 assert steps[1] == steps[0] and steps[2] == steps[0], (src, dst)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 4)])
+def test_kept_costs_equal_dtensors_for_every_shape(mesh_shape):
+    """While a plan is built, the cost DTensor's strategy functions read (``redistribute_cost``,
+    its steps kept per layouts) equals DTensor's own, for every pair of layouts of a 3-D
+    tensor and shapes even, uneven and smaller than the mesh; and a redistribution run then
+    (which reads each step's shapes) still gets DTensor's own steps."""
+    import torch.distributed.tensor._ops.utils as utils
+    from torch.distributed.tensor._collective_utils import redistribute_cost
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    world = int(np.prod(mesh_shape))
+    names = ("dp", "tp")[-len(mesh_shape):] if len(mesh_shape) == 2 else ("tp",)
+    shapes = [(8, 8, 8), (7, 9, 5), (1, 16, 3), (64, 8, 128)]
+    with fake_world(world, mesh_shape, names) as mesh:
+        options = layouts(shapes[0], mesh.shape)
+        options += [tuple(Partial() if isinstance(p, Replicate) else p for p in layout) for layout in options]
+        options = list(dict.fromkeys(options))
+
+        def spec(placements, shape, dtype):
+            return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), measure._global_stride(shape), dtype))
+
+        pairs = [
+            (spec(src, shape, dtype), spec(dst, shape, dtype))
+            for shape in shapes for dtype in (torch.float32, torch.bfloat16) for src in options for dst in options
+        ]
+        clear_sharding_caches()
+        plain = [redistribute_cost(a, b) for a, b in pairs]
+        plain_steps = [_gen_transform_infos(a, b) for a, b in pairs[:: len(options) + 1]]
+        clear_sharding_caches()
+        with expansion.kept_expansions():
+            kept = [utils.redistribute_cost(a, b) for a, b in pairs]
+            assert 0 < len(expansion._steps) <= len(options) ** 2 < len(pairs)
+            import torch.distributed.tensor._redistribute as redistribute
+
+            kept_steps = [redistribute._gen_transform_infos(a, b) for a, b in pairs[:: len(options) + 1]]
+    assert kept == plain
+    assert kept_steps == plain_steps
