@@ -107,6 +107,7 @@ def build_edges(
     # answers a repeated question once), so their edges' prices are the same: priced once.
     priced_edges: dict[Any, tuple[Any, Any]] = {}
     fanout_candidates: dict[Any, list[Candidate]] = {}
+    suits: dict[tuple[int, int, int], list[list[bool]]] = {}  # (fan-out's, reader's candidates, slot) -> ok
     for (p, k), users in consumers.items():
         producer = nodes[p]
         shape, dtype = producer.outputs[k]
@@ -162,12 +163,15 @@ def build_edges(
         edges.append(edge(fan, 0))
         for c, slot in users:
             consumer = nodes[c]
-            ok = [
-                [cc.inputs[slot] == fc.inputs[0] and (fc.grads[0] is None or cc.grads[slot] in (None, fc.grads[0]))
-                 for cc in consumer.candidates]
-                for fc in fan.candidates
-            ]
-            rules.append(FanoutRule(name, c, slot, ok))
+            # Shared candidate lists (repeated layers): the same matrix, made once.
+            key = (id(fan.candidates), id(consumer.candidates), slot)
+            if key not in suits:
+                suits[key] = [
+                    [cc.inputs[slot] == fc.inputs[0] and (fc.grads[0] is None or cc.grads[slot] in (None, fc.grads[0]))
+                     for cc in consumer.candidates]
+                    for fc in fan.candidates
+                ]
+            rules.append(FanoutRule(name, c, slot, suits[key]))
     return edges, rules
 
 

@@ -27,7 +27,9 @@ __all__ = [
     "axis_span",
     "even",
     "grad_layout",
+    "is_partial",
     "is_shard",
+    "is_strided",
     "layouts",
     "local_numel",
     "output_grad_layout",
@@ -82,6 +84,12 @@ def is_shard(placement: Any) -> bool:
     """``Shard`` or ``_StridedShard`` (which is no ``Shard`` subclass in torch 2.13 to 2.15)."""
     known = _SHARDS.get(type(placement))
     return isinstance(placement, (Shard, _StridedShard)) if known is None else known
+
+
+def is_partial(placement: Any) -> bool:
+    """``Partial`` or a subclass of it (an embedding's ``_MaskPartial``)."""
+    kind = type(placement)
+    return kind is Partial or (kind not in _SHARDS and isinstance(placement, Partial))
 
 
 def is_strided(placement: Any) -> bool:

@@ -131,6 +131,7 @@ class _Builder:
         self.regathered = regathered
         self.param_derived: dict[str, bool] = {}
         self.node_cache: dict[Any, list[Candidate]] = {}
+        self.produced: dict[tuple[int, int], tuple[list[Candidate], list[Layout]]] = {}
         self.nodes: dict[str, PNode] = {}
         # Measurements outlive one plan: planning again (other pins, another budget, the
         # next model of a batch) measures only what it has not seen on this mesh.
@@ -139,6 +140,17 @@ class _Builder:
         for the error when nothing can run an op."""
         self.seconds = {"strategies": 0.0, "measure": 0.0, "edges": 0.0}
         self.measurements = {"made": 0, "reused": 0}
+
+    def _produced(self, name: str, k: int) -> list[Layout]:
+        """The layouts ``name``'s candidates give its output ``k``, a stored ``_StridedShard`` read
+        gathered over its axis (ops see Shard, Replicate, Partial): found once per candidate
+        list (repeated layers share theirs; kept with it, so its ``id`` stays its own)."""
+        candidates = self.nodes[name].candidates
+        key = (id(candidates), k)
+        if key not in self.produced:
+            found = [unstrided(c.outputs[k]) for c in candidates if c.outputs[k] is not None]
+            self.produced[key] = (candidates, list(dict.fromkeys(found)))
+        return self.produced[key][1]
 
     def _layouts_for(self, name: str, shape: tuple[int, ...], kind: str) -> list[Layout]:
         if name in self.fixed:
@@ -214,11 +226,8 @@ class _Builder:
         in_metas = [self.nodes[p].outputs[k] for p, k in refs]
         in_rg = [self.nodes[p].requires_grad[k] for p, k in refs]
         options, produced_by = [], []
-        for (p, k), (_shape, _) in zip(refs, in_metas):
-            # A stored _StridedShard is read gathered over its axis: ops see Shard, Replicate, Partial.
-            produced = list(dict.fromkeys(
-                unstrided(c.outputs[k]) for c in self.nodes[p].candidates if c.outputs[k] is not None
-            ))
+        for p, k in refs:
+            produced = self._produced(p, k)
             produced_by.append(produced)
             # What the producer can give, and the replicated layout: strategies that follow
             # their input (views, reductions) are offered for these; a strategy that reads

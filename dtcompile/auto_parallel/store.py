@@ -122,21 +122,41 @@ def _plain(value: Any) -> bool:
     """Whether ``value`` holds only what pickles back equal: placements of DTensor's plain kinds
     (not a ``Partial`` subclass carrying state, as an embedding's mask), numbers, strings,
     enums and the planner's frozen dataclasses of them."""
+    return _plain_checker()(value)
+
+
+@functools.cache
+def _plain_checker() -> Any:
+    """:func:`_plain`, with what it reads of torch imported once and each dataclass's fields
+    listed once (a plan writes thousands of values: checked one by one, that took a tenth of
+    a cold plan)."""
     import dataclasses
     import enum
 
     from torch.distributed.tensor import Partial, Placement, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if value is None or isinstance(value, (bool, int, float, str, enum.Enum)):
-        return True
-    if isinstance(value, Placement):
-        return type(value) in (Shard, Replicate, Partial, _StridedShard)
-    if isinstance(value, (tuple, list)):
-        return all(_plain(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return all(_plain(getattr(value, f.name)) for f in dataclasses.fields(value))
-    return False
+    atoms = {bool, int, float, str, type(None), Shard, Replicate, Partial, _StridedShard}
+    fields: dict[type, tuple[str, ...] | None] = {}  # a dataclass's field names; None: not one
+
+    def plain(value: Any) -> bool:
+        kind = type(value)
+        if kind in atoms:
+            return True
+        if kind is tuple or kind is list:
+            return all(map(plain, value))
+        if isinstance(value, Placement):  # a subclass of the plain kinds, with state of its own
+            return False
+        if isinstance(value, (bool, int, float, str, enum.Enum)):
+            return True
+        if isinstance(value, (tuple, list)):
+            return all(map(plain, value))
+        if kind not in fields:
+            fields[kind] = tuple(f.name for f in dataclasses.fields(value)) if dataclasses.is_dataclass(kind) else None
+        names = fields[kind]
+        return names is not None and all(plain(getattr(value, name)) for name in names)
+
+    return plain
 
 
 def _read(path: Path | None) -> dict[str, bytes]:

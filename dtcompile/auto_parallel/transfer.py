@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial
 
 from dtcompile.auto_parallel.measure import planned_redistribution
-from dtcompile.auto_parallel.placements import Layout, PlannedCollective, grad_layout
+from dtcompile.auto_parallel.placements import Layout, PlannedCollective, grad_layout, is_partial
 from dtcompile.base.channels import GraphKind
 from dtcompile.cost import HardwareProfile, collective_time_us
 
@@ -72,7 +71,7 @@ def transfer(
         result = None
     elif read == out and (grad is None or grad == want):
         result = Transfer((), 0.0, passthrough=True)
-    elif any(isinstance(r, Partial) and r != o for r, o in zip(read, out)):
+    elif any(is_partial(r) and r != o for r, o in zip(read, out)):
         result = None
     elif grad is not None and grad_layout(grad, out) != want:
         result = None

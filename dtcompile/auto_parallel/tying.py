@@ -36,14 +36,29 @@ def _instance(path: str) -> tuple[str, str] | None:
     return path[:start] + "*", path[:end]
 
 
-def _signature(problem: Problem, name: str) -> Any:
+class _Lists:
+    """A number per distinct content of candidate lists, each list object hashed once (repeated
+    layers share theirs: a 32-layer model hashed each list 32 times, a tenth of a second)."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[tuple[Any, ...], int] = {}
+        self._by_id: dict[int, tuple[list[Any], int]] = {}
+
+    def number(self, candidates: list[Any]) -> int:
+        found = self._by_id.get(id(candidates))
+        if found is None:  # (kept with the list, so its id stays its own)
+            found = self._by_id[id(candidates)] = (candidates, self._numbers.setdefault(tuple(candidates), len(self._numbers)))
+        return found[1]
+
+
+def _signature(problem: Problem, name: str, lists: _Lists) -> Any:
     node = problem.nodes[name]
     fx_node = node.fx_node
     args = None
     if fx_node is not None and node.kind in ("op", "constant"):
         args = repr([a if not hasattr(a, "op") else "T" for a in fx_node.args]) + repr(sorted(fx_node.kwargs.items(), key=str))
     return (node.kind, node.target if node.kind not in ("param", "input") else "", args, tuple(node.outputs),
-            tuple(node.candidates))
+            lists.number(node.candidates))
 
 
 def tie_repeated_layers(problem: Problem) -> int:
@@ -61,12 +76,13 @@ def tie_repeated_layers(problem: Problem) -> int:
         pattern, instance = found
         instances.setdefault(pattern, {}).setdefault(instance, []).append(name)
     tied = 0
+    lists = _Lists()
     for by_instance in instances.values():
         # Instances that match one another share the first one's choices (the first layer,
         # which reads the model's input, often matches no other).
         representative: dict[Any, list[str]] = {}
         for names in by_instance.values():
-            key = tuple(_signature(problem, n) for n in names)
+            key = tuple(_signature(problem, n, lists) for n in names)
             if key not in representative:
                 representative[key] = names
                 continue
@@ -76,7 +92,7 @@ def tie_repeated_layers(problem: Problem) -> int:
             for copy, rep in mapping.items():
                 problem.nodes[copy].group = problem.nodes[rep].group
                 tied += 1
-    _tie_fanouts(problem)
+    _tie_fanouts(problem, lists)
     return tied
 
 
@@ -89,7 +105,7 @@ def _joins_an_edge(problem: Problem, mapping: dict[str, str]) -> bool:
     return any(group(e.producer) == group(e.consumer) for e in problem.edges if e.producer in mapping or e.consumer in mapping)
 
 
-def _tie_fanouts(problem: Problem) -> None:
+def _tie_fanouts(problem: Problem, lists: _Lists) -> None:
     """A fan-out follows its producer's group, when its producer is tied and the fan-outs match."""
     by_group: dict[tuple[str, int, tuple[Any, ...]], str] = {}
     for node in problem.nodes.values():
@@ -97,7 +113,7 @@ def _tie_fanouts(problem: Problem) -> None:
             continue
         producer, index = node.inputs[0]
         readers = tuple(sorted(problem.nodes[link.consumer].group for link in problem.fanout_rules if link.fanout == node.name))
-        key = (problem.nodes[producer].group, index, readers, tuple(node.candidates))
+        key = (problem.nodes[producer].group, index, readers, lists.number(node.candidates))
         if key in by_group:
             node.group = by_group[key]
         else:

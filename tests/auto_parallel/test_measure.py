@@ -140,3 +140,18 @@ def test_planning_an_embedding_leaves_no_fake_mask_for_the_users_next_embedding(
     run = torch.compile(parallel, backend="eager", fullgraph=True) if compiled else parallel
     out = run(ids)
     assert out.shape == (4, 8, 8) and not isinstance(out, torch._subclasses.FakeTensor)
+
+
+def test_placement_kinds_are_answered_as_isinstance_answers():
+    """``is_shard``, ``is_strided`` and ``is_partial`` read the known types from a table before
+    ``isinstance``: each answers as ``isinstance`` does, for every kind, subclasses included."""
+    from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
+
+    from dtcompile.auto_parallel.placements import is_partial, is_shard, is_strided
+
+    kinds = [Shard(0), Shard(2), _StridedShard(0, split_factor=2), Replicate(), Partial(), Partial("avg"), _MaskPartial()]
+    for p in kinds:
+        assert is_shard(p) == isinstance(p, (Shard, _StridedShard)), p
+        assert is_strided(p) == isinstance(p, _StridedShard), p
+        assert is_partial(p) == isinstance(p, Partial), p
+    assert [is_partial(p) for p in kinds] == [False, False, False, False, True, True, True]

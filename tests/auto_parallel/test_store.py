@@ -92,3 +92,34 @@ def test_a_second_interpreter_plans_without_measuring(tmp_path):
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert runs[0]["made"] > 0 and runs[1]["made"] == 0
     assert runs[1]["cost"] == runs[0]["cost"] and runs[1]["placements"] == runs[0]["placements"]
+
+
+def test_only_values_that_pickle_back_equal_are_kept():
+    """A value is written only if all it holds pickles back equal: DTensor's plain placements,
+    numbers, strings, enums, tuples and the planner's dataclasses of them; not a placement
+    subclass with state of its own (an embedding's ``_MaskPartial`` holds its mask), at any
+    depth, nor an object of another kind."""
+    import enum
+    from dataclasses import dataclass
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
+
+    from dtcompile.auto_parallel.graph import Candidate
+    from dtcompile.auto_parallel.placements import PlannedCollective
+    from dtcompile.base.channels import GraphKind
+
+    @dataclass(frozen=True)
+    class Holder:
+        value: object
+
+    layout = (Shard(0), Replicate())
+    collective = PlannedCollective(GraphKind.BACKWARD, "all_reduce", "dp", 2, 64, 1)
+    plain = Candidate((layout,), ((Partial(), _StridedShard(0, split_factor=2)),), (layout,), (None,),
+                      1.5, 2.5, (collective,))
+    assert store._plain(plain) and store._plain([1, 2.0, "x", None, True, GraphKind.FORWARD])
+    assert store._plain(Holder(enum.Enum("E", "A").A)) and store._plain(Holder(()))
+    masked = Candidate((layout,), ((_MaskPartial(), Replicate()),), (layout,), (None,), 1.5, 2.5)
+    assert not store._plain(masked)
+    assert not store._plain(Holder([(Shard(1), _MaskPartial())]))
+    assert not store._plain(Holder(object())) and not store._plain({"a": 1})
