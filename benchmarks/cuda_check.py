@@ -855,7 +855,9 @@ def main() -> None:
         import pytest
 
         tests = Path(__file__).resolve().parent.parent / "tests" / "cuda"
-        sys.exit(pytest.main([str(tests), "-q", "-rsP", "-p", "no:cacheprovider"]))
+        # -rsP: the skips' reasons and what the passing tests print (symmetric memory's state);
+        # their captured log records from INFO up (torch's DEBUG records are noise there).
+        sys.exit(pytest.main([str(tests), "-q", "-rsP", "-p", "no:cacheprovider", "-o", "log_level=INFO"]))
     parts = set(args.parts.split(","))
     if unknown := parts - {"fused", "block", "calibrate", "memory"}:
         parser.error(f"unknown parts {sorted(unknown)}")
