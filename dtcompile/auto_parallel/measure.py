@@ -34,7 +34,6 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtcompile.auto_parallel.local_ops import run_local
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, is_shard, is_strided, local_numel
 from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import collective_info, flattened_axes
@@ -248,7 +247,8 @@ def measure_op(
     the op), found before the backward is traced: such a strategy is not a candidate, and
     neither is any other with these input layouts but the one DTensor ran.
 
-    An aten op (run by DTensor, or on local shards by :func:`~dtcompile.auto_parallel.local_ops.run_local`)
+    An aten op (run by DTensor, or on local shards by a ``functools.partial`` applying it, as
+    :func:`~dtcompile.auto_parallel.local_ops.run_local` is)
     runs on shards on the ``meta`` device (its meta kernel, without a fake
     mode's dispatch: a fifth of a measurement); where that fails (an op without a meta
     kernel) and anything else (a ``local_map`` region, which may read its values), on
@@ -308,8 +308,8 @@ def measure_op(
         saved, saved_outs, own = _read_by_backward(recorder.graph, boundary, num_in, out_nodes)
         return OpMeasure(forward, backward, tuple(found), out_layouts, grad_layouts_in, out_rg, saved, saved_outs, own)
 
-    # (An op run on local shards, run_local's, is an aten op as well.)
-    op = target.args[0] if isinstance(target, functools.partial) and target.func is run_local else target
+    # (An op run on local shards is a partial applying the aten op: run_local's.)
+    op = target.args[0] if isinstance(target, functools.partial) and target.args else target
     if isinstance(op, torch._ops.OpOverload):
         try:
             return measured(_meta_local)
