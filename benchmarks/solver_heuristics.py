@@ -33,7 +33,7 @@ from dtcompile.testing import fake_world  # noqa: E402
 
 MESHES = {"4": ((4,), ("tp",)), "2 x 2": ((2, 2), ("dp", "tp")), "2 x 4": ((2, 4), ("dp", "tp"))}
 # An option name HiGHS does not know: setting it fails, and the heuristic keeps its default (on).
-_LEFT_ON = "dtcompile_benchmark_no_such_option"
+_LEFT_ON = "benchmark_no_such_option"
 
 
 def _program(model, args, mesh_name):
