@@ -80,11 +80,11 @@ def _layouts(value: Any) -> tuple[tuple[Any, ...], ...]:
 
 
 def _as_region(value: Any) -> Region | None:
-    from dtcompile.hops.local_map import region_name
-
     call = local_map_call(value)
     if call is None:
         return None
+    from dtcompile.hops.local_map import region_name
+
     if isinstance(value, staticmethod):
         value = value.__func__
     ins = _layouts(call.in_placements)
@@ -128,11 +128,15 @@ def tracing_regions(model: nn.Module) -> Iterator[dict[int, Region]]:
     indices = itertools.count()
     try:
         for module in model.modules():
-            names = {n for klass in type(module).__mro__ for n in vars(klass)} | set(vars(module))
-            for attr in sorted(names):
+            # Each name as the instance resolves it (its own, else the first class of its MRO's).
+            stored: dict[str, Any] = {}
+            for klass in reversed(type(module).__mro__):
+                stored.update(vars(klass))
+            stored.update(vars(module))
+            for attr in sorted(stored):
                 if attr.startswith("__"):
                     continue
-                value = inspect_attr(module, attr)
+                value = stored[attr]
                 region = _as_region(value)
                 if region is None:
                     continue
@@ -151,12 +155,3 @@ def tracing_regions(model: nn.Module) -> Iterator[dict[int, Region]]:
 
 _MISSING = object()
 
-
-def inspect_attr(module: nn.Module, attr: str) -> Any:
-    """The attribute as stored (a class's staticmethod unwrapped by the lookup), without calling properties."""
-    if attr in vars(module):
-        return vars(module)[attr]
-    for klass in type(module).__mro__:
-        if attr in vars(klass):
-            return vars(klass)[attr]
-    return None
