@@ -20,6 +20,7 @@ fixes what the backward does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,9 @@ from dtcompile.auto_parallel.regions import tracing_regions
 from dtcompile.base.channels import Meta
 
 __all__ = ["TracedModel", "source_line", "trace_forward"]
+
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+"""torch's and dtcompile's files: frames in them are not the model's code."""
 
 
 @dataclass
@@ -73,7 +77,12 @@ def trace_forward(
     an op for which ``decompose(op)`` gives a function is traced as that function."""
     table: dict[Any, Any] = {}
     for _ in range(8):  # a decomposition may call ops that need one in turn
-        traced = _trace(model, example_inputs, device, table)
+        try:
+            traced = _trace(model, example_inputs, device, table)
+        except Exception as error:
+            if str(error).startswith("auto_parallel:"):  # (a region's own message)
+                raise
+            raise ValueError(_trace_failure(error)) from error
         more = {} if decompose is None else {
             n.target: fn for n in traced.gm.graph.nodes
             if n.op == "call_function" and n.target not in table and (fn := decompose(n.target)) is not None
@@ -83,6 +92,50 @@ def trace_forward(
             return traced
         table.update(more)
     raise ValueError(f"auto_parallel: decomposing {sorted(map(str, table))} does not end; please report this")
+
+
+# Where torch keeps the fake (meta) kernels of its ops.
+_FAKE_KERNELS = ("_meta_registrations.py", os.path.join("_refs", ""), os.path.join("_prims", ""))
+
+
+def _trace_failure(error: Exception) -> str:
+    """The message of a trace that failed inside torch: the op the model called, its line in
+    the model's code, torch's own message and, where the op's fake kernel refused the inputs
+    (torch 2.14's ``aten._grouped_mm`` refuses float32, which its CPU kernel runs), what that means."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    from dtcompile.base.notation import source_of_traceback
+
+    op, fake_kernel, user = None, False, False
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        called = tb.tb_frame.f_locals.get("self") if code.co_name == "__call__" else None
+        if not code.co_filename.startswith(_LIBRARIES):
+            op, fake_kernel, user = None, False, True  # the op is the one the innermost user frame called
+        elif user and op is None and isinstance(called, torch._ops.OpOverload):
+            op = called
+        fake_kernel |= op is not None and any(part in code.co_filename for part in _FAKE_KERNELS)
+        tb = tb.tb_next
+    where = f" in {op}" if op is not None else ""
+    message = (
+        f"auto_parallel: tracing the model on fake tensors failed{where}{source_of_traceback(error.__traceback__)}: "
+        f"{type(error).__name__}: {str(error).rstrip('.')}"
+    )
+    if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+        message += (
+            ". The planner traces the model on fake tensors, which hold no values: a branch on a tensor's values "
+            "(or an output whose shape depends on them) cannot be traced; make it depend on shapes or arguments, "
+            "or keep that code out of the planned module"
+        )
+    elif fake_kernel:
+        message += (
+            f". The planner runs the model on fake tensors, and DTensor propagates every op it shards the same way: "
+            f"{op}'s fake kernel on this torch ({torch.__version__}) refuses these inputs, so the model cannot be "
+            "planned or run as DTensors as it is; give the op inputs the message accepts (a dtype, a shape), or use "
+            "a torch release whose kernel takes them"
+        )
+    return message
 
 
 def _stacks_from(again: TracedModel, traced: TracedModel) -> None:

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BYTE_UNITS", "describe_mesh", "format_bytes", "real_object", "source_of"]
+__all__ = ["BYTE_UNITS", "describe_mesh", "format_bytes", "real_object", "source_of", "source_of_traceback"]
 
 BYTE_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 """The units bytes are named in, largest first (below a KiB: ``B``)."""
@@ -38,15 +38,28 @@ def source_of(node: Any) -> str:
     ``", at FILE:LINE in FN: `CODE`"`` (the innermost frame outside torch and dtcompile, from the
     trace's stack traces: ``make_fx(record_stack_traces=True)``, or Dynamo's), or ``""`` when
     unknown (or no node)."""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    frames = [(m["file"], m["line"], m["fn"], m["code"]) for m in _FRAME.finditer(trace or "")]
+    return _innermost_user_frame(frames)
+
+
+def source_of_traceback(tb: Any) -> str:
+    """:func:`source_of` for a traceback (an exception's ``__traceback__``): the innermost frame
+    outside torch and dtcompile, in the same words."""
+    import traceback
+
+    return _innermost_user_frame([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(tb)])
+
+
+def _innermost_user_frame(frames: list[tuple[str, Any, str, str]]) -> str:
     import torch
 
     libraries = (os.path.dirname(torch.__file__) + os.sep, _DTCOMPILE)
-    trace = node.meta.get("stack_trace") if node is not None else None
-    frames = [m for m in _FRAME.finditer(trace or "") if not m["file"].startswith(libraries)]
-    if not frames:
+    kept = [f for f in frames if not f[0].startswith(libraries)]
+    if not kept:
         return ""
-    last = frames[-1]
-    return f", at {last['file']}:{last['line']} in {last['fn']}: `{last['code'].strip()}`"
+    file, line, fn, code = kept[-1]
+    return f", at {file}:{line} in {fn}: `{code.strip()}`"
 
 
 def real_object(obj: Any) -> Any:
