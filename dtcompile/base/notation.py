@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BYTE_UNITS", "describe_mesh", "format_bytes", "real_object", "source_of", "source_of_traceback"]
+__all__ = ["BYTE_UNITS", "describe_mesh", "format_bytes", "library_files", "real_object", "source_of", "source_of_traceback"]
 
 BYTE_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 """The units bytes are named in, largest first (below a KiB: ``B``)."""
@@ -51,10 +51,16 @@ def source_of_traceback(tb: Any) -> str:
     return _innermost_user_frame([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(tb)])
 
 
-def _innermost_user_frame(frames: list[tuple[str, Any, str, str]]) -> str:
+def library_files() -> tuple[str, str]:
+    """The folders of torch's and dtcompile's own files (``path.startswith`` them): a frame in
+    one is not the model's code."""
     import torch
 
-    libraries = (os.path.dirname(torch.__file__) + os.sep, _DTCOMPILE)
+    return (os.path.dirname(torch.__file__) + os.sep, _DTCOMPILE)
+
+
+def _innermost_user_frame(frames: list[tuple[str, Any, str, str]]) -> str:
+    libraries = library_files()
     kept = [f for f in frames if not f[0].startswith(libraries)]
     if not kept:
         return ""
