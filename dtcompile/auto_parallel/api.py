@@ -35,6 +35,12 @@ __all__ = ["auto_parallel", "plan"]
 
 log = logging.getLogger(__name__)
 
+_ONE_PLAN_AT_A_TIME = threading.RLock()
+"""Held while a plan traces, measures and solves: torch.fx's tracer patches process-wide
+state (``torch.nn.Module.__call__``, its current patcher), so plans in one process run in
+turn.  Ranks run as threads may all call :func:`plan`; each after the first reads what
+the first measured."""
+
 
 class _OtherThreads(logging.Filter):
     """Lets through only records logged by other threads than the one that made it."""
@@ -218,7 +224,8 @@ def plan(
         if value is not None:
             outs[i] = _layout(f"output_placements[{i}]", value, mesh)
 
-    with Progress("auto_parallel", 4, unit="stage") as progress, _without_redistribution_advice(), _frozen_heap():
+    with _ONE_PLAN_AT_A_TIME, Progress("auto_parallel", 4, unit="stage") as progress, _without_redistribution_advice(), \
+            _frozen_heap():
         start = time.perf_counter()
         traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
         traced_s = time.perf_counter() - start

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import pickle
+import threading
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ class Table(MutableMapping):
         merged = {**_read(self.path), **fresh}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+            temporary = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # (ranks as threads)
             temporary.write_bytes(pickle.dumps(merged, protocol=pickle.HIGHEST_PROTOCOL))
             temporary.replace(self.path)
         except OSError as e:  # a read-only home: planning goes on, measuring again next time

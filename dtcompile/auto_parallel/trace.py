@@ -100,15 +100,14 @@ def _trace_failure(error: Exception) -> str:
     (torch 2.14's ``aten._grouped_mm`` refuses float32, which its CPU kernel runs), what that means."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-    from dtcompile.base.notation import library_files, source_of_traceback
+    from dtcompile.base.notation import is_library_file, source_of_traceback
 
-    libraries = library_files()
     op, fake_kernel, user = None, False, False
     tb = error.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
         called = tb.tb_frame.f_locals.get("self") if code.co_name == "__call__" else None
-        if not code.co_filename.startswith(libraries):
+        if not is_library_file(code.co_filename):
             op, fake_kernel, user = None, False, True  # the op is the one the innermost user frame called
         elif user and op is None and isinstance(called, torch._ops.OpOverload):
             op = called

@@ -11,12 +11,14 @@ torch is imported inside the functions).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import sysconfig
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BYTE_UNITS", "describe_mesh", "format_bytes", "library_files", "real_object", "source_of", "source_of_traceback"]
+__all__ = ["BYTE_UNITS", "describe_mesh", "format_bytes", "is_library_file", "real_object", "source_of", "source_of_traceback"]
 
 BYTE_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 """The units bytes are named in, largest first (below a KiB: ``B``)."""
@@ -31,6 +33,7 @@ def format_bytes(num: float) -> str:
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
 _DTCOMPILE = str(Path(__file__).resolve().parents[1]) + os.sep  # the dtcompile package
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def source_of(node: Any) -> str:
@@ -51,17 +54,23 @@ def source_of_traceback(tb: Any) -> str:
     return _innermost_user_frame([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(tb)])
 
 
-def library_files() -> tuple[str, str]:
-    """The folders of torch's and dtcompile's own files (``path.startswith`` them): a frame in
-    one is not the model's code."""
+def is_library_file(path: str) -> bool:
+    """Whether a frame in file ``path`` is not the model's code: torch's, dtcompile's, Python's
+    own (but the packages installed beside it), or code made at run time (``<string>``)."""
+    return path.startswith(_libraries()) or path.startswith("<") or (
+        path.startswith(_STDLIB) and not any(part in path for part in ("site-packages", "dist-packages"))
+    )
+
+
+@functools.cache
+def _libraries() -> tuple[str, str]:
     import torch
 
     return (os.path.dirname(torch.__file__) + os.sep, _DTCOMPILE)
 
 
 def _innermost_user_frame(frames: list[tuple[str, Any, str, str]]) -> str:
-    libraries = library_files()
-    kept = [f for f in frames if not f[0].startswith(libraries)]
+    kept = [f for f in frames if not is_library_file(f[0])]
     if not kept:
         return ""
     file, line, fn, code = kept[-1]

@@ -64,3 +64,16 @@ def test_a_branch_on_a_tensors_values_is_named_with_the_models_line():
     ), message
     assert "which hold no values: a branch on a tensor's values" in message
     assert "fake kernel" not in message
+
+
+def test_the_models_code_is_what_is_not_torch_dtcompile_or_pythons_own():
+    import contextlib
+    import os
+    import sysconfig
+
+    from dtcompile.base import notation
+
+    library = [torch.__file__, notation.__file__, contextlib.__file__, "<string>", "<frozen importlib._bootstrap>"]
+    assert all(map(notation.is_library_file, library))
+    installed = os.path.join(sysconfig.get_paths()["stdlib"], "site-packages", "transformers", "modeling.py")
+    assert not any(map(notation.is_library_file, [__file__, installed]))

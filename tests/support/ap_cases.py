@@ -8,7 +8,6 @@ run forward and backward once, and every compiled graph is played by
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from typing import Any
 
@@ -66,10 +65,6 @@ def compiled_collectives(records: list[Any]) -> Counter:
 def predicted_collectives(solution: Any) -> Counter:
     return Counter(c.key() for c in solution.predicted_collectives())
 
-
-# Planning traces with make_fx and asks DTensor's propagator, whose state rank threads
-# share: ranks plan one at a time (the plan does no collective; applying it does).
-_PLAN_LOCK = threading.Lock()
 
 BUILDS = {
     "mlp": models.build_mlp,
@@ -184,11 +179,10 @@ def rank_step(
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     reference, _, x = BUILDS[build](mesh)
-    with _PLAN_LOCK:
-        solution = dtcompile.auto_parallel.plan(
-            reference, mesh, (x,), input_placements=input_layouts, output_placements=output_layouts,
-            param_memory_budget_bytes=budget,
-        )
+    solution = dtcompile.auto_parallel.plan(
+        reference, mesh, (x,), input_placements=input_layouts, output_placements=output_layouts,
+        param_memory_budget_bytes=budget,
+    )
     return _step_against_reference(rank, parallelize(reference, solution), reference, x, mesh, solution)
 
 
