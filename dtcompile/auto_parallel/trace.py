@@ -34,6 +34,7 @@ from dtcompile.base.channels import Meta
 
 __all__ = ["TracedModel", "source_line", "trace_forward"]
 
+
 @dataclass
 class TracedModel:
     gm: fx.GraphModule
