@@ -39,8 +39,8 @@ _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 def source_of(node: Any) -> str:
     """Where fx node ``node`` came from in the model's code, to follow its op in a message:
     ``", at FILE:LINE in FN: `CODE`"`` (the innermost frame of the model's code, not a
-    :func:`library file <is_library_file>`, from the trace's stack traces: ``make_fx(record_stack_traces=True)``, or Dynamo's), or ``""`` when
-    unknown (or no node)."""
+    :func:`library file <is_library_file>`, from the trace's stack traces:
+    ``make_fx(record_stack_traces=True)``, or Dynamo's), or ``""`` when unknown (or no node)."""
     trace = node.meta.get("stack_trace") if node is not None else None
     frames = [(m["file"], m["line"], m["fn"], m["code"]) for m in _FRAME.finditer(trace or "")]
     return _innermost_user_frame(frames)
