@@ -117,6 +117,9 @@ COMPILED = [("llama", "1d"), ("gpt2", "2x2"), ("mixtral", "1d"), ("falcon", "1d"
 
 @pytest.mark.parametrize(("name", "mesh_name"), COMPILED)
 def test_hf_model_compiled_on_4_threaded_ranks_equals_the_single_process_model(name, mesh_name):
+    if name in GROUPED_MM and not _fake_grouped_mm_takes_float32():
+        pytest.skip("this torch's fake kernel of aten._grouped_mm refuses float32: no DTensor runs the model in "
+                    "float32 (test_hf_model_plans_and_keeps_the_users_names checks the plan's message)")
     model, args = build(name)
     shape, names = MESHES[mesh_name]
     with fake_world(4, shape, names) as mesh:
