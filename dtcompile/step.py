@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,7 @@ from torch import fx, nn
 from torch.fx import traceback as fx_traceback
 
 from dtcompile.base.channels import Meta
+from dtcompile.base.scoped_patch import fx_tracing
 from dtcompile.config import DTCompileConfig
 from dtcompile.records import CompiledGraph
 from dtcompile.step_pass import StepPass
@@ -59,9 +59,6 @@ from dtcompile.step_pass import StepPass
 __all__ = ["CompiledStep", "StepNotTraceable", "compile_step"]
 
 log = logging.getLogger(__name__)
-
-_TRACING = threading.Lock()
-"""make_fx keeps its patcher in a module global: ranks run as threads trace one at a time."""
 
 
 class StepNotTraceable(RuntimeError):
@@ -481,7 +478,7 @@ def _make_graph(make_fx: Any, step: Callable[..., Any], flat: list[Any], loss_fn
     fake = [fake_mode.from_tensor(t, static_shapes=True) for t in flat]
     try:
         with (
-            _TRACING,
+            fx_tracing(),  # (ranks run as threads trace one at a time)
             fake_mode,
             tracing(TracingContext(fake_mode)),
             preserve_node_meta(),

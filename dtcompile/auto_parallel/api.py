@@ -26,7 +26,7 @@ from torch import nn
 from dtcompile.auto_parallel.placements import Layout
 from dtcompile.base.channels import Artifact
 from dtcompile.base.progress import Progress
-from dtcompile.base.scoped_patch import ScopedPatch
+from dtcompile.base.scoped_patch import ScopedPatch, fx_tracing
 from dtcompile.collectives import profile_for_groups
 from dtcompile.cost import HardwareProfile
 from dtcompile.reshard import resharded
@@ -34,12 +34,6 @@ from dtcompile.reshard import resharded
 __all__ = ["auto_parallel", "plan"]
 
 log = logging.getLogger(__name__)
-
-_ONE_PLAN_AT_A_TIME = threading.RLock()
-"""Held while a plan traces, measures and solves: torch.fx's tracer patches process-wide
-state (``torch.nn.Module.__call__``, its current patcher), so plans in one process run in
-turn.  Ranks run as threads may all call :func:`plan`; each after the first reads what
-the first measured."""
 
 
 class _OtherThreads(logging.Filter):
@@ -224,7 +218,10 @@ def plan(
         if value is not None:
             outs[i] = _layout(f"output_placements[{i}]", value, mesh)
 
-    with _ONE_PLAN_AT_A_TIME, Progress("auto_parallel", 4, unit="stage") as progress, _without_redistribution_advice(), \
+    # fx_tracing(): torch.fx's tracer patches process-wide state, so plans (and the whole step's
+    # traces) in one process run in turn. Ranks run as threads may all call plan; each after
+    # the first reads what the first measured.
+    with fx_tracing(), Progress("auto_parallel", 4, unit="stage") as progress, _without_redistribution_advice(), \
             _frozen_heap():
         start = time.perf_counter()
         traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)

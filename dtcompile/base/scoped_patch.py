@@ -5,6 +5,13 @@ undone when it ends could be undone under another.  :class:`ScopedPatch`
 counts its users: the change is made when the first one enters and undone when
 the last one leaves.  What it changes must therefore act the same for every
 thread (a rule that reads a thread-local, a reducer that pickles faithfully).
+
+torch.fx's tracer makes such a change itself, for no one to share: while it traces
+(``make_fx`` too, and AOTAutograd inside every ``torch.compile``) it keeps its patcher
+in a module global and patches ``torch.nn.Module.__call__`` for the process, so two
+traces at once break each other (``CURRENT_PATCHER is None in finally block``).
+Dynamo compiles one frame at a time under its compile lock; every dtcompile path that
+traces with torch.fx outside a compile holds that same lock (:func:`fx_tracing`).
 """
 
 from __future__ import annotations
@@ -13,7 +20,15 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["ScopedPatch"]
+__all__ = ["ScopedPatch", "fx_tracing"]
+
+
+def fx_tracing() -> contextlib.AbstractContextManager[bool]:
+    """The lock a trace with torch.fx holds (see the module): Dynamo's compile lock, re-entrant,
+    so that a plan's or a step's trace and the compiles of other threads run in turn."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
 
 
 class ScopedPatch:

@@ -88,6 +88,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     # dtcompile.base.sizes: sizes read without guarding
     ("torch.fx.experimental.symbolic_shapes", "optimization_hint", ("a", "fallback")),
     ("torch.fx.experimental.symbolic_shapes", "free_unbacked_symbols", ("x",)),
+    # dtcompile.base.scoped_patch.fx_tracing: Dynamo's compile lock, held by our own torch.fx traces
+    ("torch._dynamo.convert_frame", "compile_lock", None),
     # dtcompile.base.sharding_cache
     ("torch._C", "_clear_DTensor_sharding_propagator_cache", None),
     ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", ()),
