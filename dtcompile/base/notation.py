@@ -55,9 +55,10 @@ def source_of_traceback(tb: Any) -> str:
 
 
 def is_library_file(path: str) -> bool:
-    """Whether a frame in file ``path`` is not the model's code: torch's, dtcompile's, Python's
-    own (but the packages installed beside it), or code made at run time (``<string>``)."""
-    return path.startswith(_libraries()) or path.startswith("<") or (
+    """Whether a frame in file ``path`` is not the model's code: torch's, dtcompile's, or Python's
+    own (``<frozen importlib._bootstrap>`` too, but not the packages installed beside it).  Code
+    run from a string (``<string>``: ``exec``, ``python -c``) is the user's."""
+    return path.startswith(_libraries()) or path.startswith("<frozen ") or (
         path.startswith(_STDLIB) and not any(part in path for part in ("site-packages", "dist-packages"))
     )
 
