@@ -75,6 +75,8 @@ __all__ = [
     "agree",
     "check_groups",
     "checks_waiting_for",
+    "meet",
+    "read_detail",
     "world_can_disagree",
 ]
 
@@ -158,7 +160,7 @@ def agree(schedule: Schedule, groups: Sequence[str], timeout_s: float, axes: Map
     for name in groups:
         ranks = dist.get_process_group_ranks(_resolve_process_group(name))
         axis = axis_name(name, axes)
-        peers = _exchange(store, axis, ranks, rank, timeout_s, schedule, detail, verdict)
+        peers = _exchange(axis, ranks, rank, timeout_s, schedule, detail, verdict)
         verdict.eager = verdict.eager or any(peer["eager"] for peer in peers)
         if not verdict.disagreement:
             verdict.disagreement = next((p["disagreement"] for p in peers if p["disagreement"]), "")
@@ -172,7 +174,6 @@ def agree(schedule: Schedule, groups: Sequence[str], timeout_s: float, axes: Map
 
 
 def _exchange(
-    store: Any,
     axis: str,
     ranks: Sequence[int],
     rank: int,
@@ -182,38 +183,79 @@ def _exchange(
     verdict: _Verdict,
 ) -> list[dict[str, Any]]:
     """This rank's digest for one group written, and every rank's of that group read."""
-    group_key = short_digest(",".join(map(str, ranks)))
-    # The n-th check of this rank on this group meets every peer's n-th.
-    seq = store.add(f"{_PREFIX}/{group_key}/count/{rank}", 1)
-    base = f"{_PREFIX}/{group_key}/{seq}"
     mine = {
-        "rank": rank,
         "compile_id": schedule.compile_id,
         "digest": schedule.digest_on(axis),
         "decided": schedule.decided_by_digest,
         "eager": verdict.eager,
         "disagreement": verdict.disagreement,
-        "detail": f"{base}/{rank}/detail",
     }
-    # Four round trips: the count, both keys, the wait, the peers' digests.
-    store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
-    keys = [f"{base}/{r}" for r in ranks]
-    try:
-        what = f"rank {rank} waits at the check of graph {schedule.compile_id} on the {axis} group {list(ranks)}"
-        _wait(store, dict(zip(ranks, keys)), timeout_s, what)
-    except _Aborted as exc:
-        raise RanksDisagree(
-            f"dtcompile: graph {schedule.compile_id}'s check on the {axis} group {list(ranks)} was ended: {exc}"
-        ) from None
-    except _TimedOut as exc:
-        raise RanksDisagree(
-            f"dtcompile: rank(s) {exc.missing} of the {axis} group {list(ranks)} did not come to compare "
+    return meet(
+        "", ranks, mine, detail, timeout_s,
+        waiting=f"rank {rank} waits at the check of graph {schedule.compile_id} on the {axis} group {list(ranks)}",
+        ended=f"dtcompile: graph {schedule.compile_id}'s check on the {axis} group {list(ranks)} was ended",
+        late=lambda missing: (
+            f"dtcompile: rank(s) {missing} of the {axis} group {list(ranks)} did not come to compare "
             f"graph {schedule.compile_id} with rank {rank} within check_ranks_timeout_s={timeout_s:g} s: they "
             "are running another graph (one this rank compiled with new collectives and they did not: a "
             "recompile on some ranks only, or a graph break taken on some ranks only), or are still compiling "
             "(raise check_ranks_timeout_s where compiles take longer), or have stopped"
-        ) from None
+        ),
+    )
+
+
+def meet(
+    topic: str,
+    ranks: Sequence[int],
+    entry: Mapping[str, Any],
+    detail: str,
+    timeout_s: float,
+    *,
+    waiting: str,
+    ended: str,
+    late: Callable[[list[int]], str],
+    wait: bool = True,
+) -> list[dict[str, Any]]:
+    """Writes this rank's ``entry`` (JSON) and ``detail`` to the default process group's
+    store, then reads every entry of ``ranks``: the n-th meeting of this rank on ``topic``
+    and these ranks meets each peer's n-th.  An entry read carries ``rank`` and ``detail``,
+    the key of its rank's detail (read it with :func:`read_detail` where needed).
+
+    A peer not there within ``timeout_s`` ends the wait with :class:`RanksDisagree` saying
+    ``late(missing ranks)``; :func:`abort_checks` ends it saying ``ended`` and the reason.
+    ``waiting`` says what this rank waits for (logs, :func:`checks_waiting_for`).
+    ``wait=False`` only writes (a rank that stops anyway leaves its peers its entry) and
+    returns nothing."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank = dist.get_rank()
+    group_key = short_digest(",".join(map(str, ranks)))
+    prefix = f"{_PREFIX}/{topic}/{group_key}" if topic else f"{_PREFIX}/{group_key}"
+    seq = store.add(f"{prefix}/count/{rank}", 1)
+    base = f"{prefix}/{seq}"
+    mine = {**entry, "rank": rank, "detail": f"{base}/{rank}/detail"}
+    # Four round trips: the count, both keys, the wait, the peers' entries.
+    store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
+    if not wait:
+        return []
+    keys = [f"{base}/{r}" for r in ranks]
+    try:
+        _wait(store, dict(zip(ranks, keys)), timeout_s, waiting)
+    except _Aborted as exc:
+        raise RanksDisagree(f"{ended}: {exc}") from None
+    except _TimedOut as exc:
+        raise RanksDisagree(late(exc.missing)) from None
     return [json.loads(value) for value in store.multi_get(keys)]
+
+
+def read_detail(entry: Mapping[str, Any]) -> str:
+    """The detail a peer wrote beside its ``entry`` at :func:`meet`."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    value = _get_default_store().get(entry["detail"])
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _compare(store: Any, compile_id: str, axis: str, peers: Sequence[Mapping[str, Any]]) -> str:

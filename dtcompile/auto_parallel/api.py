@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from dtcompile.auto_parallel.placements import Layout
+from dtcompile.auto_parallel.placements import Layout, text
 from dtcompile.base.channels import Artifact
 from dtcompile.base.progress import Progress
 from dtcompile.base.scoped_patch import ScopedPatch, fx_tracing
@@ -182,6 +182,7 @@ def plan(
 ) -> Any:
     """Choose every parameter's, input's, output's and op's placements; returns the
     :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`)."""
+    from dtcompile.auto_parallel.agreement import plan_facts, ranks_compare_plans
     from dtcompile.auto_parallel.local_ops import decomposition_for
     from dtcompile.auto_parallel.peak import optimizer_states, step_memory
     from dtcompile.auto_parallel.problem import build_problem
@@ -189,71 +190,78 @@ def plan(
     from dtcompile.auto_parallel.solver import solve
     from dtcompile.auto_parallel.trace import trace_forward
     from dtcompile.auto_parallel.tying import tie_repeated_layers
+    from dtcompile.cache_keys import key_fields
 
     cost_profile, bucket_cap_bytes, config = _compile_config(config, cost_profile)
-    example_inputs, profile = _check(model, mesh, example_inputs, param_memory_budget_bytes, cost_profile)
-    memory_budget_bytes = _step_budget(memory_budget_bytes, config)
-    states = optimizer_states(optimizer)
-    num_inputs = len(pytree.tree_leaves(example_inputs))
-    pinned: dict[str, Layout] = {}
-    if input_placements is not None:
-        if len(input_placements) != num_inputs:
-            raise ValueError(
-                f"auto_parallel: input_placements has {len(input_placements)} entries for {num_inputs} inputs; "
-                "give one per (flattened) input, None to let the solver choose"
-            )
-        for i, value in enumerate(input_placements):
+    with ranks_compare_plans(mesh, config) as meeting:
+        example_inputs, profile = _check(model, mesh, example_inputs, param_memory_budget_bytes, cost_profile)
+        memory_budget_bytes = _step_budget(memory_budget_bytes, config)
+        states = optimizer_states(optimizer)
+        num_inputs = len(pytree.tree_leaves(example_inputs))
+        pinned: dict[str, Layout] = {}
+        if input_placements is not None:
+            if len(input_placements) != num_inputs:
+                raise ValueError(
+                    f"auto_parallel: input_placements has {len(input_placements)} entries for {num_inputs} inputs; "
+                    "give one per (flattened) input, None to let the solver choose"
+                )
+            for i, value in enumerate(input_placements):
+                if value is not None:
+                    pinned[f"input{i}"] = _layout(f"input_placements[{i}]", value, mesh)
+        params = dict(model.named_parameters())
+        for name, value in (fixed or {}).items():
+            if name not in params and not (name.startswith("input") and name[5:].isdigit() and int(name[5:]) < num_inputs):
+                raise ValueError(
+                    f"auto_parallel: fixed names {name!r}, which is neither a parameter of the model nor "
+                    f"input0..input{num_inputs - 1}; the parameters are {sorted(params)}"
+                )
+            pinned[name] = _layout(f"fixed[{name!r}]", value, mesh)
+        outs: dict[int, Layout] = {}
+        for i, value in enumerate(output_placements or ()):
             if value is not None:
-                pinned[f"input{i}"] = _layout(f"input_placements[{i}]", value, mesh)
-    params = dict(model.named_parameters())
-    for name, value in (fixed or {}).items():
-        if name not in params and not (name.startswith("input") and name[5:].isdigit() and int(name[5:]) < num_inputs):
-            raise ValueError(
-                f"auto_parallel: fixed names {name!r}, which is neither a parameter of the model nor "
-                f"input0..input{num_inputs - 1}; the parameters are {sorted(params)}"
-            )
-        pinned[name] = _layout(f"fixed[{name!r}]", value, mesh)
-    outs: dict[int, Layout] = {}
-    for i, value in enumerate(output_placements or ()):
-        if value is not None:
-            outs[i] = _layout(f"output_placements[{i}]", value, mesh)
+                outs[i] = _layout(f"output_placements[{i}]", value, mesh)
 
-    # fx_tracing(): torch.fx's tracer patches process-wide state, so plans (and the whole step's
-    # traces) in one process run in turn. Ranks run as threads may all call plan; each after
-    # the first reads what the first measured.
-    with fx_tracing(), Progress("auto_parallel", 4, unit="stage") as progress, _without_redistribution_advice(), \
-            _frozen_heap():
-        start = time.perf_counter()
-        traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
-        traced_s = time.perf_counter() - start
-        progress.step("traced")
-        problem = build_problem(
-            traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes,
-            resharded=functools.partial(resharded, config=config),
+        # fx_tracing(): torch.fx's tracer patches process-wide state, so plans (and the whole step's
+        # traces) in one process run in turn. Ranks run as threads may all call plan; each after
+        # the first reads what the first measured.
+        with fx_tracing(), Progress("auto_parallel", 4, unit="stage") as progress, _without_redistribution_advice(), \
+                _frozen_heap():
+            start = time.perf_counter()
+            traced = trace_forward(model, example_inputs, mesh.device_type, decompose=decomposition_for)
+            traced_s = time.perf_counter() - start
+            progress.step("traced")
+            problem = build_problem(
+                traced, mesh, profile, fixed=pinned, output_layouts=outs, bucket_cap_bytes=bucket_cap_bytes,
+                resharded=functools.partial(resharded, config=config),
+            )
+            problem.seconds["trace"] = traced_s
+            progress.step("problem built")
+            tie_repeated_layers(problem)
+            progress.step("layers tied")
+            # The peak model is built where a budget asks for it (else when the solution is asked).
+            start = time.perf_counter()
+            memory = step_memory(problem, states) if memory_budget_bytes is not None else None
+            problem.seconds["memory"] = time.perf_counter() - start
+            result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes, memory=memory,
+                           memory_budget_bytes=memory_budget_bytes)
+            problem.seconds["solve"] = result.seconds
+            progress.step("solved")
+        log.info(
+            "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
+            len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,
         )
-        problem.seconds["trace"] = traced_s
-        progress.step("problem built")
-        tie_repeated_layers(problem)
-        progress.step("layers tied")
-        # The peak model is built where a budget asks for it (else when the solution is asked).
-        start = time.perf_counter()
-        memory = step_memory(problem, states) if memory_budget_bytes is not None else None
-        problem.seconds["memory"] = time.perf_counter() - start
-        result = solve(problem, param_memory_budget_bytes=param_memory_budget_bytes, memory=memory,
-                       memory_budget_bytes=memory_budget_bytes)
-        problem.seconds["solve"] = result.seconds
-        progress.step("solved")
-    log.info(
-        "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
-        len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,
-    )
-    solution = Solution(problem, result, param_memory_budget_bytes, memory, memory_budget_bytes, states)
-    # tlparse shows it beside the compiles' artifacts (TORCH_TRACE=DIR).
-    torch._logging.trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": Artifact.AUTO_PARALLEL_SOLUTION, "encoding": "string"},
-        payload_fn=solution.explain,
-    )
+        solution = Solution(problem, result, param_memory_budget_bytes, memory, memory_budget_bytes, states)
+        # tlparse shows it beside the compiles' artifacts (TORCH_TRACE=DIR).
+        torch._logging.trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": Artifact.AUTO_PARALLEL_SOLUTION, "encoding": "string"},
+            payload_fn=solution.explain,
+        )
+        meeting.compare(solution, plan_facts(example_inputs, profile, {
+            "param_memory_budget_bytes": param_memory_budget_bytes, "memory_budget_bytes": memory_budget_bytes,
+            "optimizer states": states, "pinned": {name: text(layout) for name, layout in pinned.items()},
+            "output_placements": {i: text(layout) for i, layout in outs.items()}, **key_fields(config),
+        }))
     return solution
 
 

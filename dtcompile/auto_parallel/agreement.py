@@ -1,0 +1,194 @@
+"""Ranks that planned one model differently stop with an error, before either applies its plan.
+
+Every rank of a job plans for itself, and the same program under the same settings
+gets the same plan (the measurements are DTensor's answers, HiGHS is deterministic).
+What a plan is made from need not be the same on every rank, though: example inputs
+whose shapes are the rank's own (a batch padded to its longest sequence), a
+calibrated cost profile on one host only, a budget or a pin computed per rank.  Ranks
+whose plans differ apply different models, whose collectives do not pair up: gloo
+aborts, NCCL hangs until its watchdog fires, or, where the sizes happen to agree, the
+numbers are wrong.  So before :func:`~dtcompile.auto_parallel.plan` returns, the
+ranks of its mesh compare their plans (:func:`dtcompile.rank_check.meet`: one
+exchange through the process group's store, no collective) and then all do the same:
+
+- all chose the same placements for every node: each returns its plan;
+- some chose others: every rank raises :class:`~dtcompile.rank_check.RanksDisagree`,
+  naming the ranks on each side, the first node whose placements differ and what the
+  plans were made from that differs between them (the example inputs' shapes, the cost
+  profile, a budget, a pin, the versions);
+- a rank could not plan (an error of its own): it raises that error, and its peers a
+  :class:`~dtcompile.rank_check.RanksDisagree` quoting it, at once rather than after a
+  timeout;
+- a peer does not come within the compile config's ``check_ranks_timeout_s``: a
+  :class:`~dtcompile.rank_check.RanksDisagree` naming it.
+
+The exchange is done outside the plan's lock (ranks run as threads plan in turn, and
+meet after).  Off with the compile config's ``check_ranks=False`` (``config=``); skipped
+where ranks cannot differ: no process group, the fake one, a mesh of one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from dtcompile.auto_parallel.placements import text
+
+__all__ = ["PlanMeeting", "plan_facts", "ranks_compare_plans"]
+
+
+def plan_facts(example_inputs: Any, profile: Any, settings: Mapping[str, Any]) -> dict[str, str]:
+    """What a plan is made from, besides the model's code, as ranks compare it: the example
+    inputs' dtypes and shapes, the cost profile's numbers, each of ``settings`` as text,
+    dtcompile's source and torch's version."""
+    from dtcompile.cache_keys import profile_text, source_digest
+
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        return repr(value)[:80]
+
+    facts = {
+        "example inputs": ", ".join(one(v) for v in pytree.tree_leaves(example_inputs)),
+        "cost profile": f"{profile.name}, numbers {profile_text(profile)}",
+    }
+    facts.update({name: repr(value) for name, value in settings.items()})
+    facts.update({"dtcompile source": source_digest(), "torch": torch.__version__})
+    return facts
+
+
+def _choices(solution: Any) -> list[str]:
+    """Each node's chosen placements, one line per node in the program's order."""
+    lines = []
+    for name in solution.problem.nodes:
+        c = solution.choice(name)
+        outs = ", ".join(text(o) for o in c.outputs if o is not None)
+        local = f" on local shards ({c.local})" if c.local else ""
+        ins = f"({', '.join(text(i) for i in c.inputs)}) " if c.inputs else ""
+        lines.append(f"{solution.display_name(name)}: {ins}-> {outs}{local}")
+    return lines
+
+
+class PlanMeeting:
+    """The mesh's ranks comparing one plan (see the module); ``ranks`` empty: no comparison."""
+
+    def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:
+        self.ranks = list(ranks)
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def of(cls, mesh: Any, config: Any) -> PlanMeeting:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from dtcompile.rank_check import world_can_disagree
+
+        if not (config.check_ranks and isinstance(mesh, DeviceMesh) and world_can_disagree()):
+            return cls((), 0.0)
+        import torch.distributed as dist
+
+        ranks = mesh.mesh.flatten().tolist()
+        simulated = any(str(dist.get_backend(mesh.get_group(axis))) == "fake" for axis in range(mesh.ndim))
+        if len(ranks) < 2 or simulated or dist.get_rank() not in ranks:
+            return cls((), 0.0)
+        return cls(ranks, config.check_ranks_timeout_s)
+
+    def _meet(self, entry: Mapping[str, Any], detail: str, wait: bool = True) -> list[dict[str, Any]]:
+        import torch.distributed as dist
+
+        from dtcompile.rank_check import meet
+
+        rank = dist.get_rank()
+        return meet(
+            "auto_parallel", self.ranks, entry, detail, self.timeout_s, wait=wait,
+            waiting=f"rank {rank} waits for the mesh's ranks {self.ranks} to compare their plans",
+            ended=f"auto_parallel: the plans' comparison on ranks {self.ranks} was ended",
+            late=lambda missing: (
+                f"auto_parallel: rank(s) {missing} of the mesh's ranks {self.ranks} did not finish planning within "
+                f"check_ranks_timeout_s={self.timeout_s:g} s of rank {rank}: they are still planning (one rank's "
+                "measurements kept from an earlier run, another's not: raise check_ranks_timeout_s in the config "
+                "passed as config=), plan another model, or have stopped"
+            ),
+        )
+
+    def failed(self, error: BaseException) -> None:
+        """This rank could not plan: its peers learn it at the comparison (it does not wait)."""
+        if self.ranks:
+            self._meet({"failed": f"{type(error).__name__}: {error}"[:2000]}, "", wait=False)
+
+    def compare(self, solution: Any, facts: Mapping[str, str]) -> None:
+        """Returns where every rank chose what this one did; else raises on every rank."""
+        if not self.ranks:
+            return
+        from dtcompile.rank_check import RanksDisagree, read_detail
+        from dtcompile.rank_schedule import short_digest
+
+        choices = _choices(solution)
+        peers = self._meet({"plan": short_digest("\n".join(choices)), "facts": dict(facts)}, json.dumps(choices))
+        failed = [p for p in peers if "failed" in p]
+        if failed:
+            raise RanksDisagree(
+                f"auto_parallel: rank(s) {[p['rank'] for p in failed]} of the mesh's ranks {self.ranks} could not "
+                f"plan the model (rank {failed[0]['rank']}: {failed[0]['failed']}); every rank stops here, as ranks "
+                "with a plan and ranks without one would run different programs"
+            )
+        sides: dict[str, list[dict[str, Any]]] = {}
+        for peer in peers:
+            sides.setdefault(peer["plan"], []).append(peer)
+        if len(sides) > 1:
+            (a, *_), (b, *_) = list(sides.values())[:2]
+            raise RanksDisagree(_disagreement(
+                [sorted(p["rank"] for p in side) for side in sides.values()],
+                a, json.loads(read_detail(a)), b, json.loads(read_detail(b)),
+            ))
+
+
+def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str], b: Mapping[str, Any],
+                  plan_b: list[str]) -> str:
+    ra, rb = a["rank"], b["rank"]
+    lines = [
+        "auto_parallel: ranks planned the model differently: the models they would apply run collectives that do "
+        "not pair up (gloo aborts, NCCL hangs, or the numbers are wrong), so every rank stops here.",
+        "  the plans: " + ", ".join(f"ranks {ranks} {'one' if i == 0 else 'another'}" for i, ranks in enumerate(sides)),
+    ]
+    first = next(((x, y) for x, y in zip(plan_a, plan_b) if x != y), None)
+    if first is not None:
+        lines.append(f"  first difference: {first[0]} on rank {ra}; {first[1]} on rank {rb}")
+    else:
+        longer, rank = (plan_a, ra) if len(plan_a) > len(plan_b) else (plan_b, rb)
+        lines.append(f"  first difference: {longer[min(len(plan_a), len(plan_b))]} on rank {rank} only")
+    facts_a, facts_b = a["facts"], b["facts"]
+    differs = [
+        f"{name}: {facts_a.get(name, '(none)')} on rank {ra}, {facts_b.get(name, '(none)')} on rank {rb}"
+        for name in dict.fromkeys([*facts_a, *facts_b]) if facts_a.get(name) != facts_b.get(name)
+    ]
+    if differs:
+        lines.append("  what differs: " + "; ".join(differs))
+    else:
+        lines.append("  nothing the plans were made from differs but the model's code: it traced to another program "
+                     "on each (code that reads the rank), or a bug in dtcompile (please report it)")
+    lines.append(
+        "  Fix: give every rank the same example inputs (the global shapes, not each rank's own batch: meta "
+        "tensors will do), budgets, pins and cost profile; a config with check_ranks=False (config=) skips this check."
+    )
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def ranks_compare_plans(mesh: Any, config: Any) -> Iterator[PlanMeeting]:
+    """The plan made inside compared across the mesh's ranks (call ``compare`` at its end);
+    an error inside is left for the peers to read before it is raised."""
+    from dtcompile.rank_check import RanksDisagree
+
+    meeting = PlanMeeting.of(mesh, config)
+    try:
+        yield meeting
+    except RanksDisagree:
+        raise
+    except Exception as exc:
+        meeting.failed(exc)
+        raise
