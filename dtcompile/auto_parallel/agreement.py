@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 
 from dtcompile.auto_parallel.placements import text
 
-__all__ = ["PlanMeeting", "plan_facts", "ranks_compare_plans"]
+__all__ = ["PlanMeeting", "plan_facts", "plan_lines", "ranks_compare_plans"]
 
 
 def plan_facts(example_inputs: Any, profile: Any, settings: Mapping[str, Any]) -> dict[str, str]:
@@ -62,8 +62,10 @@ def plan_facts(example_inputs: Any, profile: Any, settings: Mapping[str, Any]) -
     return facts
 
 
-def _choices(solution: Any) -> list[str]:
-    """Each node's chosen placements, one line per node in the program's order."""
+def plan_lines(solution: Any) -> list[str]:
+    """Each node's chosen placements, one line per node in the program's order
+    (``mm_3: (S(0)R, RS(1)) -> S(0)S(1)``; a placeholder's ``w1.weight: -> S(0)``): what
+    ranks compare."""
     lines = []
     for name in solution.problem.nodes:
         c = solution.choice(name)
@@ -124,11 +126,13 @@ class PlanMeeting:
         """Returns where every rank chose what this one did; else raises on every rank."""
         if not self.ranks:
             return
+        import torch.distributed as dist
+
         from dtcompile.rank_check import RanksDisagree, read_detail
         from dtcompile.rank_schedule import short_digest
 
-        choices = _choices(solution)
-        peers = self._meet({"plan": short_digest("\n".join(choices)), "facts": dict(facts)}, json.dumps(choices))
+        lines = plan_lines(solution)
+        peers = self._meet({"plan": short_digest("\n".join(lines)), "facts": dict(facts)}, "")
         failed = [p for p in peers if "failed" in p]
         if failed:
             raise RanksDisagree(
@@ -136,15 +140,18 @@ class PlanMeeting:
                 f"plan the model (rank {failed[0]['rank']}: {failed[0]['failed']}); every rank stops here, as ranks "
                 "with a plan and ranks without one would run different programs"
             )
-        sides: dict[str, list[dict[str, Any]]] = {}
+        sides: dict[str, list[int]] = {}
         for peer in peers:
-            sides.setdefault(peer["plan"], []).append(peer)
-        if len(sides) > 1:
-            (a, *_), (b, *_) = list(sides.values())[:2]
-            raise RanksDisagree(_disagreement(
-                [sorted(p["rank"] for p in side) for side in sides.values()],
-                a, json.loads(read_detail(a)), b, json.loads(read_detail(b)),
-            ))
+            sides.setdefault(peer["plan"], []).append(peer["rank"])
+        if len(sides) == 1:
+            return
+        # Every rank knows now: the first rank of the first two sides (in rank order) hand
+        # over their plans' lines, which the message compares.
+        a, b = (min(ranks) for ranks in list(sides.values())[:2])
+        shown = self._meet({}, json.dumps(lines) if dist.get_rank() in (a, b) else "")
+        by_rank = {p["rank"]: p for p in peers}
+        plans = {p["rank"]: json.loads(read_detail(p)) for p in shown if p["rank"] in (a, b)}
+        raise RanksDisagree(_disagreement([sorted(r) for r in sides.values()], by_rank[a], plans[a], by_rank[b], plans[b]))
 
 
 def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str], b: Mapping[str, Any],

@@ -305,6 +305,11 @@ def auto_parallel(
     pass merges them (its ``bucket_cap_bytes``; one by one where it disables the pass), and
     its ``cost_profile`` is the default.
 
+    Every rank plans for itself; before the plan is returned, the mesh's ranks compare
+    their plans, and where they differ (each rank's own batch shapes, budgets or cost
+    profile) every rank raises :class:`~dtcompile.rank_check.RanksDisagree` saying how
+    (:mod:`dtcompile.auto_parallel.agreement`; off with the config's ``check_ranks=False``).
+
     ``parallel_model`` is a copy of ``model`` whose parameters are DTensors in the
     chosen placements; it takes this rank's local shard of each input in
     ``solution.input_placements`` (or any DTensor) and returns DTensors in

@@ -97,3 +97,32 @@ def test_gloo_ranks_given_their_own_batch_stop_saying_so():
     assert "first difference: input0: -> S(0) on rank 0; input0: -> R on rank 1" in results[0][1]
     assert "example inputs: float32[2048, 16] on rank 0, float32[32, 16] on rank 1" in results[0][1]
     assert results[0][1] == results[1][1]
+
+
+def _plan_hf_rank(rank: int, seqs: list[int]) -> list[str]:
+    from support.hf_models import BATCH, build, plan_hf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtcompile.auto_parallel.agreement import plan_lines
+
+    mesh = init_device_mesh("cpu", (len(seqs),), mesh_dim_names=("tp",))
+    model, _ = build("gpt2")
+    tokens = torch.randint(3, 50, (BATCH, seqs[rank]), generator=torch.Generator().manual_seed(rank))
+    return plan_lines(plan_hf(model, (tokens,), mesh))
+
+
+@pytest.mark.models
+def test_hf_ranks_given_their_own_padded_batch_go_on_where_their_plans_agree():
+    # Each rank's batch padded to its own longest sequence (16 and 11 tokens), as a data loader
+    # with dynamic padding gives them: GPT-2's plan is the same for both, so both ranks go on.
+    from support.hf_models import BATCH, build, plan_hf, require_transformers
+
+    from dtcompile.auto_parallel.agreement import plan_lines
+    from dtcompile.testing import fake_world
+
+    require_transformers()
+    model, _ = build("gpt2")
+    with fake_world(2, (2,), ("tp",)) as mesh:
+        alone = [plan_lines(plan_hf(model, (torch.zeros(BATCH, seq, dtype=torch.long),), mesh)) for seq in (16, 11)]
+    assert alone[0] == alone[1]
+    assert run_threaded(2, _plan_hf_rank, [16, 11]) == alone
