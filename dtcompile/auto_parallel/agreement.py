@@ -113,7 +113,9 @@ class PlanMeeting:
                 f"auto_parallel: rank(s) {missing} of the mesh's ranks {self.ranks} did not finish planning within "
                 f"check_ranks_timeout_s={self.timeout_s:g} s of rank {rank}: they are still planning (one rank's "
                 "measurements kept from an earlier run, another's not: raise check_ranks_timeout_s in the config "
-                "passed as config=), plan another model, or have stopped"
+                "passed as config=), plan another model, or have stopped; a plan made on one rank for all of them is "
+                "made on the fake process group (dtcompile.testing.fake_world) and applied on each rank with "
+                "dtcompile.auto_parallel.parallelize(model, solution, mesh)"
             ),
         )
 
