@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -133,8 +134,10 @@ class PlanMeeting:
         from dtcompile.rank_check import RanksDisagree, read_detail
         from dtcompile.rank_schedule import short_digest
 
+        start = time.perf_counter()
         lines = plan_lines(solution)
         peers = self._meet({"plan": short_digest("\n".join(lines)), "facts": dict(facts)}, "")
+        solution.problem.seconds["ranks"] = time.perf_counter() - start
         failed = [p for p in peers if "failed" in p]
         if failed:
             raise RanksDisagree(

@@ -65,7 +65,9 @@ class Solution:
     @property
     def stats(self) -> dict[str, float]:
         """How the plan was made: seconds per stage (``trace_s``, ``strategies_s``, ``measure_s``,
-        ``edges_s``, ``memory_s`` (the step's peak model, under a step budget), ``solve_s``, and ``apply_s`` once :func:`~dtcompile.auto_parallel.auto_parallel`
+        ``edges_s``, ``memory_s`` (the step's peak model, under a step budget), ``solve_s``, ``ranks_s``
+        (on real ranks: comparing the plan with the mesh's other ranks, waiting for them included:
+        :mod:`~dtcompile.auto_parallel.agreement`), and ``apply_s`` once :func:`~dtcompile.auto_parallel.auto_parallel`
         applied it), measurements ``made`` and ``reused`` (from earlier nodes and plans), the
         ``candidates`` of the program before and after dominated ones were removed
         (``candidates_kept``), its ``variables`` and ``constraints``."""

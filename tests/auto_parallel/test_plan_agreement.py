@@ -41,6 +41,8 @@ def _plan_rank(rank: int, world: int, batches: list[int], budgets: list[int | No
     except (RanksDisagree, Infeasible) as exc:
         return type(exc).__name__, str(exc), time.perf_counter() - start
     placements = {"input0": solution.input_placements[0], **solution.param_placements}
+    # The comparison is timed where it ran (real ranks, check_ranks on).
+    assert ("ranks_s" in solution.stats) == (options or {}).get("check_ranks", True)
     return "plan", str(placements), time.perf_counter() - start
 
 
