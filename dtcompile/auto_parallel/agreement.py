@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -125,8 +125,9 @@ class PlanMeeting:
         if self.ranks:
             self._meet({"failed": f"{type(error).__name__}: {error}"[:2000]}, "", wait=False)
 
-    def compare(self, solution: Any, facts: Mapping[str, str]) -> None:
-        """Returns where every rank chose what this one did; else raises on every rank."""
+    def compare(self, solution: Any, facts: Callable[[], Mapping[str, str]]) -> None:
+        """Returns where every rank chose what this one did; else raises on every rank.
+        ``facts()``: what the plan was made from (:func:`plan_facts`), asked only where ranks compare."""
         if not self.ranks:
             return
         import torch.distributed as dist
@@ -136,7 +137,7 @@ class PlanMeeting:
 
         start = time.perf_counter()
         lines = plan_lines(solution)
-        peers = self._meet({"plan": short_digest("\n".join(lines)), "facts": dict(facts)}, "")
+        peers = self._meet({"plan": short_digest("\n".join(lines)), "facts": dict(facts())}, "")
         solution.problem.seconds["ranks"] = time.perf_counter() - start
         failed = [p for p in peers if "failed" in p]
         if failed:

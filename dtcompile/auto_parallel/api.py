@@ -257,7 +257,7 @@ def plan(
             metadata_fn=lambda: {"name": Artifact.AUTO_PARALLEL_SOLUTION, "encoding": "string"},
             payload_fn=solution.explain,
         )
-        meeting.compare(solution, plan_facts(example_inputs, profile, {
+        meeting.compare(solution, lambda: plan_facts(example_inputs, profile, {
             "param_memory_budget_bytes": param_memory_budget_bytes, "memory_budget_bytes": memory_budget_bytes,
             "optimizer states": states, "pinned": {name: text(layout) for name, layout in pinned.items()},
             "output_placements": {i: text(layout) for i, layout in outs.items()}, **key_fields(config),
