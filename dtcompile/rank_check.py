@@ -75,6 +75,8 @@ __all__ = [
     "agree",
     "check_groups",
     "checks_waiting_for",
+    "differences",
+    "is_simulated",
     "meet",
     "read_detail",
     "world_can_disagree",
@@ -100,7 +102,14 @@ def world_can_disagree() -> bool:
     process group that is not one process's simulation."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and str(dist.get_backend()) not in _SIMULATED
+    return dist.is_available() and dist.is_initialized() and not is_simulated(None)
+
+
+def is_simulated(group: Any) -> bool:
+    """Whether ``group`` (``None``: the default one) is one process's simulation of its ranks."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)) in _SIMULATED
 
 
 def ranks_are_threads() -> bool:
@@ -116,7 +125,6 @@ def check_groups(gm: fx.GraphModule, meshes: Sequence[Any]) -> list[str]:
     shares: each mesh's axes in order, then its flattened ones (a DTensor graph's
     collectives run on them), then the groups the Dynamo graph's own functional
     collectives name; groups of one rank and simulated ones are left out."""
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     from dtcompile.collectives import flattened_axes
@@ -130,7 +138,7 @@ def check_groups(gm: fx.GraphModule, meshes: Sequence[Any]) -> list[str]:
     groups = []
     for name in dict.fromkeys(names):
         group = _resolve_process_group(name)
-        if group.size() > 1 and str(dist.get_backend(group)) not in _SIMULATED:
+        if group.size() > 1 and not is_simulated(group):
             groups.append(name)
     return groups
 
@@ -374,11 +382,7 @@ def disagreement_message(
     else:
         lines.append("  (a rank's schedule is unknown: served from the compile cache without it, so what the graphs "
                      "were decided from is compared)")
-    causes = [
-        f"{name}: {a.decided_by.get(name, '(none)')} on rank {ranks_a[0]}, {b.decided_by.get(name, '(none)')} on rank {ranks_b[0]}"
-        for name in dict.fromkeys([*a.decided_by, *b.decided_by])
-        if a.decided_by.get(name) != b.decided_by.get(name)
-    ]
+    causes = differences(a.decided_by, b.decided_by, ranks_a[0], ranks_b[0])
     if a.how != b.how:
         causes.append(f"rank {ranks_a[0]}'s graph was {a.how}, rank {ranks_b[0]}'s {b.how}")
     if causes:
@@ -394,6 +398,16 @@ def disagreement_message(
         "cache; dtcompile.backend(check_ranks=False) skips this check."
     )
     return "\n".join(lines)
+
+
+def differences(a: Mapping[str, str], b: Mapping[str, str], rank_a: int, rank_b: int) -> list[str]:
+    """What two ranks decided from (by name) that differs, one text each:
+    ``name: <rank_a's> on rank A, <rank_b's> on rank B`` (``(none)`` where one has no such entry)."""
+    return [
+        f"{name}: {a.get(name, '(none)')} on rank {rank_a}, {b.get(name, '(none)')} on rank {rank_b}"
+        for name in dict.fromkeys([*a, *b])
+        if a.get(name) != b.get(name)
+    ]
 
 
 def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int, axis: str) -> str:

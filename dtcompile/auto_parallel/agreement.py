@@ -88,14 +88,14 @@ class PlanMeeting:
     def of(cls, mesh: Any, config: Any) -> PlanMeeting:
         from torch.distributed.device_mesh import DeviceMesh
 
-        from dtcompile.rank_check import world_can_disagree
+        from dtcompile.rank_check import is_simulated, world_can_disagree
 
         if not (config.check_ranks and isinstance(mesh, DeviceMesh) and world_can_disagree()):
             return cls((), 0.0)
         import torch.distributed as dist
 
         ranks = mesh.mesh.flatten().tolist()
-        simulated = any(str(dist.get_backend(mesh.get_group(axis))) == "fake" for axis in range(mesh.ndim))
+        simulated = any(is_simulated(mesh.get_group(axis)) for axis in range(mesh.ndim))
         if len(ranks) < 2 or simulated or dist.get_rank() not in ranks:
             return cls((), 0.0)
         return cls(ranks, config.check_ranks_timeout_s)
@@ -174,11 +174,9 @@ def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str
     else:
         longer, rank = (plan_a, ra) if len(plan_a) > len(plan_b) else (plan_b, rb)
         lines.append(f"  first difference: {longer[min(len(plan_a), len(plan_b))]} on rank {rank} only")
-    facts_a, facts_b = a["facts"], b["facts"]
-    differs = [
-        f"{name}: {facts_a.get(name, '(none)')} on rank {ra}, {facts_b.get(name, '(none)')} on rank {rb}"
-        for name in dict.fromkeys([*facts_a, *facts_b]) if facts_a.get(name) != facts_b.get(name)
-    ]
+    from dtcompile.rank_check import differences
+
+    differs = differences(a["facts"], b["facts"], ra, rb)
     if differs:
         lines.append("  what differs: " + "; ".join(differs))
     else:
