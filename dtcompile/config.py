@@ -127,15 +127,15 @@ class DTCompileConfig:
     stop with an error that says how, instead of gloo aborting or NCCL hanging in the
     first collective that does not pair up; where some rank runs the graph eagerly,
     every rank does.  One exchange through the process group's store per graph, at its
-    first call only.  ``dtcompile.auto_parallel`` given this config (``config=``) compares
-    its ranks' plans the same way (:mod:`dtcompile.auto_parallel.agreement`).  ``False``
-    skips it."""
+    first call only.  A plan of ``dtcompile.auto_parallel`` made with this config
+    (``config=``) is compared the same way by the ranks that apply it
+    (:mod:`dtcompile.auto_parallel.agreement`).  ``False`` skips it."""
 
     check_ranks_timeout_s: float = 600.0
     """Seconds (> 0) a rank waits at the check for its peers to reach the same graph:
     longer than the slowest rank takes to compile it (a cold cache beside a warm one),
-    or, for a plan's comparison, to plan; a peer that does not come within it is named
-    in the error."""
+    or, for a plan's comparison, to plan and apply it; a peer that does not come within
+    it is named in the error."""
 
     def __post_init__(self) -> None:
         _check_bool("inductor", self.inductor)

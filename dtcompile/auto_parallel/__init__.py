@@ -23,7 +23,7 @@ The modules, in the order the work flows:
 - :mod:`~dtcompile.auto_parallel.peak` -- the training step's peak memory per rank, as linear terms;
 - :mod:`~dtcompile.auto_parallel.solver` -- the integer program (HiGHS), its named constraints;
 - :mod:`~dtcompile.auto_parallel.solution` -- the choice, explained;
-- :mod:`~dtcompile.auto_parallel.agreement` -- on real ranks, the mesh's ranks compare their plans;
+- :mod:`~dtcompile.auto_parallel.agreement` -- on real ranks, the mesh's ranks compare the plans they apply;
 - :mod:`~dtcompile.auto_parallel.apply` -- the parallel model;
 - :mod:`~dtcompile.auto_parallel.api` -- the entry points, arguments checked.
 

@@ -1,29 +1,33 @@
-"""Ranks that planned one model differently stop with an error, before either applies its plan.
+"""Ranks given different plans of one model stop with an error, before either applies its plan.
 
-Every rank of a job plans for itself, and the same program under the same settings
-gets the same plan (the measurements are DTensor's answers, HiGHS is deterministic).
-What a plan is made from need not be the same on every rank, though: example inputs
-whose shapes are the rank's own (a batch padded to its longest sequence), a
-calibrated cost profile on one host only, a budget or a pin computed per rank.  Ranks
-whose plans differ apply different models, whose collectives do not pair up: gloo
-aborts, NCCL hangs until its watchdog fires, or, where the sizes happen to agree, the
-numbers are wrong.  So before :func:`~dtcompile.auto_parallel.plan` returns, the
-ranks of its mesh compare their plans (:func:`dtcompile.rank_check.meet`: one
-exchange through the process group's store, no collective) and then all do the same:
+A plan is made once per rank (every rank calls :func:`~dtcompile.auto_parallel.plan`),
+or once for all of them on the fake process group, and applied on every rank by
+:func:`~dtcompile.auto_parallel.parallelize` (:func:`~dtcompile.auto_parallel.auto_parallel`
+does both).  The same program under the same settings gets the same plan (the
+measurements are DTensor's answers, HiGHS is deterministic), but what a plan is made
+from need not be the same on every rank: example inputs whose shapes are the rank's
+own (a batch padded to its longest sequence), a calibrated cost profile on one host
+only, a budget or a pin computed per rank.  Ranks that apply different plans run
+models whose collectives do not pair up: gloo aborts, NCCL hangs until its watchdog
+fires, or, where the sizes happen to agree, the numbers are wrong.  So before
+``parallelize`` distributes a parameter, the ranks of its mesh compare the plans they
+apply (:func:`dtcompile.rank_check.meet`: one exchange through the process group's
+store, no collective) and then all do the same:
 
-- all chose the same placements for every node: each returns its plan;
-- some chose others: every rank raises :class:`~dtcompile.rank_check.RanksDisagree`,
+- all apply the same placements for every node: each goes on;
+- some apply others: every rank raises :class:`~dtcompile.rank_check.RanksDisagree`,
   naming the ranks on each side, the first node whose placements differ and what the
   plans were made from that differs between them (the example inputs' shapes, the cost
   profile, a budget, a pin, the versions);
-- a rank could not plan (an error of its own): it raises that error, and its peers a
-  :class:`~dtcompile.rank_check.RanksDisagree` quoting it, at once rather than after a
-  timeout;
+- a rank could not plan on the mesh (an error of its own): it raises that error, and
+  its peers, once they apply theirs, a :class:`~dtcompile.rank_check.RanksDisagree`
+  quoting it, at once rather than after a timeout;
 - a peer does not come within the compile config's ``check_ranks_timeout_s``: a
   :class:`~dtcompile.rank_check.RanksDisagree` naming it.
 
-The exchange is done outside the plan's lock (ranks run as threads plan in turn, and
-meet after).  Off with the compile config's ``check_ranks=False`` (``config=``); skipped
+Planning itself waits for no peer: a plan made on one rank alone (to print it, to
+compare budgets) returns as soon as it is made.  The comparison is governed by the
+config the plan was made with (``config=``): off with ``check_ranks=False``; skipped
 where ranks cannot differ: no process group, the fake one, a mesh of one rank.
 """
 
@@ -32,7 +36,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,27 +45,46 @@ import torch.utils._pytree as pytree
 
 from dtcompile.auto_parallel.placements import text
 
-__all__ = ["PlanMeeting", "plan_facts", "plan_lines", "ranks_compare_plans"]
+__all__ = ["MadeFrom", "PlanMeeting", "compare_applied", "peers_learn_failure", "plan_lines"]
 
 
-def plan_facts(example_inputs: Any, profile: Any, settings: Mapping[str, Any]) -> dict[str, str]:
-    """What a plan is made from, besides the model's code, as ranks compare it: the example
-    inputs' dtypes and shapes, the cost profile's numbers, each of ``settings`` as text,
-    dtcompile's source and torch's version."""
-    from dtcompile.cache_keys import profile_text, source_digest
+@dataclass(frozen=True)
+class MadeFrom:
+    """What a plan was made from, besides the model's code, and how the ranks that apply it
+    compare it (the plan's compile config: ``check_ranks``, ``check_ranks_timeout_s``)."""
 
-    def one(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-        return repr(value)[:80]
+    check_ranks: bool
+    timeout_s: float
+    example_inputs: str
+    """The example inputs' dtypes and shapes (``float32[4096, 16], int64[8]``): the tensors
+    are not kept."""
+    profile: Any
+    settings: Mapping[str, str] = field(default_factory=dict)
+    """The budgets, pins, optimizer states and compile options, each as text."""
 
-    facts = {
-        "example inputs": ", ".join(one(v) for v in pytree.tree_leaves(example_inputs)),
-        "cost profile": f"{profile.name}, numbers {profile_text(profile)}",
-    }
-    facts.update({name: repr(value) for name, value in settings.items()})
-    facts.update({"dtcompile source": source_digest(), "torch": torch.__version__})
-    return facts
+    @classmethod
+    def of(cls, config: Any, example_inputs: Any, profile: Any, settings: Mapping[str, Any]) -> MadeFrom:
+        def one(value: Any) -> str:
+            if isinstance(value, torch.Tensor):
+                return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+            return repr(value)[:80]
+
+        inputs = ", ".join(one(v) for v in pytree.tree_leaves(example_inputs))
+        return cls(config.check_ranks, config.check_ranks_timeout_s, inputs, profile,
+                   {name: repr(value) for name, value in settings.items()})
+
+    def facts(self) -> dict[str, str]:
+        """As the ranks compare them: also the cost profile's numbers, dtcompile's source and
+        torch's version (asked only where ranks compare)."""
+        from dtcompile.cache_keys import profile_text, source_digest
+
+        return {
+            "example inputs": self.example_inputs,
+            "cost profile": f"{self.profile.name}, numbers {profile_text(self.profile)}",
+            **self.settings,
+            "dtcompile source": source_digest(),
+            "torch": torch.__version__,
+        }
 
 
 def plan_lines(solution: Any) -> list[str]:
@@ -78,19 +102,19 @@ def plan_lines(solution: Any) -> list[str]:
 
 
 class PlanMeeting:
-    """The mesh's ranks comparing one plan (see the module); ``ranks`` empty: no comparison."""
+    """The mesh's ranks comparing the plan they apply (see the module); ``ranks`` empty: no comparison."""
 
     def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:
         self.ranks = list(ranks)
         self.timeout_s = timeout_s
 
     @classmethod
-    def of(cls, mesh: Any, config: Any) -> PlanMeeting:
+    def of(cls, mesh: Any, check_ranks: bool, timeout_s: float) -> PlanMeeting:
         from torch.distributed.device_mesh import DeviceMesh
 
         from dtcompile.rank_check import is_simulated, world_can_disagree
 
-        if not (config.check_ranks and isinstance(mesh, DeviceMesh) and world_can_disagree()):
+        if not (check_ranks and isinstance(mesh, DeviceMesh) and world_can_disagree()):
             return cls((), 0.0)
         import torch.distributed as dist
 
@@ -98,7 +122,7 @@ class PlanMeeting:
         simulated = any(is_simulated(mesh.get_group(axis)) for axis in range(mesh.ndim))
         if len(ranks) < 2 or simulated or dist.get_rank() not in ranks:
             return cls((), 0.0)
-        return cls(ranks, config.check_ranks_timeout_s)
+        return cls(ranks, timeout_s)
 
     def _meet(self, entry: Mapping[str, Any], detail: str, wait: bool = True) -> list[dict[str, Any]]:
         import torch.distributed as dist
@@ -108,15 +132,15 @@ class PlanMeeting:
         rank = dist.get_rank()
         return meet(
             "auto_parallel", self.ranks, entry, detail, self.timeout_s, wait=wait,
-            waiting=f"rank {rank} waits for the mesh's ranks {self.ranks} to compare their plans",
+            waiting=f"rank {rank} waits for the mesh's ranks {self.ranks} to compare the plans they apply",
             ended=f"auto_parallel: the plans' comparison on ranks {self.ranks} was ended",
             late=lambda missing: (
-                f"auto_parallel: rank(s) {missing} of the mesh's ranks {self.ranks} did not finish planning within "
-                f"check_ranks_timeout_s={self.timeout_s:g} s of rank {rank}: they are still planning (one rank's "
-                "measurements kept from an earlier run, another's not: raise check_ranks_timeout_s in the config "
-                "passed as config=), plan another model, or have stopped; a plan made on one rank for all of them is "
-                "made on the fake process group (dtcompile.testing.fake_world) and applied on each rank with "
-                "dtcompile.auto_parallel.parallelize(model, solution, mesh)"
+                f"auto_parallel: rank(s) {missing} of the mesh's ranks {self.ranks} did not come to apply their plan "
+                f"within check_ranks_timeout_s={self.timeout_s:g} s of rank {rank}: they are still planning (one "
+                "rank's measurements kept from an earlier run, another's not: raise check_ranks_timeout_s in the "
+                "config the plan was made with, config=), apply another model, or have stopped; every rank of the "
+                "mesh applies the plan, with dtcompile.auto_parallel.parallelize(model, solution, mesh) (auto_parallel "
+                "does it)"
             ),
         )
 
@@ -125,9 +149,9 @@ class PlanMeeting:
         if self.ranks:
             self._meet({"failed": f"{type(error).__name__}: {error}"[:2000]}, "", wait=False)
 
-    def compare(self, solution: Any, facts: Callable[[], Mapping[str, str]]) -> None:
-        """Returns where every rank chose what this one did; else raises on every rank.
-        ``facts()``: what the plan was made from (:func:`plan_facts`), asked only where ranks compare."""
+    def compare(self, solution: Any) -> None:
+        """Returns where every rank applies what this one does; else raises on every rank (with
+        what each plan was made from: its ``made_from``, :class:`MadeFrom`)."""
         if not self.ranks:
             return
         import torch.distributed as dist
@@ -137,7 +161,8 @@ class PlanMeeting:
 
         start = time.perf_counter()
         lines = plan_lines(solution)
-        peers = self._meet({"plan": short_digest("\n".join(lines)), "facts": dict(facts())}, "")
+        made_from = solution.made_from
+        peers = self._meet({"plan": short_digest("\n".join(lines)), "facts": made_from.facts() if made_from else {}}, "")
         solution.problem.seconds["ranks"] = time.perf_counter() - start
         failed = [p for p in peers if "failed" in p]
         if failed:
@@ -160,12 +185,27 @@ class PlanMeeting:
         raise RanksDisagree(_disagreement([sorted(r) for r in sides.values()], by_rank[a], plans[a], by_rank[b], plans[b]))
 
 
+def compare_applied(solution: Any, mesh: Any) -> None:
+    """The mesh's ranks compare the plan each applies (see the module), as the config the plan
+    was made with says; raises :class:`~dtcompile.rank_check.RanksDisagree` on every rank where
+    they differ."""
+    made_from = solution.made_from
+    if made_from is None:  # a solution not made by plan(): compared as the default config says
+        from dtcompile.config import DTCompileConfig
+
+        default = DTCompileConfig()
+        meeting = PlanMeeting.of(mesh, default.check_ranks, default.check_ranks_timeout_s)
+    else:
+        meeting = PlanMeeting.of(mesh, made_from.check_ranks, made_from.timeout_s)
+    meeting.compare(solution)
+
+
 def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str], b: Mapping[str, Any],
                   plan_b: list[str]) -> str:
     ra, rb = a["rank"], b["rank"]
     lines = [
-        "auto_parallel: ranks planned the model differently: the models they would apply run collectives that do "
-        "not pair up (gloo aborts, NCCL hangs, or the numbers are wrong), so every rank stops here.",
+        "auto_parallel: ranks apply different plans of the model: the models they would run issue collectives that "
+        "do not pair up (gloo aborts, NCCL hangs, or the numbers are wrong), so every rank stops here.",
         "  the plans: " + ", ".join(f"ranks {ranks} {'one' if i == 0 else 'another'}" for i, ranks in enumerate(sides)),
     ]
     first = next(((x, y) for x, y in zip(plan_a, plan_b) if x != y), None)
@@ -184,22 +224,21 @@ def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str
                      "on each (code that reads the rank), or a bug in dtcompile (please report it)")
     lines.append(
         "  Fix: give every rank the same example inputs (the global shapes, not each rank's own batch: meta "
-        "tensors will do), budgets, pins and cost profile; a config with check_ranks=False (config=) skips this check."
+        "tensors will do), budgets, pins and cost profile; a plan made with config=dtcompile.backend(check_ranks=False) skips this check."
     )
     return "\n".join(lines)
 
 
 @contextlib.contextmanager
-def ranks_compare_plans(mesh: Any, config: Any) -> Iterator[PlanMeeting]:
-    """The plan made inside compared across the mesh's ranks (call ``compare`` at its end);
-    an error inside is left for the peers to read before it is raised."""
+def peers_learn_failure(mesh: Any, config: Any) -> Iterator[None]:
+    """An error raised inside (this rank could not plan on ``mesh``) is left for the mesh's other
+    ranks to read where they compare the plans they apply, before it is raised."""
     from dtcompile.rank_check import RanksDisagree
 
-    meeting = PlanMeeting.of(mesh, config)
     try:
-        yield meeting
+        yield
     except RanksDisagree:
         raise
     except Exception as exc:
-        meeting.failed(exc)
+        PlanMeeting.of(mesh, config.check_ranks, config.check_ranks_timeout_s).failed(exc)
         raise

@@ -182,7 +182,7 @@ def plan(
 ) -> Any:
     """Choose every parameter's, input's, output's and op's placements; returns the
     :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`)."""
-    from dtcompile.auto_parallel.agreement import plan_facts, ranks_compare_plans
+    from dtcompile.auto_parallel.agreement import MadeFrom, peers_learn_failure
     from dtcompile.auto_parallel.local_ops import decomposition_for
     from dtcompile.auto_parallel.peak import optimizer_states, step_memory
     from dtcompile.auto_parallel.problem import build_problem
@@ -193,7 +193,7 @@ def plan(
     from dtcompile.cache_keys import key_fields
 
     cost_profile, bucket_cap_bytes, config = _compile_config(config, cost_profile)
-    with ranks_compare_plans(mesh, config) as meeting:
+    with peers_learn_failure(mesh, config):
         example_inputs, profile = _check(model, mesh, example_inputs, param_memory_budget_bytes, cost_profile)
         memory_budget_bytes = _step_budget(memory_budget_bytes, config)
         states = optimizer_states(optimizer)
@@ -250,18 +250,18 @@ def plan(
             "auto_parallel: %d nodes in %d groups, %d variables; solved in %.2fs, estimated step %.2f us",
             len(problem.nodes), result.num_groups, result.num_variables, result.seconds, result.objective_us,
         )
-        solution = Solution(problem, result, param_memory_budget_bytes, memory, memory_budget_bytes, states)
+        made_from = MadeFrom.of(config, example_inputs, profile, {
+            "param_memory_budget_bytes": param_memory_budget_bytes, "memory_budget_bytes": memory_budget_bytes,
+            "optimizer states": states, "pinned": {name: text(layout) for name, layout in pinned.items()},
+            "output_placements": {i: text(layout) for i, layout in outs.items()}, **key_fields(config),
+        })
+        solution = Solution(problem, result, param_memory_budget_bytes, memory, memory_budget_bytes, states, made_from)
         # tlparse shows it beside the compiles' artifacts (TORCH_TRACE=DIR).
         torch._logging.trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": Artifact.AUTO_PARALLEL_SOLUTION, "encoding": "string"},
             payload_fn=solution.explain,
         )
-        meeting.compare(solution, lambda: plan_facts(example_inputs, profile, {
-            "param_memory_budget_bytes": param_memory_budget_bytes, "memory_budget_bytes": memory_budget_bytes,
-            "optimizer states": states, "pinned": {name: text(layout) for name, layout in pinned.items()},
-            "output_placements": {i: text(layout) for i, layout in outs.items()}, **key_fields(config),
-        }))
     return solution
 
 
@@ -305,7 +305,7 @@ def auto_parallel(
     pass merges them (its ``bucket_cap_bytes``; one by one where it disables the pass), and
     its ``cost_profile`` is the default.
 
-    Every rank plans for itself; before the plan is returned, the mesh's ranks compare
+    Every rank plans for itself; before the plan is applied, the mesh's ranks compare
     their plans, and where they differ (each rank's own batch shapes, budgets or cost
     profile) every rank raises :class:`~dtcompile.rank_check.RanksDisagree` saying how
     (:mod:`dtcompile.auto_parallel.agreement`; off with the config's ``check_ranks=False``).

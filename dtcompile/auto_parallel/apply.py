@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from dtcompile.auto_parallel.agreement import compare_applied
 from dtcompile.auto_parallel.local_ops import run_local
 from dtcompile.auto_parallel.regions import REGION_ARGS, region_of
 from dtcompile.auto_parallel.solution import Solution
@@ -217,6 +218,9 @@ def parallelize(model: nn.Module, solution: Solution, mesh: Any = None) -> AutoP
 
     ``mesh`` (default: the one planned on) may be another mesh of the same shape and axis
     names: plan once, on a fake process group, and apply the plan on every real rank.
+    Before a parameter is distributed, the mesh's ranks compare the plans they apply, and
+    raise :class:`~dtcompile.rank_check.RanksDisagree` on every rank where they differ
+    (:mod:`~dtcompile.auto_parallel.agreement`).
     """
     planned = solution.problem.mesh
     if mesh is None:
@@ -226,6 +230,8 @@ def parallelize(model: nn.Module, solution: Solution, mesh: Any = None) -> AutoP
             f"auto_parallel: the solution was planned on mesh {tuple(planned.shape)} {planned.mesh_dim_names}, "
             f"not {tuple(mesh.shape)} {mesh.mesh_dim_names}; plan again on this mesh"
         )
+    # Ranks that apply different plans would run collectives that do not pair up: they stop here.
+    compare_applied(solution, mesh)
     module = copy.deepcopy(model)
     placements = solution.param_placements
     # A tied parameter (one tensor under several names) is distributed once, under its first

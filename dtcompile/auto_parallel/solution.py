@@ -24,6 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dtcompile.auto_parallel.agreement import MadeFrom
 from dtcompile.auto_parallel.graph import Candidate, Problem
 from dtcompile.auto_parallel.peak import PeakEstimate, StepMemory, step_memory
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, text
@@ -39,8 +40,10 @@ class Solution:
 
     def __init__(self, problem: Problem, result: SolveResult, param_memory_budget_bytes: int | None = None,
                  memory: StepMemory | None = None, memory_budget_bytes: int | None = None,
-                 optimizer_states: int = 0) -> None:
+                 optimizer_states: int = 0, made_from: MadeFrom | None = None) -> None:
         self.problem = problem
+        # What the plan was made from, and how the ranks applying it compare it (agreement).
+        self.made_from = made_from
         self.result = result
         self.param_memory_budget_bytes = param_memory_budget_bytes
         self._memory = memory
@@ -66,9 +69,9 @@ class Solution:
     def stats(self) -> dict[str, float]:
         """How the plan was made: seconds per stage (``trace_s``, ``strategies_s``, ``measure_s``,
         ``edges_s``, ``memory_s`` (the step's peak model, under a step budget), ``solve_s``, ``ranks_s``
-        (on real ranks: comparing the plan with the mesh's other ranks, waiting for them included:
-        :mod:`~dtcompile.auto_parallel.agreement`), and ``apply_s`` once :func:`~dtcompile.auto_parallel.auto_parallel`
-        applied it), measurements ``made`` and ``reused`` (from earlier nodes and plans), the
+        (once applied on real ranks: comparing the plan with the mesh's other ranks', waiting for them
+        included: :mod:`~dtcompile.auto_parallel.agreement`), and ``apply_s`` once
+        :func:`~dtcompile.auto_parallel.auto_parallel` applied it), measurements ``made`` and ``reused`` (from earlier nodes and plans), the
         ``candidates`` of the program before and after dominated ones were removed
         (``candidates_kept``), its ``variables`` and ``constraints``."""
         stats: dict[str, float] = {f"{stage}_s": s for stage, s in self.problem.seconds.items()}

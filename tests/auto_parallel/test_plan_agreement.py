@@ -1,6 +1,8 @@
-"""Ranks that planned one model differently stop with an error that says why, before either
+"""Ranks given different plans of one model stop with an error that says why, before either
 applies its plan (their models' collectives would not pair up): on threaded ranks and on
-real gloo ranks.  Ranks whose plans agree go on, even where what they planned from differs."""
+real gloo ranks, plans made on the ranks' mesh or on the fake process group.  Ranks whose plans
+agree go on, even where what they planned from differs; a plan made on one rank alone waits for
+no other."""
 
 from __future__ import annotations
 
@@ -21,16 +23,15 @@ from dtcompile.testing import run_gloo, run_threaded
 STEP_BUDGET = 1_000_000
 
 
-def _plan_rank(rank: int, world: int, batches: list[int], budgets: list[int | None], plans: list[bool] | None = None,
+def _plan_rank(rank: int, world: int, batches: list[int], budgets: list[int | None], applies: list[bool] | None = None,
                options: dict[str, object] | None = None) -> tuple[str, str, float]:
-    """``rank`` plans the MLP with its own batch and step budget; ``(outcome, what, seconds)``,
-    outcome ``plan`` (what: the input's and parameters' placements), or the error's type."""
+    """``rank`` plans the MLP with its own batch and step budget and applies the plan;
+    ``(outcome, what, seconds)``, outcome ``plan`` (what: the input's and parameters'
+    placements), or the error's type; ``applies[rank]`` false: it plans and does not apply."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     reference, _, x = models.build_mlp(mesh)
-    if plans is not None and not plans[rank]:
-        return "none", "", 0.0
     x = torch.empty(batches[rank], x.shape[1], device="meta")
     start = time.perf_counter()
     try:
@@ -38,11 +39,14 @@ def _plan_rank(rank: int, world: int, batches: list[int], budgets: list[int | No
             reference, mesh, (x,), memory_budget_bytes=budgets[rank],
             config=dtcompile.backend(**{"check_ranks_timeout_s": 120.0, **(options or {})}),
         )
+        if applies is None or applies[rank]:
+            dtcompile.auto_parallel.parallelize(reference, solution, mesh)
     except (RanksDisagree, Infeasible) as exc:
         return type(exc).__name__, str(exc), time.perf_counter() - start
     placements = {"input0": solution.input_placements[0], **solution.param_placements}
-    # The comparison is timed where it ran (real ranks, check_ranks on).
-    assert ("ranks_s" in solution.stats) == (options or {}).get("check_ranks", True)
+    # The comparison is timed where it ran (applied on real ranks, check_ranks on).
+    compared = (applies is None or applies[rank]) and (options or {}).get("check_ranks", True)
+    assert ("ranks_s" in solution.stats) == compared
     return "plan", str(placements), time.perf_counter() - start
 
 
@@ -78,11 +82,75 @@ def test_a_rank_that_cannot_plan_stops_its_peers_at_once():
         assert seconds < 60
 
 
-def test_a_rank_that_never_plans_is_named_after_the_timeout():
+def test_a_rank_that_never_applies_its_plan_is_named_after_the_timeout():
     results = run_threaded(2, _plan_rank, 2, [64, 64], [None, None], [True, False], {"check_ranks_timeout_s": 1.0})
     outcome, message, _ = results[0]
     assert outcome == "RanksDisagree", results[0]
-    assert "rank(s) [1] of the mesh's ranks [0, 1] did not finish planning within check_ranks_timeout_s=1 s" in message
+    assert "rank(s) [1] of the mesh's ranks [0, 1] did not come to apply their plan within check_ranks_timeout_s=1 s" in message
+    assert results[1][0] == "plan"
+
+
+def _plan_alone(rank: int) -> tuple[str, float]:
+    """Rank 0 alone plans on the ranks' mesh (to look at the plan); rank 1 does not plan."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    if rank != 0:
+        return "", 0.0
+    start = time.perf_counter()
+    solution = dtcompile.auto_parallel.plan(models.MLP(16, 32), mesh, (torch.empty(64, 16, device="meta"),),
+                                            config=dtcompile.backend(check_ranks_timeout_s=30.0))
+    return str(solution.param_placements), time.perf_counter() - start
+
+
+def test_a_plan_made_on_one_rank_alone_waits_for_no_other():
+    # Planning compares nothing: rank 0 gets its plan at once, though rank 1 never plans
+    # (the comparison happens where plans are applied, and this one is not).
+    (placements, seconds), _ = run_threaded(2, _plan_alone)
+    assert "w1.weight" in placements and seconds < 30
+
+
+def _apply_rank(rank: int, solutions: list[object]) -> tuple[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (len(solutions),), mesh_dim_names=("tp",))
+    reference, _, _ = models.build_mlp(mesh)
+    try:
+        parallel = dtcompile.auto_parallel.parallelize(reference, solutions[rank], mesh)
+    except RanksDisagree as exc:
+        return "RanksDisagree", str(exc)
+    return "applied", str({name: p.placements for name, p in parallel.named_parameters()})
+
+
+def _fake_plans(batches: list[int], budget: int | None, options: dict[str, object] | None = None) -> list[object]:
+    """The MLP planned on the fake process group once per batch (as each rank of a job that plans
+    before it starts its process group would), on the threaded ranks' 4-rank mesh."""
+    from dtcompile.testing import fake_world
+
+    plans = []
+    for rows in batches:
+        with fake_world(len(batches), (len(batches),), ("tp",)) as mesh:
+            reference, _, x = models.build_mlp(mesh)
+            plans.append(dtcompile.auto_parallel.plan(
+                reference, mesh, (torch.empty(rows, x.shape[1], device="meta"),), memory_budget_bytes=budget,
+                config=dtcompile.backend(**(options or {})),
+            ))
+    return plans
+
+
+def test_plans_made_on_the_fake_group_from_each_ranks_own_batch_stop_where_they_are_applied():
+    # The documented way (plan on the fake process group, apply on every rank) compares too:
+    # each rank's plan from its own batch differs, and every rank stops before distributing.
+    solutions = _fake_plans([4096, 64, 4096, 4096], STEP_BUDGET)
+    results = run_threaded(4, _apply_rank, solutions)
+    assert [outcome for outcome, _ in results] == ["RanksDisagree"] * 4, results
+    assert len({message for _, message in results}) == 1
+    assert "first difference: input0: -> S(0) on rank 0; input0: -> R on rank 1" in results[0][1]
+    assert "example inputs: float32[4096, 16] on rank 0, float32[64, 16] on rank 1" in results[0][1]
+    # One plan made once on the fake group, applied on every rank: the ranks go on.
+    results = run_threaded(4, _apply_rank, solutions[:1] * 4)
+    assert [outcome for outcome, _ in results] == ["applied"] * 4
+    assert len({what for _, what in results}) == 1
 
 
 def test_check_ranks_false_leaves_the_ranks_their_own_plans():
@@ -110,7 +178,9 @@ def _plan_hf_rank(rank: int, seqs: list[int]) -> list[str]:
     mesh = init_device_mesh("cpu", (len(seqs),), mesh_dim_names=("tp",))
     model, _ = build("gpt2")
     tokens = torch.randint(3, 50, (BATCH, seqs[rank]), generator=torch.Generator().manual_seed(rank))
-    return plan_lines(plan_hf(model, (tokens,), mesh))
+    solution = plan_hf(model, (tokens,), mesh)
+    dtcompile.auto_parallel.parallelize(model, solution, mesh)  # (where the ranks compare)
+    return plan_lines(solution)
 
 
 @pytest.mark.models

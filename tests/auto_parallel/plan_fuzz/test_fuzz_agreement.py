@@ -1,7 +1,7 @@
 """The ranks' comparison of their plans, fuzzed against plans made alone.
 
-Each case is a random model of the plan fuzzer (``support.plan_models``) planned on a threaded
-world where one random rank plans its own variant: its batch doubled or halved, its budget or
+Each case is a random model of the plan fuzzer (``support.plan_models``) planned and applied on a
+threaded world where one random rank plans its own variant: its batch doubled or halved, its budget or
 its pins changed, or nothing.  The reference is each variant planned alone on the fake process
 group.  Where the two plans are one, every rank must return it (whatever else differs); where they
 differ, every rank must raise ``RanksDisagree`` with one message naming the first node whose
@@ -52,11 +52,13 @@ def _variant(seed: int, mesh: str, change: str) -> tuple[torch.nn.Module, tuple[
     return model, (x,), fixed, budget
 
 
-def _plan(seed: int, mesh_name: str, change: str, mesh: object) -> tuple[str, object]:
+def _plan(seed: int, mesh_name: str, change: str, mesh: object, apply: bool) -> tuple[str, object]:
     model, args, fixed, budget = _variant(seed, mesh_name, change)
     try:
         solution = dtcompile.auto_parallel.plan(model, mesh, args, fixed=fixed, param_memory_budget_bytes=budget,
                                                 config=KEPT_GATHERED)
+        if apply:  # (where the ranks compare their plans)
+            dtcompile.auto_parallel.parallelize(model, solution, mesh)
     except (Infeasible, RanksDisagree) as exc:
         return type(exc).__name__, str(exc)
     return "plan", plan_lines(solution)
@@ -67,13 +69,13 @@ def _rank(rank: int, seed: int, mesh_name: str, change: str, changed_rank: int) 
 
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return _plan(seed, mesh_name, change if rank == changed_rank else "none", mesh)
+    return _plan(seed, mesh_name, change if rank == changed_rank else "none", mesh, apply=True)
 
 
 def _alone(seed: int, mesh_name: str, change: str) -> tuple[str, object]:
     shape, names = MESHES[mesh_name]
     with fake_world(math.prod(shape), shape, names) as mesh:
-        return _plan(seed, mesh_name, change, mesh)
+        return _plan(seed, mesh_name, change, mesh, apply=False)
 
 
 def _cases() -> list[tuple[int, str, str, int]]:
