@@ -34,6 +34,8 @@ from __future__ import annotations
 import copy
 import operator
 import re
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -174,9 +176,8 @@ class AutoParallelModule(nn.Module):
             self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
         for name, child in module._modules.items():
             self.add_module(name, child)
-        graph, consts = _build_graph(solution, mesh)
         # Not a submodule: named_modules() and state_dict() stay the user's.
-        object.__setattr__(self, "_plan", fx.GraphModule(consts, graph, class_name="AutoParallelForward"))
+        object.__setattr__(self, "_plan", _planned_forward(solution, mesh))
         traced = solution.problem.traced
         self._param_names = [name for name, _ in traced.params]
         self._buffer_names = [name for name, _ in traced.buffers]
@@ -211,6 +212,29 @@ class AutoParallelModule(nn.Module):
         states = [params[n] for n in self._param_names] + [_replicated(buffers[n], self._mesh) for n in self._buffer_names]
         outs = self._plan(*states, *inputs)
         return pytree.tree_unflatten(list(outs), self._output_spec)
+
+
+# solution -> {(mesh, id(mesh)): its forward}: see _planned_forward.
+_FORWARDS: weakref.WeakKeyDictionary[Solution, dict[Any, fx.GraphModule]] = weakref.WeakKeyDictionary()
+_FORWARDS_LOCK = threading.Lock()
+
+
+def _planned_forward(solution: Solution, mesh: Any) -> fx.GraphModule:
+    """The planned forward of ``solution`` on ``mesh``, built once and shared by every model the
+    plan is applied to there: each ``GraphModule`` is a class of its own, which Dynamo guards on,
+    so a forward built per copy made every copy recompile (the ninth ran eagerly, past torch's
+    ``recompile_limit``).  It holds no parameter or buffer (they are its arguments), only the
+    constants the model made in forward, which it does not write to.  (A mesh compares equal
+    before and after ``_flatten``, hence its id in the key.)"""
+    key = (mesh, id(mesh))
+    with _FORWARDS_LOCK:
+        found = _FORWARDS.setdefault(solution, {}).get(key)
+    if found is None:
+        graph, consts = _build_graph(solution, mesh)
+        made = fx.GraphModule(consts, graph, class_name="AutoParallelForward")
+        with _FORWARDS_LOCK:
+            found = _FORWARDS[solution].setdefault(key, made)
+    return found
 
 
 def parallelize(model: nn.Module, solution: Solution, mesh: Any = None) -> AutoParallelModule:

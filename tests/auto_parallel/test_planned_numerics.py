@@ -75,3 +75,50 @@ def test_a_stack_of_tied_blocks_on_4_threaded_ranks():
     assert {n.removeprefix("2."): p for n, p in placements.items() if n.startswith("2.")} == {
         n.removeprefix("1."): p for n, p in placements.items() if n.startswith("1.")
     }
+
+
+def _rank_copies(rank: int, solution: object, copies: int) -> list[tuple[object, object]]:
+    """``copies`` models of different weights, all given ``solution``, each compiled and run:
+    per copy, its compiled output and its eager output (this rank's shard)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dtcompile
+    from dtcompile._testing import models
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+    backend = dtcompile.backend(inductor=False)  # (one backend: another is another cache entry)
+    results = []
+    for seed in range(copies):
+        torch.manual_seed(seed)
+        parallel = dtcompile.auto_parallel.parallelize(models.MLP(16, 32), solution, mesh)
+        compiled = torch.compile(parallel, backend=backend)
+        results.append((compiled(x).to_local(), parallel(x).to_local()))
+    return results
+
+
+@pytest.mark.models
+def test_copies_given_one_plan_compile_once_each_with_its_own_weights():
+    # Each copy's planned forward was a GraphModule class of its own, which Dynamo guards on:
+    # every copy recompiled, and the ninth (past torch's recompile_limit of 8) ran eagerly.
+    # Copies given one plan share its forward: one graph per rank, and each copy still
+    # computes with its own weights.
+    import torch
+    from torch._dynamo.utils import counters
+
+    import dtcompile
+    from dtcompile._testing import models
+
+    with fake_world(2, (2,), ("tp",)) as mesh:
+        solution = dtcompile.auto_parallel.plan(models.MLP(16, 32), mesh, (torch.empty(8, 16, device="meta"),),
+                                                param_memory_budget_bytes=(16 * 32 * 2 + 32 + 16) * 4 // 2)
+    torch._dynamo.reset()
+    counters.clear()
+    results = run_threaded(2, _rank_copies, solution, 10)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one per rank's mesh
+    for copies in results:
+        for compiled, eager in copies:
+            torch.testing.assert_close(compiled, eager)
+        # The copies' weights differ, and so do their outputs: none ran another's weights.
+        assert len({tuple(c.flatten().tolist()) for c, _ in copies}) == len(copies)
