@@ -157,6 +157,36 @@ def source_line(node: fx.Node | None) -> str:
     return source_of(node)
 
 
+def _drop_restrides(gm: fx.GraphModule, args: Sequence[Any]) -> None:
+    """Removes each ``as_strided_`` that changes nothing but the strides of dims of size 1, which
+    no layout reads: ATen's ``adaptive_avg_pool2d`` to one element, a mean over the last two
+    dims, gives its output channels-last strides so (``AdaptiveAvgPool1d(1)`` over a transposed
+    input: Swin's pooler).  DTensor has no strategy for ``as_strided_`` (the parallel model could
+    not run it), and this one computes nothing.  Its input's strides are read as they are just
+    before it runs (the trace's fake tensors hold them as they were after it)."""
+    restrides = {n for n in gm.graph.nodes if n.target is torch.ops.aten.as_strided_.default}
+    if not restrides:
+        return
+    nothing: list[fx.Node] = []
+
+    class Before(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n in restrides:
+                x, size, stride = self.env[n.args[0]], n.args[1], n.args[2]
+                offset = n.args[3] if len(n.args) > 3 else None
+                if (
+                    tuple(x.shape) == tuple(size) and offset in (None, x.storage_offset())
+                    and all(d == 1 or a == b for d, a, b in zip(size, x.stride(), stride))
+                ):
+                    nothing.append(n)
+            return super().run_node(n)
+
+    Before(gm).run(*args)
+    for node in nothing:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+
+
 def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: dict[Any, Any],
            stacks: bool = False) -> TracedModel:
     import torch.fx.traceback as fx_traceback
@@ -214,6 +244,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any], device: str, table: 
     finally:
         for handle in handles:
             handle.remove()
+    with fake_mode:
+        _drop_restrides(gm, [*fake_params, *fake_buffers, *fake_inputs])
     all_nodes = list(gm.graph.nodes)
     module_of: dict[str, str] = {}
     # Outer calls end after inner ones: assign outer first, inner ones overwrite.

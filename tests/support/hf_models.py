@@ -99,6 +99,17 @@ def _vit() -> nn.Module:
     return LogitsOf(ViTForImageClassification(config), key="pixel_values")
 
 
+def _swin() -> nn.Module:
+    from transformers import SwinForImageClassification
+
+    config = _config(
+        "swin", image_size=16, patch_size=4, num_channels=3, embed_dim=16, depths=[1], num_heads=[4], window_size=2,
+        num_labels=8,
+    )
+    config._attn_implementation = "eager"  # (transformers' Swin has no SDPA attention)
+    return LogitsOf(SwinForImageClassification(config), key="pixel_values")
+
+
 def _bert() -> nn.Module:
     from transformers import BertForMaskedLM
 
@@ -139,13 +150,14 @@ HF_ZOO: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-# Decoder families outside the zoo above, none of them written or tuned for by dtcompile, each
+# Families outside the zoo above, none of them written or tuned for by dtcompile, each
 # checked end to end (planned on 2 x 2, compiled on 4 threaded ranks, equal to the single-process
 # model): ALiBi (BLOOM, MPT), parallel attention and MLP (GPT-J, CodeGen), multi-query attention
 # (GPTBigCode), partial rotary (StableLM, Persimmon), scaled logits and residuals (Granite, Cohere),
 # layer norms without weights (OLMo), learned and sinusoidal positions (OPT, XGLM, BioGPT), local
-# attention layers (GPT-Neo), squared-ReLU MLPs (Nemotron).  BLOOM, GPT-Neo, XGLM and MPT have no
-# SDPA attention in transformers: theirs is the eager one.
+# attention layers (GPT-Neo), squared-ReLU MLPs (Nemotron); and Swin (windowed attention over
+# images, pooled by AdaptiveAvgPool1d).  BLOOM, GPT-Neo, XGLM, MPT and Swin have no SDPA attention
+# in transformers: theirs is the eager one.
 HF_WIDER: dict[str, Callable[[], nn.Module]] = {
     "opt": _causal("opt", ffn_dim=128, word_embed_proj_dim=64),
     "bloom": _causal("bloom", "eager", n_head=4, n_layer=1),
@@ -165,12 +177,13 @@ HF_WIDER: dict[str, Callable[[], nn.Module]] = {
     "xglm": _causal("xglm", "eager", d_model=64, ffn_dim=128, num_layers=1, attention_heads=4),
     "biogpt": _causal("biogpt"),
     "mpt": _causal("mpt", "eager", d_model=64, n_heads=4, n_layers=1, expansion_ratio=2),
+    "swin": _swin,
 }
 
 
 def example_input(name: str) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
-    if name == "vit":
+    if name in ("vit", "swin"):
         return torch.randn(BATCH, 3, 16, 16, generator=generator)
     return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
 
