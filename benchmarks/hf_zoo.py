@@ -25,6 +25,9 @@ version of the planner records (``solution.problem.seconds``), so the same comma
 older checkout (``git worktree``) for a before/after table.
 
     python benchmarks/hf_zoo.py --stages --models llama,mistral,qwen2,gpt2,gpt_neox,phi3,gemma,bert
+
+``--models`` also takes the wider families outside the zoo (``support.hf_models.HF_WIDER``: ``opt``,
+``bloom``, ``swin``...), which have no transformers plan to compare against but plan the same way.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def stages(names: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(HF_ZOO), help="comma-separated zoo names")
+    parser.add_argument("--models", default=",".join(HF_ZOO), help="comma-separated zoo (or HF_WIDER) names")
     parser.add_argument("--stages", action="store_true", help="seconds per planning stage, cold, on 2 x 2 and 2 x 4")
     parser.add_argument("--plan-stages", help=argparse.SUPPRESS)  # the child --stages runs per model
     options = parser.parse_args()
