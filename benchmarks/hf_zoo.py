@@ -27,7 +27,7 @@ older checkout (``git worktree``) for a before/after table.
     python benchmarks/hf_zoo.py --stages --models llama,mistral,qwen2,gpt2,gpt_neox,phi3,gemma,bert
 
 ``--models`` also takes the wider families outside the zoo (``support.hf_models.HF_WIDER``: ``opt``,
-``bloom``, ``swin``...), which have no transformers plan to compare against but plan the same way.
+``bloom``, ``swin``...); transformers' own plan is compared where the family has one.
 """
 
 from __future__ import annotations
