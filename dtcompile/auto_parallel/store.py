@@ -15,7 +15,12 @@ shapes, dtypes, layouts); the values are the same frozen dataclasses, pickled.
 Where: ``$DTCOMPILE_AUTO_PARALLEL_CACHE_DIR``, else ``~/.cache/dtcompile/auto_parallel``;
 ``DTCOMPILE_AUTO_PARALLEL_CACHE_DIR=0`` turns it off.  A file is written whole (a
 temporary, then renamed), merged with what another process wrote meanwhile, after a plan
-that measured something new; one that cannot be read is ignored (and replaced).
+that measured something new; one that cannot be read is ignored (and replaced).  A file's
+name starts with its planner version; writing one removes the store's files of other
+versions (and temporaries left by a process that died) not written for
+:data:`KEEP_OTHER_VERSIONS_S`: an upgrade of torch or dtcompile, or an edit of the planner,
+leaves the old files behind only while a job on the old version may still read them.
+Only files named as the store names them are removed.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import threading
+import time
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Table", "store_dir"]
+__all__ = ["KEEP_OTHER_VERSIONS_S", "Table", "store_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,12 @@ _OFF = ("0", "off", "false", "")
 
 # The modules a measurement, a candidate or a transfer's price comes from.
 _SOURCES = ("auto_parallel", "cost", "collectives.py")
+
+KEEP_OTHER_VERSIONS_S = 30 * 24 * 3600
+"""How long a file of another planner version is kept after it was last written (30 days)."""
+# A table (``<version>-<table>.<part>.pkl``; before versions led the name, ``<table>.<part>.pkl``),
+# or the temporary one is written through (``<name>.<pid>.<thread>.tmp``).
+_OURS = re.compile(r"^(?:[0-9a-f]{16}-)?[0-9a-f]{24}\.[a-z]+(?:\.pkl|\.\d+\.\d+\.tmp)$")
 
 
 def store_dir() -> Path | None:
@@ -71,8 +84,9 @@ class Table(MutableMapping):
         self._memory: dict[Any, Any] = {}
         self._new: dict[Any, Any] = {}  # measured here, not yet written
         folder = store_dir()
-        name = hashlib.sha256(repr((_planner_version(), table_key)).encode()).hexdigest()[:24]
-        self.path = None if folder is None else folder / f"{name}.{part}.pkl"
+        version = _planner_version()
+        name = hashlib.sha256(repr((version, table_key)).encode()).hexdigest()[:24]
+        self.path = None if folder is None else folder / f"{version}-{name}.{part}.pkl"
         self._disk = _read(self.path)  # repr(key) -> the pickled value, unpickled when asked for
 
     def __contains__(self, key: object) -> bool:
@@ -117,6 +131,25 @@ class Table(MutableMapping):
             return
         self._disk = merged
         self._new = {}
+        _prune(self.path.parent, _planner_version())
+
+
+def _prune(folder: Path, version: str) -> None:
+    """Remove the store's files in ``folder`` that are not of ``version`` and were not written for
+    :data:`KEEP_OTHER_VERSIONS_S` (another process may be reading one: it is only gone for it)."""
+    oldest = time.time() - KEEP_OTHER_VERSIONS_S
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(f"{version}-") or not _OURS.match(entry.name):
+            continue
+        try:
+            if entry.stat().st_mtime < oldest:
+                os.unlink(entry.path)
+        except OSError:  # gone already, or not ours to remove
+            continue
 
 
 def _plain(value: Any) -> bool:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -123,3 +124,33 @@ def test_only_values_that_pickle_back_equal_are_kept():
     assert not store._plain(masked)
     assert not store._plain(Holder([(Shard(1), _MaskPartial())]))
     assert not store._plain(Holder(object())) and not store._plain({"a": 1})
+
+
+def test_writing_removes_other_versions_files_not_written_for_30_days_and_nothing_else(tp_mesh, cold, tmp_path):
+    month = store.KEEP_OTHER_VERSIONS_S + 3600
+    files = {
+        "old version, stale": "0123456789abcdef-" + "a" * 24 + ".measures.pkl",
+        "old version, recent": "fedcba9876543210-" + "b" * 24 + ".measures.pkl",
+        "before versioned names, stale": "c" * 24 + ".strategies.pkl",
+        "a dead process's temporary, stale": "0123456789abcdef-" + "d" * 24 + ".transfers.4242.139.tmp",
+        "not the store's, stale": "notes.pkl",
+    }
+    for name in files.values():
+        (tmp_path / name).write_bytes(b"x")
+    for what, name in files.items():
+        if "stale" in what:
+            os.utime(tmp_path / name, (time.time() - month, time.time() - month))
+    _plan(tp_mesh)  # writes this version's tables
+    left = {path.name for path in tmp_path.iterdir()}
+    assert {what for what, name in files.items() if name in left} == {"old version, recent", "not the store's, stale"}
+    mine = [name for name in left if name.startswith(store._planner_version() + "-")]
+    assert any(name.endswith(".measures.pkl") for name in mine), left
+    # This version's files, however old, stay: a later process reads them.
+    for name in mine:
+        os.utime(tmp_path / name, (time.time() - month, time.time() - month))
+    cold()
+    reference, _, x = build_mlp(tp_mesh, dim=8, hidden=24)
+    other = dtcompile.auto_parallel.plan(reference, tp_mesh, (x,))  # measures, so writes (and prunes)
+    assert other.stats["measurements_made"] > 0 and all((tmp_path / name).exists() for name in mine)
+    cold()
+    assert _plan(tp_mesh).stats["measurements_made"] == 0
