@@ -51,10 +51,11 @@ __all__ = ["MadeFrom", "PlanMeeting", "compare_applied", "peers_learn_failure", 
 @dataclass(frozen=True)
 class MadeFrom:
     """What a plan was made from, besides the model's code, and how the ranks that apply it
-    compare it (the plan's compile config: ``check_ranks``, ``check_ranks_timeout_s``)."""
+    compare it (the plan's compile config's ``check_ranks`` and ``check_ranks_timeout_s``, under
+    their names: a :class:`PlanMeeting` reads either)."""
 
     check_ranks: bool
-    timeout_s: float
+    check_ranks_timeout_s: float
     example_inputs: str
     """The example inputs' dtypes and shapes (``float32[4096, 16], int64[8]``): the tensors
     are not kept."""
@@ -109,12 +110,14 @@ class PlanMeeting:
         self.timeout_s = timeout_s
 
     @classmethod
-    def of(cls, mesh: Any, check_ranks: bool, timeout_s: float) -> PlanMeeting:
+    def of(cls, mesh: Any, checks: Any) -> PlanMeeting:
+        """``checks``: a compile config, or a plan's :class:`MadeFrom` (its ``check_ranks`` and
+        ``check_ranks_timeout_s``)."""
         from torch.distributed.device_mesh import DeviceMesh
 
         from dtcompile.rank_check import is_simulated, world_can_disagree
 
-        if not (check_ranks and isinstance(mesh, DeviceMesh) and world_can_disagree()):
+        if not (checks.check_ranks and isinstance(mesh, DeviceMesh) and world_can_disagree()):
             return cls((), 0.0)
         import torch.distributed as dist
 
@@ -122,7 +125,7 @@ class PlanMeeting:
         simulated = any(is_simulated(mesh.get_group(axis)) for axis in range(mesh.ndim))
         if len(ranks) < 2 or simulated or dist.get_rank() not in ranks:
             return cls((), 0.0)
-        return cls(ranks, timeout_s)
+        return cls(ranks, checks.check_ranks_timeout_s)
 
     def _meet(self, entry: Mapping[str, Any], detail: str, wait: bool = True) -> list[dict[str, Any]]:
         import torch.distributed as dist
@@ -189,15 +192,10 @@ def compare_applied(solution: Any, mesh: Any) -> None:
     """The mesh's ranks compare the plan each applies (see the module), as the config the plan
     was made with says; raises :class:`~dtcompile.rank_check.RanksDisagree` on every rank where
     they differ."""
-    made_from = solution.made_from
-    if made_from is None:  # a solution not made by plan(): compared as the default config says
-        from dtcompile.config import DTCompileConfig
+    from dtcompile.config import DTCompileConfig
 
-        default = DTCompileConfig()
-        meeting = PlanMeeting.of(mesh, default.check_ranks, default.check_ranks_timeout_s)
-    else:
-        meeting = PlanMeeting.of(mesh, made_from.check_ranks, made_from.timeout_s)
-    meeting.compare(solution)
+    # (A solution not made by plan() is compared as the default config says.)
+    PlanMeeting.of(mesh, solution.made_from or DTCompileConfig()).compare(solution)
 
 
 def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str], b: Mapping[str, Any],
@@ -240,5 +238,5 @@ def peers_learn_failure(mesh: Any, config: Any) -> Iterator[None]:
     except RanksDisagree:
         raise
     except Exception as exc:
-        PlanMeeting.of(mesh, config.check_ranks, config.check_ranks_timeout_s).failed(exc)
+        PlanMeeting.of(mesh, config).failed(exc)
         raise
