@@ -120,6 +120,17 @@ def ranks_are_threads() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "threaded"
 
 
+def reset_dynamo_of_this_rank() -> None:
+    """``torch._dynamo.reset()`` where it empties this rank's caches only: not where ranks are
+    threads of this process, which share them (a reset would free the code other ranks run;
+    :func:`dtcompile.testing.run_threaded` refuses it there).  Callers compile with a backend
+    object of their own, which Dynamo compiles anew either way."""
+    import torch
+
+    if not ranks_are_threads():
+        torch._dynamo.reset()
+
+
 def check_groups(gm: fx.GraphModule, meshes: Sequence[Any]) -> list[str]:
     """The process groups whose ranks compare this graph, by name, in an order every rank
     shares: each mesh's axes in order, then its flattened ones (a DTensor graph's

@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dtcompile.artifacts import collective_table, memory_lines, pass_lines, region_lines
-from dtcompile.rank_check import ranks_are_threads
+from dtcompile.rank_check import ranks_are_threads, reset_dynamo_of_this_rank
 from dtcompile.records import CompiledGraph
 from dtcompile.registry import backend as make_backend
 
@@ -120,12 +120,11 @@ def explain(
     options.setdefault("aot_cache", False)
     backend = make_backend(**options)
     compiled = torch.compile(fn, backend=backend)
-    # Ranks as threads share Dynamo's caches: one rank resetting them would free the code the
-    # others run.  Dynamo compiles ``fn`` again for the new backend instead, and its counters
-    # are the whole process's, so one rank's graph breaks and recompiles are not counted.
+    # Ranks as threads share Dynamo (no reset: it compiles ``fn`` again for the new backend),
+    # and its counters are the whole process's: one rank's graph breaks and recompiles are
+    # not counted.
+    reset_dynamo_of_this_rank()
     threads = ranks_are_threads()
-    if not threads:
-        torch._dynamo.reset()
 
     def run(*args: Any, **kwargs: Any) -> Report:
         from torch._dynamo.utils import counters, guard_failures

@@ -136,8 +136,8 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
     # ---- dtcompile.testing: the worlds users' CI runs in
     ("dtcompile.testing.worlds", "run_threaded", _C,
      "torch's threaded process group installed, thread isolation on, a reduce-scatter that keeps "
-     "its input, a ShardingPropagator lock per world and DTensor's caches emptied; all undone in "
-     "finally"),
+     "its input, a ShardingPropagator lock per world, DTensor's caches emptied and torch._dynamo.reset "
+     "refusing on the rank threads; all undone in finally"),
     ("dtcompile.testing.worlds", "run_threaded.rank_main", _C, "Dynamo's recompile limits, per run"),
     ("dtcompile.testing.worlds", "_dispatch_mode_flags_kept", _C,
      "torch's process-wide \"a dispatch mode is active\" flags (torch.utils._python_dispatch), put "

@@ -10,7 +10,8 @@ Worlds (context managers; also pytest fixtures of the same names through the
   compiling its own program; :func:`run_threaded`, :func:`run_gloo` -- run a
   function on every rank of a threaded or a real gloo world (on threads, call
   :func:`wait_for_eager_on_every_rank` between a rank's eager step and its
-  compile); :func:`run_cold_and_warm` -- a gloo job and its restart, sharing
+  compile, and :func:`reset_dynamo_on_every_rank` for ``torch._dynamo.reset()``,
+  which they share); :func:`run_cold_and_warm` -- a gloo job and its restart, sharing
   one compile cache folder (the warm run is served by the cold run's entries).
 
 Checks:
@@ -42,6 +43,7 @@ from dtcompile.testing.schedule import (
 from dtcompile.testing.worlds import (
     RankFailure,
     fake_world,
+    reset_dynamo_on_every_rank,
     run_cold_and_warm,
     run_gloo,
     run_threaded,
@@ -63,6 +65,7 @@ __all__ = [
     "measure_memory",
     "run_cold_and_warm",
     "run_gloo",
+    "reset_dynamo_on_every_rank",
     "run_threaded",
     "saved_bytes",
     "simulated_world",

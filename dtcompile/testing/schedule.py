@@ -73,10 +73,12 @@ def collective_schedule(
     that requires grad) so the backward graph is compiled and listed.  The
     default backend is dtcompile without Inductor lowering (same graphs and
     passes, faster); pass ``backend=dtcompile.backend(...)`` for other options.
-    Resets Dynamo's caches first, so compile ids start at ``0/0``.
+    Resets Dynamo's caches first, so compile ids start at ``0/0`` (but where ranks are
+    threads of one process, which share them: :func:`dtcompile.rank_check.reset_dynamo_of_this_rank`).
     """
     import dtcompile
     from dtcompile.compiler import DTCompileBackend
+    from dtcompile.rank_check import reset_dynamo_of_this_rank
     from dtcompile.testing.asserts import backward_from_sum
 
     if backend == "dtcompile":
@@ -86,7 +88,7 @@ def collective_schedule(
             f"collective_schedule: backend must be 'dtcompile' or a dtcompile.backend(...), "
             f"got {backend!r}; the schedule is read from what dtcompile records"
         )
-    torch._dynamo.reset()
+    reset_dynamo_of_this_rank()
     # backend.records is bounded: once full, each new record drops the oldest, so
     # neither its length nor a position in it marks where this call began.  A record
     # of this call is one that was not there before; `earlier` keeps those alive, so

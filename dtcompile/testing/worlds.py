@@ -45,6 +45,7 @@ __all__ = [
     "run_cold_and_warm",
     "run_gloo",
     "run_threaded",
+    "reset_dynamo_on_every_rank",
     "simulated_world",
     "wait_for_eager_on_every_rank",
 ]
@@ -134,6 +135,51 @@ def _failure(what: str, failures: Sequence[tuple[int, str]]) -> RankFailure:
     return RankFailure(f"{what}: rank(s) {ranks} failed\n{details}")
 
 
+_rank_thread = threading.local()
+"""``rank``: the rank a :func:`run_threaded` rank thread plays; unset on any other thread."""
+
+
+def _reset_refused_on_rank_threads(reset: Callable[[], None]) -> Callable[[], None]:
+    """``torch._dynamo.reset`` while a threaded world runs: as before on any thread but its
+    rank threads, which it refuses with what to do instead."""
+
+    def refusing() -> None:
+        rank = getattr(_rank_thread, "rank", None)
+        if rank is not None:
+            raise RuntimeError(
+                f"torch._dynamo.reset() on rank {rank}'s thread of run_threaded: the ranks are threads "
+                "of one process and share Dynamo's caches, so a reset frees the compiled code and "
+                "guards the other ranks are running (the process can crash). Reset before "
+                "run_threaded, or call dtcompile.testing.reset_dynamo_on_every_rank() on every rank "
+                "(one resets while the others wait); to compile a function again, compile it with a "
+                "new backend (torch.compile(fn, backend=dtcompile.backend(...))), which Dynamo "
+                "compiles anew"
+            )
+        reset()
+
+    refusing.__doc__ = reset.__doc__
+    refusing.unrefused = reset  # type: ignore[attr-defined]
+    return refusing
+
+
+def reset_dynamo_on_every_rank() -> None:
+    """``torch._dynamo.reset()`` in code every rank runs, called by every rank at the same point.
+
+    Where ranks are processes, each resets its own Dynamo.  Ranks that are threads of
+    :func:`run_threaded` share one, and a reset frees the code the others run (there
+    ``torch._dynamo.reset()`` raises): the ranks meet, rank 0 resets while the others
+    wait, and they meet again.
+    """
+    rank = getattr(_rank_thread, "rank", None)
+    if rank is None:
+        torch._dynamo.reset()
+        return
+    dist.barrier()
+    if rank == 0:
+        getattr(torch._dynamo.reset, "unrefused", torch._dynamo.reset)()
+    dist.barrier()
+
+
 class _ReduceScatter:
     """The threaded group's reduce-scatter with every reduction its all-reduce has.
 
@@ -204,6 +250,10 @@ def run_threaded(
       torch's traceback mutex and waits for the GIL, the other the reverse;
       seen once in 5000 fuzzed programs): each rank thread ends after the
       rank before it has ended.
+    - A ``torch._dynamo.reset()`` (``torch.compiler.reset()``) on a rank thread
+      would free the compiled code and guards the other rank threads run (a
+      crash): it raises, saying what to do instead
+      (:func:`reset_dynamo_on_every_rank`).
     """
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
@@ -227,6 +277,7 @@ def run_threaded(
     }
 
     def rank_main(rank: int) -> None:
+        _rank_thread.rank = rank
         dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
         try:
             with torch._dynamo.config.patch(limits):
@@ -250,6 +301,8 @@ def run_threaded(
     clear_sharding_caches()
     fake_mode_lock = ShardingPropagator._fake_mode_lock
     ShardingPropagator._fake_mode_lock = threading.Lock()
+    reset = torch._dynamo.reset
+    torch._dynamo.reset = _reset_refused_on_rank_threads(reset)
     deadline = time.monotonic() + timeout
     try:
         with _dispatch_mode_flags_kept():
@@ -265,6 +318,7 @@ def run_threaded(
                     failures.put((rank, f"did not finish within {timeout} s"))
                     threaded.ProcessLocalGroup.exception_handle(TimeoutError(f"rank {rank}"))
     finally:
+        torch._dynamo.reset = reset
         ShardingPropagator._fake_mode_lock = fake_mode_lock
         clear_sharding_caches()
         threaded.ProcessLocalGroup.reset()

@@ -62,7 +62,7 @@ def _on_rank(rank: int, fn: Callable[..., torch.Tensor], typed: bool, kwargs: di
     except Exception as exc:
         result["error"] = exc
         return result
-    torch._dynamo.reset()
+    # No torch._dynamo.reset() here: the ranks share Dynamo, and the new backend compiles anew.
     result["compiled"] = torch.compile(call, backend=dtcompile.backend(inductor=False))(x, w, b).detach()
     return result
 

@@ -40,7 +40,14 @@ import torch.distributed as dist
 
 from dtcompile.base.sharding_cache import clear_sharding_caches
 from dtcompile.testing.asserts import per_rank
-from dtcompile.testing.worlds import RankFailure, _mesh, run_gloo, run_threaded, wake_ranks_waiting_for
+from dtcompile.testing.worlds import (
+    RankFailure,
+    _mesh,
+    reset_dynamo_on_every_rank,
+    run_gloo,
+    run_threaded,
+    wake_ranks_waiting_for,
+)
 from support.fuzz_programs import MESHES, Program, make_input, namespace, placements_text
 
 __all__ = ["ProgramRun", "RankRun", "Side", "Stuck", "Value", "default_backend", "error_summary", "run_on_gloo", "run_programs"]
@@ -322,12 +329,10 @@ def _walk(rank: int, world_size: int, programs: Sequence[Program], start: int, s
                 if rank == 0:
                     shared.seconds[index] = time.perf_counter() - began
             if (index - start + 1) % _RESET_EVERY == 0:
-                shared.wait(index, rank, Side())
-                if rank == 0:
-                    torch._dynamo.reset()
-                    if shared.on_progress is not None:
-                        shared.on_progress(index + 1)
-                shared.wait(index, rank, Side())
+                shared.wait(index, rank, Side())  # every rank got here: none is stuck in a collective
+                reset_dynamo_on_every_rank()
+                if rank == 0 and shared.on_progress is not None:
+                    shared.on_progress(index + 1)
         except BaseException as exc:  # noqa: BLE001 - stuck peers, or woken from a collective
             shared.abort(index, rank, exc)
             shared.meet.abort(f"rank {rank} stopped: {type(exc).__name__}")

@@ -215,3 +215,45 @@ def test_rank_threads_look_the_backend_up_by_name(monkeypatch):
         assert run_threaded(4, _compile_by_name) == [2.0, 3.0, 4.0, 5.0]
     finally:
         torch._dynamo.reset()
+
+
+def _reset_then_compile(rank: int, reset: str) -> float:
+    def double(t: torch.Tensor) -> torch.Tensor:
+        return t * 2 + rank
+
+    first = torch.compile(double, backend="eager")(torch.ones(1)).item()
+    if reset == "torch":
+        torch._dynamo.reset()
+    elif reset == "compiler":
+        torch.compiler.reset()
+    else:
+        from dtcompile.testing import reset_dynamo_on_every_rank
+
+        reset_dynamo_on_every_rank()
+    return first + torch.compile(double, backend="eager")(torch.ones(1)).item()
+
+
+@pytest.mark.parametrize("reset", ["torch", "compiler"])
+def test_a_dynamo_reset_on_a_rank_thread_is_refused_and_says_what_to_do(reset):
+    """Rank threads share Dynamo's caches: a reset on one freed the code and guards another
+    ran, and CI's worker died of a segfault (torch 2.13, tests/clients/test_spmd_typing.py)."""
+    before = torch._dynamo.reset
+    with pytest.raises(RankFailure) as info:
+        run_threaded(2, _reset_then_compile, reset)
+    text = str(info.value)
+    assert "rank(s) [0, 1] failed" in text, text
+    assert "torch._dynamo.reset() on rank 1's thread of run_threaded" in text, text
+    assert "reset_dynamo_on_every_rank()" in text and "new backend" in text, text
+    assert torch._dynamo.reset is before  # put back after the world
+    torch._dynamo.reset()  # and this thread may reset
+
+
+def test_reset_dynamo_on_every_rank_resets_while_the_other_ranks_wait():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    assert run_threaded(2, _reset_then_compile, "every rank") == [4.0, 6.0]
+    # The reset between the two compiles dropped both ranks' first ones: each rank compiled
+    # twice (without it, the second compile is a cache hit: 2 graphs).
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])

@@ -17,7 +17,6 @@ import copy
 import time
 
 import pytest
-import torch
 from support.ap_cases import (
     KEEP_COLLECTIVES,
     KEPT_GATHERED,
@@ -29,7 +28,7 @@ from support.ap_cases import (
 from support.plan_models import MESHES, Case, build, draw_case
 
 import dtcompile
-from dtcompile.testing import fake_world, run_threaded
+from dtcompile.testing import fake_world, reset_dynamo_on_every_rank, run_threaded
 
 pytestmark = pytest.mark.fuzz
 
@@ -63,7 +62,6 @@ def _plan(case):
 
 
 def _rank_batch(rank, mesh_name, planned):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     shape, names = MESHES[mesh_name]
@@ -76,10 +74,7 @@ def _rank_batch(rank, mesh_name, planned):
             results.append(step_against_reference(rank, parallel, reference, args, mesh, solution, KEEP_COLLECTIVES, reshard=False))
         except Exception as e:
             raise RuntimeError(f"{case.describe()}: {type(e).__name__}: {e}") from e
-        dist.barrier()
-        if rank == 0:
-            torch._dynamo.reset()
-        dist.barrier()
+        reset_dynamo_on_every_rank()
     return results
 
 
