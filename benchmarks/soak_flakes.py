@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "soak_flakes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # an abort prints its threads
     rows = []
     for name in args.names:
         hogs = [multiprocessing.Process(target=_spin, args=(time.monotonic() + 24 * 3600,), daemon=True) for _ in range(args.load)]

@@ -36,7 +36,9 @@ def _port() -> int:
 
 
 def _torchrun(launch: list[str], *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts (the teardown abort of RESULTS' soak_flakes.py)
+    # prints every thread's Python stack into the output a failure keeps.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", *launch, str(SCRIPT), "--steps", str(STEPS), *args],
         stdout=subprocess.PIPE,
