@@ -44,8 +44,8 @@ __all__ = [
     "fake_world",
     "run_cold_and_warm",
     "run_gloo",
-    "run_threaded",
     "reset_dynamo_on_every_rank",
+    "run_threaded",
     "simulated_world",
     "wait_for_eager_on_every_rank",
 ]
@@ -136,7 +136,8 @@ def _failure(what: str, failures: Sequence[tuple[int, str]]) -> RankFailure:
 
 
 _rank_thread = threading.local()
-"""``rank``: the rank a :func:`run_threaded` rank thread plays; unset on any other thread."""
+"""On a :func:`run_threaded` rank thread: ``rank``, the rank it plays, and ``reset``, Dynamo's
+own reset (``torch._dynamo.reset`` refuses there); unset on any other thread."""
 
 
 def _reset_refused_on_rank_threads(reset: Callable[[], None]) -> Callable[[], None]:
@@ -158,7 +159,6 @@ def _reset_refused_on_rank_threads(reset: Callable[[], None]) -> Callable[[], No
         reset()
 
     refusing.__doc__ = reset.__doc__
-    refusing.unrefused = reset  # type: ignore[attr-defined]
     return refusing
 
 
@@ -176,7 +176,7 @@ def reset_dynamo_on_every_rank() -> None:
         return
     dist.barrier()
     if rank == 0:
-        getattr(torch._dynamo.reset, "unrefused", torch._dynamo.reset)()
+        _rank_thread.reset()
     dist.barrier()
 
 
@@ -277,7 +277,7 @@ def run_threaded(
     }
 
     def rank_main(rank: int) -> None:
-        _rank_thread.rank = rank
+        _rank_thread.rank, _rank_thread.reset = rank, reset
         dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
         try:
             with torch._dynamo.config.patch(limits):
