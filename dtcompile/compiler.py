@@ -43,7 +43,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -56,8 +55,7 @@ from dtcompile.cache_keys import meshes_held
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.dynamo_output import with_outputs_put_back
 from dtcompile.graph_compile import GraphCompile, devices_of
-from dtcompile.rank_check import CheckedOnFirstCall, RanksDisagree, agree, check_groups
-from dtcompile.rank_schedule import CheckOutcome, Schedule, agreed_earlier, agreement_marks
+from dtcompile.rank_check import CheckedOnFirstCall, RankChecker, check_groups
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, RankCheck
 from dtcompile.spmd_carry import carry_spmd_types
 
@@ -104,8 +102,7 @@ class DTCompileBackend:
         self.fallbacks: collections.deque[EagerFallback] = collections.deque(maxlen=_MAX_RECORDS)
         self.cached: collections.deque[CachedCompile] = collections.deque(maxlen=_MAX_RECORDS)
         self.checks: collections.deque[RankCheck] = collections.deque(maxlen=_MAX_RECORDS)
-        # (rank, frame) -> what its ranks agreed on (rank: ranks as threads share a backend).
-        self._agreed: dict[tuple[int, str], set[tuple[str, str]]] = {}
+        self._checker = RankChecker(self.checks)
 
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
@@ -117,6 +114,7 @@ class DTCompileBackend:
         other = DTCompileBackend(self.config.replace(**changes))
         other.records, other.fallbacks, other.cached = self.records, self.fallbacks, self.cached
         other.checks = self.checks
+        other._checker = RankChecker(other.checks)
         return other
 
     def __call__(
@@ -157,42 +155,9 @@ class DTCompileBackend:
         return CheckedOnFirstCall(
             run,
             with_outputs_put_back(gm.forward, job.constants, job.views),
-            functools.partial(self._agree, schedule, groups, config.check_ranks_timeout_s, job.info.axes),
+            functools.partial(self._checker.check, schedule, groups, config.check_ranks_timeout_s, job.info.axes),
             functools.partial(self._run_eagerly_on_every_rank, gm, job.info),
         )
-
-    def _agree(self, schedule: Schedule, groups: Sequence[str], timeout_s: float, axes: Mapping[str, str]) -> bool:
-        """The ranks' check of one graph (:func:`dtcompile.rank_check.agree`), recorded.
-
-        A recompile is often this rank's alone (its own shapes specialized, a guard on its
-        own values), and its peers then never come to compare it.  So a graph whose
-        collectives its frame's ranks already agreed on is not exchanged: the same
-        collectives, or the same ones with other sizes where the sizes are the program's
-        (not a bucketing decision), or, where this rank does not know them (served from
-        the cache without them), the same settings they were decided from."""
-        import torch.distributed as dist
-
-        agreed = self._agreed.setdefault((dist.get_rank(), schedule.frame), set())
-
-        def record(outcome: str, seconds: float = 0.0) -> None:
-            check = RankCheck(schedule.compile_id, tuple(groups), outcome, seconds, bool(schedule.digest))
-            self.checks.append(check)
-            log.info("%s", check)
-
-        earlier = agreed_earlier(schedule, agreed)
-        if earlier:
-            record(earlier)
-            return False
-        start = time.perf_counter()
-        try:
-            eager = agree(schedule, groups, timeout_s, axes)
-        except RanksDisagree:
-            record(CheckOutcome.DISAGREE, time.perf_counter() - start)
-            raise
-        record(CheckOutcome.EAGER if eager else CheckOutcome.AGREED, time.perf_counter() - start)
-        if not eager:
-            agreed.update(agreement_marks(schedule))
-        return eager
 
     def _run_eagerly_on_every_rank(self, gm: fx.GraphModule, info: DynamoGraphInfo) -> None:
         warnings.warn(

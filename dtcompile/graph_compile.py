@@ -55,6 +55,7 @@ from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.partition import Partitioner
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.rank_check import world_can_disagree
+from dtcompile.rank_plans import PlanMeeting
 from dtcompile.rank_schedule import (
     Obtained,
     Schedule,
@@ -337,7 +338,10 @@ class GraphCompile:
             held_bytes=self.partitioner.held_during_backward if kind == GraphKind.BACKWARD else 0,
             prefetch_bytes=prefetch_window(self.partitioner.resharding.gathered),
         )
-        ctx = PassContext(kind=kind, config=self.config, info=self.info, memory=memory)
+        ctx = PassContext(
+            kind=kind, config=self.config, info=self.info, memory=memory,
+            plans=PlanMeeting(self.config.check_ranks_timeout_s),
+        )
         self.spmd_types_traced[kind] = self.check_spmd_types(gm, kind)
         gm, records = run_passes(gm, example_inputs, ctx)
         if kind == GraphKind.FORWARD:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,15 +70,21 @@ from dtcompile.rank_schedule import Schedule, short_digest
 
 __all__ = [
     "ABORT_KEY",
+    "Posted",
+    "RankChecker",
     "RanksDisagree",
     "abort_checks",
     "agree",
     "check_groups",
     "checks_waiting_for",
+    "collect",
     "differences",
     "is_simulated",
     "meet",
+    "post",
     "read_detail",
+    "settle",
+    "settled",
     "world_can_disagree",
 ]
 
@@ -223,6 +229,54 @@ def _exchange(
     )
 
 
+@dataclass(frozen=True)
+class Posted:
+    """This rank's entry of one meeting, written (:func:`post`): what :func:`collect` waits for."""
+
+    keys: dict[int, str]
+    """Each rank of the meeting -> the store key of its entry."""
+
+
+def _prefix(topic: str, ranks: Sequence[int]) -> str:
+    group_key = short_digest(",".join(map(str, ranks)))
+    return f"{_PREFIX}/{topic}/{group_key}" if topic else f"{_PREFIX}/{group_key}"
+
+
+def post(topic: str, ranks: Sequence[int], entry: Mapping[str, Any], detail: str) -> Posted:
+    """Writes this rank's ``entry`` (JSON) and ``detail`` to the default process group's
+    store for its next meeting on ``topic`` with ``ranks`` (the n-th meeting of this rank
+    on ``topic`` and these ranks meets each peer's n-th); :func:`collect` reads them all.
+    A rank that posts on several topics before collecting any cannot deadlock with
+    peers that post them in another order."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank = dist.get_rank()
+    prefix = _prefix(topic, ranks)
+    seq = store.add(f"{prefix}/count/{rank}", 1)
+    base = f"{prefix}/{seq}"
+    mine = {**entry, "rank": rank, "detail": f"{base}/{rank}/detail"}
+    store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
+    return Posted({r: f"{base}/{r}" for r in ranks})
+
+
+def collect(
+    posted: Posted, timeout_s: float, *, waiting: str, ended: str, late: Callable[[list[int]], str]
+) -> list[dict[str, Any]]:
+    """Every entry of the meeting ``posted`` belongs to, once all its ranks posted (see :func:`meet`)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    try:
+        _wait(store, posted.keys, timeout_s, waiting)
+    except _Aborted as exc:
+        raise RanksDisagree(f"{ended}: {exc}") from None
+    except _TimedOut as exc:
+        raise RanksDisagree(late(exc.missing)) from None
+    return [json.loads(value) for value in store.multi_get(list(posted.keys.values()))]
+
+
 def meet(
     topic: str,
     ranks: Sequence[int],
@@ -237,36 +291,42 @@ def meet(
 ) -> list[dict[str, Any]]:
     """Writes this rank's ``entry`` (JSON) and ``detail`` to the default process group's
     store, then reads every entry of ``ranks``: the n-th meeting of this rank on ``topic``
-    and these ranks meets each peer's n-th.  An entry read carries ``rank`` and ``detail``,
-    the key of its rank's detail (read it with :func:`read_detail` where needed).
+    and these ranks meets each peer's n-th (:func:`post`, then :func:`collect`).  An
+    entry read carries ``rank`` and ``detail``, the key of its rank's detail (read it
+    with :func:`read_detail` where needed).
 
     A peer not there within ``timeout_s`` ends the wait with :class:`RanksDisagree` saying
     ``late(missing ranks)``; :func:`abort_checks` ends it saying ``ended`` and the reason.
     ``waiting`` says what this rank waits for (logs, :func:`checks_waiting_for`).
     ``wait=False`` only writes (a rank that stops anyway leaves its peers its entry) and
     returns nothing."""
-    import torch.distributed as dist
+    # Four round trips: the count, both keys, the wait, the peers' entries.
+    posted = post(topic, ranks, entry, detail)
+    if not wait:
+        return []
+    return collect(posted, timeout_s, waiting=waiting, ended=ended, late=late)
+
+
+def settled(topic: str, ranks: Sequence[int]) -> str | None:
+    """What the ranks settled on ``topic`` (:func:`settle`), or ``None`` where they have not yet."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
-    rank = dist.get_rank()
-    group_key = short_digest(",".join(map(str, ranks)))
-    prefix = f"{_PREFIX}/{topic}/{group_key}" if topic else f"{_PREFIX}/{group_key}"
-    seq = store.add(f"{prefix}/count/{rank}", 1)
-    base = f"{prefix}/{seq}"
-    mine = {**entry, "rank": rank, "detail": f"{base}/{rank}/detail"}
-    # Four round trips: the count, both keys, the wait, the peers' entries.
-    store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
-    if not wait:
-        return []
-    keys = [f"{base}/{r}" for r in ranks]
-    try:
-        _wait(store, dict(zip(ranks, keys)), timeout_s, waiting)
-    except _Aborted as exc:
-        raise RanksDisagree(f"{ended}: {exc}") from None
-    except _TimedOut as exc:
-        raise RanksDisagree(late(exc.missing)) from None
-    return [json.loads(value) for value in store.multi_get(keys)]
+    key = f"{_prefix(topic, ranks)}/settled"
+    if not store.check([key]):
+        return None
+    value = store.get(key)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def settle(topic: str, ranks: Sequence[int], value: str) -> None:
+    """Keeps what ``ranks`` decided together on ``topic`` in the store, for a rank that meets
+    the topic again on its own (a recompile its peers do not make): :func:`settled`.
+    Written only after a meeting every rank posted to, so a rank that finds nothing
+    settled is one whose peers meet it."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _get_default_store().set(f"{_prefix(topic, ranks)}/settled", value)
 
 
 def read_detail(entry: Mapping[str, Any]) -> str:
@@ -428,6 +488,56 @@ def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int, axis: 
             return f"{x.where}: {x.what} on rank {rank_a}, {y.what} on rank {rank_b}"
     longer, rank = (ours, rank_a) if len(ours) > len(theirs) else (theirs, rank_b)
     return f"{longer[min(len(ours), len(theirs))]} on rank {rank} only"
+
+
+class RankChecker:
+    """The ranks' check of each graph one front door compiles (:func:`agree`), recorded in
+    ``checks``: one implementation for the Dynamo backend and :func:`dtcompile.compile_step`.
+
+    A recompile is often this rank's alone (its own shapes specialized, a guard on its
+    own values, a batch of another size), and its peers then never come to compare it.
+    So a graph whose collectives its frame's ranks already agreed on is not exchanged
+    (:func:`dtcompile.rank_schedule.agreed_earlier`): the same collectives, or the same
+    ones with other sizes where the sizes are the program's (not a bucketing decision),
+    or, where this rank does not know them (served from the cache without them), the
+    same settings they were decided from."""
+
+    def __init__(self, checks: MutableSequence[Any]) -> None:
+        self.checks = checks
+        # (rank, frame) -> what its ranks agreed on (rank: ranks as threads share a front door).
+        self._agreed: dict[tuple[int, str], set[tuple[str, str]]] = {}
+
+    def check(self, schedule: Schedule, groups: Sequence[str], timeout_s: float, axes: Mapping[str, str]) -> bool:
+        """Whether every rank runs ``schedule``'s graph eagerly; raises :class:`RanksDisagree`
+        where its ranks compiled it differently."""
+        import time
+
+        import torch.distributed as dist
+
+        from dtcompile.rank_schedule import CheckOutcome, agreed_earlier, agreement_marks
+        from dtcompile.records import RankCheck
+
+        agreed = self._agreed.setdefault((dist.get_rank(), schedule.frame), set())
+
+        def record(outcome: CheckOutcome, seconds: float = 0.0) -> None:
+            check = RankCheck(schedule.compile_id, tuple(groups), outcome, seconds, bool(schedule.digest))
+            self.checks.append(check)
+            log.info("%s", check)
+
+        earlier = agreed_earlier(schedule, agreed)
+        if earlier:
+            record(earlier)
+            return False
+        start = time.perf_counter()
+        try:
+            eager = agree(schedule, groups, timeout_s, axes)
+        except RanksDisagree:
+            record(CheckOutcome.DISAGREE, time.perf_counter() - start)
+            raise
+        record(CheckOutcome.EAGER if eager else CheckOutcome.AGREED, time.perf_counter() - start)
+        if not eager:
+            agreed.update(agreement_marks(schedule))
+        return eager
 
 
 class CheckedOnFirstCall:

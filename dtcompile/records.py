@@ -39,6 +39,9 @@ class Action(enum.Enum):
     """A gathered parameter is gathered again in the backward instead of kept (``reshard_after_forward``)."""
     RECOMPUTED = "recomputed"
     """An activation is recomputed in the backward instead of saved, to fit the memory budget (``activation_budget``)."""
+    AGREED = "agreed"
+    """The ranks of a group settled a plan together, and this rank applies another rank's
+    (``bucketing``: its own was priced from shapes its peers do not share)."""
     SKIPPED = "skipped"
     """The pass left a candidate as it was; the outcome says why."""
 

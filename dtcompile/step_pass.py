@@ -24,7 +24,6 @@ the first step runs): ranks whose step graphs would not pair up raise
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,8 +40,9 @@ from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.passes._graph import alias_roots, read_inputs, written_args
 from dtcompile.passes.optimizer_updates import optimizer_of
-from dtcompile.rank_check import RanksDisagree, agree, check_groups, world_can_disagree
-from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, bucketed, decided_from, scheduled_collectives
+from dtcompile.rank_check import RankChecker, check_groups, world_can_disagree
+from dtcompile.rank_plans import PlanMeeting
+from dtcompile.rank_schedule import Obtained, Schedule, bucketed, decided_from, scheduled_collectives
 from dtcompile.records import CompiledGraph, PassRecord, RankCheck
 from dtcompile.reshard import reshard_step_graph
 
@@ -166,6 +166,7 @@ class StepPass:
         """One :class:`~dtcompile.records.CompiledGraph` per step graph this pass saw."""
         self.checks: list[RankCheck] = []
         """The ranks' check of each step graph, where one ran."""
+        self._checker = RankChecker(self.checks)
 
     def __repr__(self) -> str:
         return f"StepPass({self.config})"
@@ -191,7 +192,10 @@ class StepPass:
             len(graph_collectives(gm.graph, axes)), resharding.decisions,
         )
         memory = MemoryPlan(prefetch_bytes=prefetch_window(resharding.gathered))
-        ctx = PassContext(kind=GraphKind.STEP, config=self.config, info=info, memory=memory)
+        ctx = PassContext(
+            kind=GraphKind.STEP, config=self.config, info=info, memory=memory,
+            plans=PlanMeeting(self.config.check_ranks_timeout_s),
+        )
         before = input_mutations(gm.graph)
         gm, passes = run_passes(gm, example_inputs, ctx)
         if resharding.decisions:
@@ -223,7 +227,9 @@ class StepPass:
         return gm
 
     def _check_ranks(self, record: CompiledGraph, gm: fx.GraphModule, example_inputs: Sequence[Any], priced: Any) -> None:
-        """The ranks compare the step graph's collectives (:func:`dtcompile.rank_check.agree`)."""
+        """The ranks compare the step graph's collectives, as the Dynamo path's graphs
+        (:class:`dtcompile.rank_check.RankChecker`): a re-trace on this rank alone (a batch
+        of another size) whose collectives the ranks already agreed on is not exchanged."""
         if not (self.config.check_ranks and world_can_disagree()) or not record.collectives:
             return
         groups = check_groups(gm, self.meshes)
@@ -236,15 +242,4 @@ class StepPass:
             decided_from(self.config, priced, gm, example_inputs),
             bucketed=bucketed([record]),
         )
-        start = time.perf_counter()
-        try:
-            agree(schedule, groups, self.config.check_ranks_timeout_s, record.info.axes)
-        except RanksDisagree:
-            self._checked(record, groups, CheckOutcome.DISAGREE, start)
-            raise
-        self._checked(record, groups, CheckOutcome.AGREED, start)
-
-    def _checked(self, record: CompiledGraph, groups: Sequence[str], outcome: CheckOutcome, start: float) -> None:
-        check = RankCheck(record.compile_id, tuple(groups), str(outcome), time.perf_counter() - start, True)
-        self.checks.append(check)
-        log.info("%s", check)
+        self._checker.check(schedule, groups, self.config.check_ranks_timeout_s, record.info.axes)

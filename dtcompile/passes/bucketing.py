@@ -67,7 +67,8 @@ from dtcompile.passes._graph import (
     written_args,
 )
 from dtcompile.passes.context import PassContext
-from dtcompile.records import Price
+from dtcompile.rank_plans import GroupPlan, Plan
+from dtcompile.records import Action, Outcome, Price
 
 __all__ = ["bucket_collectives", "hoistable", "written_values"]
 
@@ -263,6 +264,60 @@ def _memory_spans(members: Sequence[_Member], index: dict[fx.Node, int], tracker
     return spans
 
 
+def _candidates(graph: fx.Graph, index: dict[fx.Node, int], ctx: PassContext | None) -> list[_Member]:
+    """The collectives that may join a bucket, in graph order; each one left out is recorded
+    (where ``ctx`` is given) with why."""
+    found = []
+    for node in graph.nodes:
+        if node.target not in _BUCKETABLE:
+            continue
+        wait = single_wait(node)
+        source = node.args[0]
+        if wait is None or not isinstance(source, fx.Node) or "val" not in source.meta:
+            if ctx is not None:
+                ctx.skipped(node.name, "not bucketed: not a single collective + wait")
+            continue
+        value = source.meta["val"]
+        if is_symbolic(value):
+            if ctx is not None:
+                ctx.skipped(node.name, "not bucketed: its shape is symbolic (dynamic shapes); a bucket is built for one shape")
+            continue
+        found.append(_Member(node, wait, value, index[source], first_use_index(wait, index), collective_info(node), index[source]))
+    return found
+
+
+def _independent(bucket: _Bucket, member: _Member, index: dict[fx.Node, int], written: set[fx.Node]) -> bool:
+    """Whether ``member`` can join ``bucket`` without depending on it: issued after every
+    input can exist and waited on before any result is used, its input's views and copies
+    moved up to the bucket where that makes it so (then ``member`` says so)."""
+    if max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use):
+        return True
+    anchor, chain = hoistable(member.node.args[0], index, written)
+    if max(bucket.ready, index[anchor]) < min(bucket.first_use, member.first_use):
+        member.ready = index[anchor]
+        member.copied_bytes = sum(_bytes(n) for n in chain if n.target in _COPIES_OPS)
+        return True
+    return False
+
+
+def _group_candidates(members: Sequence[_Member]) -> dict[Any, list[_Member]]:
+    """The candidates by process group, each group's in graph order: what its ranks plan over."""
+    by_group: dict[Any, list[_Member]] = {}
+    for member in members:
+        by_group.setdefault(_key(member.node)[1], []).append(member)
+    return by_group
+
+
+def _described(members: Sequence[_Member]) -> str:
+    """A group's candidates as every rank of it describes them alike (no node names)."""
+    return "\n".join(f"{i}: {'/'.join(map(str, _key(m.node)[::2]))} {m.num_bytes} B" for i, m in enumerate(members))
+
+
+def _plan_of(buckets: Sequence[_Bucket], members: Sequence[_Member]) -> Plan:
+    ordinal = {m.node: i for i, m in enumerate(members)}
+    return tuple(tuple(ordinal[m.node] for m in b.members) for b in buckets if len(b.members) > 1 and b.members[0].node in ordinal)
+
+
 def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """See the module docstring."""
     graph = gm.graph
@@ -270,9 +325,95 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     written = written_values(graph)
     pricer = _Pricer(graph, ctx)
     tracker = ctx.peak_tracker(gm)
+    candidates = _candidates(graph, index, ctx)
+    closed, added = _priced_buckets(candidates, index, written, pricer, tracker, ctx)
+    # What this rank priced from its own shapes becomes a plan each group's ranks settle
+    # (dtcompile.rank_plans): where a peer's plan is adopted, the buckets follow it.
+    by_group = _group_candidates(candidates)
+    mine = [GroupPlan(str(group), _described(members), _plan_of(closed, members)) for group, members in by_group.items()]
+    peak = ctx.traced_memory.peak_bytes if ctx.traced_memory is not None else tracker.peak
+    agreed = ctx.plans.agree(f"bucketing/{ctx.kind}", peak, mine)
+    if any(a.plan != m.plan for a, m in zip(agreed, mine)):
+        fresh = _group_candidates(_candidates(graph, index, None))
+        closed, followed = [], []
+        for own, settled in zip(mine, agreed):
+            members = fresh[next(g for g in fresh if str(g) == own.group)]
+            followed += _followed_buckets(members, settled.plan, index, written, ctx.config.bucket_cap_bytes, pricer)
+            if settled.plan != own.plan:
+                ctx.record(Outcome(Action.AGREED, settled.describe("bucket plan"), "graph"))
+        closed = sorted(followed, key=lambda b: index[b.members[0].node])
+        tracker = ctx.peak_tracker(gm)
+        added = {}
+        for bucket in closed:
+            before = tracker.peak
+            tracker.commit(_memory_spans(bucket.members, index, tracker))
+            added[id(bucket)] = tracker.peak - before
+    for bucket in closed:
+        if len(bucket.members) < 2:
+            continue
+        # The last input as the graph is now: a bucket that reduces the results of
+        # an earlier one (an all-reduce over dp of all-reduces over ep) reads that
+        # bucket's slices, which replaced the waits it was collected after.
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        _rewrite(gm, bucket, _hoist(bucket, order, written))
+        names = ", ".join(m.node.name for m in bucket.members)
+        kind = bucket.key[0]
+        saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
+        what = _COPIES_AND_DELAY if any(p.costs_what == _COPIES_AND_DELAY for p in bucket.prices) else _COPIES
+        price = ctx.price(saves, costs, what, added[id(bucket)])
+        ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", price)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    refresh_metadata(gm, example_inputs)
+    return gm
+
+
+def _followed_buckets(
+    members: Sequence[_Member], plan: Plan, index: dict[fx.Node, int], written: set[fx.Node], cap: int, pricer: _Pricer
+) -> list[_Bucket]:
+    """The buckets of ``plan`` (settled by the group's ranks) over this rank's ``members``:
+    each planned bucket's members join in order where they are independent and fit the cap
+    (facts of the graph's structure and the collectives' bytes, which its ranks share), so
+    every rank splits a bucket it cannot build alike; the others stay alone."""
+    buckets: list[_Bucket] = []
+    planned: set[int] = set()
+    for ordinals in plan:
+        bucket: _Bucket | None = None
+        for i in ordinals:
+            if not 0 <= i < len(members) or i in planned:
+                raise AssertionError(f"dtcompile: a settled bucket plan names candidate {i} of {len(members)} twice or "
+                                     "out of range; please report this")
+            planned.add(i)
+            member = members[i]
+            if bucket is not None and bucket.key == _key(member.node) and (
+                member.num_bytes + bucket.num_bytes <= cap and _independent(bucket, member, index, written)
+            ):
+                bucket.prices.append(pricer.join(bucket, member))
+                bucket.members.append(member)
+                continue
+            if bucket is not None:
+                buckets.append(bucket)
+            bucket = _Bucket(_key(member.node), [member])
+        if bucket is not None:
+            buckets.append(bucket)
+    buckets += [_Bucket(_key(m.node), [m]) for i, m in enumerate(members) if i not in planned]
+    return buckets
+
+
+def _priced_buckets(
+    candidates: Sequence[_Member],
+    index: dict[fx.Node, int],
+    written: set[fx.Node],
+    pricer: _Pricer,
+    tracker: PeakTracker,
+    ctx: PassContext,
+) -> tuple[list[_Bucket], dict[int, int]]:
+    """This rank's buckets, priced from its own graph (see the module docstring), and the
+    bytes each adds to the peak (by ``id``)."""
     open_buckets: dict[tuple[Any, ...], _Bucket] = {}
     closed: list[_Bucket] = []
-    added: dict[int, int] = {}  # id(bucket) -> bytes it adds to the peak
+    added: dict[int, int] = {}
 
     def peak_if(key: tuple[Any, ...], members: Sequence[_Member]) -> int:
         """The estimated peak with the open buckets as they are, but ``key``'s made of ``members``."""
@@ -285,29 +426,13 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         added[id(bucket)] = tracker.peak - before
         closed.append(bucket)
 
-    for node in list(graph.nodes):
-        if node.target not in _BUCKETABLE:
-            continue
-        wait = single_wait(node)
-        source = node.args[0]
-        if wait is None or not isinstance(source, fx.Node) or "val" not in source.meta:
-            ctx.skipped(node.name, "not bucketed: not a single collective + wait")
-            continue
-        value = source.meta["val"]
-        if is_symbolic(value):
-            ctx.skipped(node.name, "not bucketed: its shape is symbolic (dynamic shapes); a bucket is built for one shape")
-            continue
-        member = _Member(node, wait, value, index[source], first_use_index(wait, index), collective_info(node), index[source])
+    for member in candidates:
+        node = member.node
         key = _key(node)
         bucket = open_buckets.get(key)
         if bucket is not None:
             fits = member.num_bytes + bucket.num_bytes <= ctx.config.bucket_cap_bytes
-            independent = max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use)
-            if not independent:  # ready earlier, its input's views and copies moved up to the bucket?
-                anchor, chain = hoistable(source, index, written)
-                if max(bucket.ready, index[anchor]) < min(bucket.first_use, member.first_use):
-                    member.ready, independent = index[anchor], True
-                    member.copied_bytes = sum(_bytes(n) for n in chain if n.target in _COPIES_OPS)
+            independent = _independent(bucket, member, index, written)
             price = pricer.join(bucket, member) if fits and independent else None
             if price is not None:
                 now, then = peak_if(key, bucket.members), peak_if(key, [*bucket.members, member])
@@ -335,25 +460,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         open_buckets[key] = _Bucket(key, [member])
     for bucket in list(open_buckets.values()):
         close(bucket)
-    for bucket in closed:
-        if len(bucket.members) < 2:
-            continue
-        # The last input as the graph is now: a bucket that reduces the results of
-        # an earlier one (an all-reduce over dp of all-reduces over ep) reads that
-        # bucket's slices, which replaced the waits it was collected after.
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        _rewrite(gm, bucket, _hoist(bucket, order, written))
-        names = ", ".join(m.node.name for m in bucket.members)
-        kind = bucket.key[0]
-        saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
-        what = _COPIES_AND_DELAY if any(p.costs_what == _COPIES_AND_DELAY for p in bucket.prices) else _COPIES
-        price = ctx.price(saves, costs, what, added[id(bucket)])
-        ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", price)
-    graph.eliminate_dead_code()
-    graph.lint()
-    gm.recompile()
-    refresh_metadata(gm, example_inputs)
-    return gm
+    return closed, added
 
 
 def _hoist(bucket: _Bucket, order: dict[fx.Node, int], written: set[fx.Node]) -> fx.Node:

@@ -12,6 +12,7 @@ from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import largest_collective
 from dtcompile.cost.simulate import Timeline
 from dtcompile.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
+from dtcompile.rank_plans import PlanMeeting
 from dtcompile.records import Action, Outcome, Price
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class PassContext:
     """The graph's memory before any pass, set by ``run_passes``."""
     traced_timeline: Timeline | None = None
     """The graph before any pass played on its profile (:func:`~dtcompile.cost.simulate.simulate`), set by ``run_passes``."""
+    plans: PlanMeeting = field(default_factory=PlanMeeting)
+    """How a decision that changes what ranks send is settled by every rank of its group
+    (:mod:`dtcompile.rank_plans`): a pass never applies a plan priced from its rank's own
+    shapes alone."""
     outcomes: list[Outcome] = field(default_factory=list)
     """The current pass's decisions (``run_passes`` takes them after each pass)."""
 

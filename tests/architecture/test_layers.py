@@ -79,6 +79,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtcompile.dynamo_output",
         "dtcompile.spmd_carry",
         "dtcompile.rank_check",
+        "dtcompile.rank_plans",
         "dtcompile.rank_schedule",
     ),
     ("dtcompile.compiler", "dtcompile.graph_compile", "dtcompile.registry", "dtcompile.step_pass"),

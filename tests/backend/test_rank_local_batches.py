@@ -1,0 +1,182 @@
+"""Ranks fed batches of their own sizes run as on stock torch, with their collectives bucketed.
+
+Padding to each rank's longest sequence, packed sequences, a short last batch: each
+rank of a data-parallel job sees batches of its own size.  dtcompile's bucketing
+prices each merge from its rank's own shapes (the compute between two gathers, the
+activations alive at the peak), so two ranks could bucket the same parameters'
+gathers differently and their collectives would not pair: the check stopped both
+ranks (``RanksDisagree ... 8 collectives against 9``), and with the check off gloo
+aborted (``Received data size doesn't match expected size. 16512 vs 128``).  The
+ranks now settle one plan per group (:mod:`dtcompile.rank_plans`).
+
+Each program is a SimpleFSDP stack on two gloo ranks, rank 0 fed 8 rows a step and
+rank 1 fewer, compiled and compared with the same model run eagerly on the same rank
+(outputs, gradients, the optimizer's state) and with the single-process model; the
+forward stays bucketed as rank 0 alone buckets it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dtcompile
+from dtcompile.records import Action
+from dtcompile.testing import run_gloo
+
+DIM, HIDDEN, LAYERS = 64, 256, 2
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _batch(rank: int, step: int, rows: int) -> torch.Tensor:
+    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _models(mesh: Any) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    from dtcompile._testing.models import build_norm_mlp_stack
+
+    reference, parallel, _ = build_norm_mlp_stack(mesh, rows=8, dim=DIM, hidden=HIDDEN, layers=LAYERS)
+    _, eager, _ = build_norm_mlp_stack(mesh, rows=8, dim=DIM, hidden=HIDDEN, layers=LAYERS)
+    return reference, parallel, eager
+
+
+def _decisions(records: Any, kind: str, action: Action) -> list[str]:
+    return [
+        d.text for r in records if str(r.kind) == kind for p in r.passes if p.name == "bucketing"
+        for d in p.decisions if d.action is action
+    ]
+
+
+def _without_names(buckets: list[str]) -> list[str]:
+    """``all_gather[10 -> 1] (199936 B)`` for each bucket, sorted: what the ranks send
+    (node names differ between one rank's graphs of one step)."""
+    return sorted(f"{text.split(':')[0]} ({text.rsplit('(', 1)[1]}" for text in buckets)
+
+
+def _reference_grads(reference: torch.nn.Module, rows_by_rank: list[int], step: int, mesh: Any) -> list[torch.Tensor]:
+    """This rank's shard of the gradient data parallelism computes: the mean over ranks of
+    each rank's own loss's gradient, on the single-process model."""
+    reference.zero_grad(set_to_none=True)
+    world = len(rows_by_rank)
+    for rank, rows in enumerate(rows_by_rank):
+        (reference(_batch(rank, step, rows)).sum() / world).backward()
+    me = mesh.get_local_rank()
+    return [p.grad.chunk(world)[me] for p in reference.parameters()]
+
+
+def _dynamo_on_rank(rank: int, rows: list[list[int]], check_ranks: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    reference, model, eager = _models(mesh)
+    backend = dtcompile.backend(inductor=False, check_ranks=check_ranks)
+    compiled = torch.compile(model, backend=backend)
+    steps = []
+    for step, n in enumerate(rows[rank]):
+        x = _batch(rank, step, n)
+        got = compiled(x)
+        got.sum().backward()
+        want = eager(x)
+        want.sum().backward()
+        grads = [p.grad.to_local() for p in model.parameters()]
+        eager_grads = [p.grad.to_local() for p in eager.parameters()]
+        reference_grads = _reference_grads(reference, [r[step] for r in rows], step, mesh)
+        with torch.no_grad():
+            single = reference(x)
+        steps.append({"got": got.detach(), "eager": want.detach(), "single": single, "grads": grads,
+                      "eager_grads": eager_grads, "reference_grads": reference_grads})
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+    return {
+        "steps": steps,
+        "forward_buckets": _decisions(backend.records, "forward", Action.BUCKETED),
+        "agreed": _decisions(backend.records, "forward", Action.AGREED),
+        "checks": [str(c.outcome) for c in backend.checks],
+        "graphs": sorted({r.compile_id for r in backend.records}),
+    }
+
+
+def _assert_equal_to_eager_and_single_process(runs: list[dict[str, Any]]) -> None:
+    for rank, run in enumerate(runs):
+        for step, got in enumerate(run["steps"]):
+            where = f"rank {rank} step {step}"
+            torch.testing.assert_close(got["got"], got["eager"], **TOL, msg=where)
+            torch.testing.assert_close(got["got"], got["single"], **TOL, msg=where)
+            for a, b, c in zip(got["grads"], got["eager_grads"], got["reference_grads"], strict=True):
+                torch.testing.assert_close(a, b, **TOL, msg=where)
+                torch.testing.assert_close(a, c, **TOL, msg=where)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("rank1_rows", [[6, 6, 6], [6, 4, 6]], ids=["6-6-6", "6-4-6"])
+def test_dynamo_ranks_fed_batches_of_their_own_sizes_run_bucketed_as_eager(rank1_rows):
+    """Rank 0: 8, 8, 8 rows; rank 1: ``rank1_rows`` (with a 4 it recompiles alone, dynamic)."""
+    runs = run_gloo(2, _dynamo_on_rank, [[8, 8, 8], rank1_rows], True, timeout=240)
+    _assert_equal_to_eager_and_single_process(runs)
+    first, second = runs
+    # Rank 0's own plan (it traced the higher peak) is every rank's: bucketed as rank 0 buckets alone.
+    assert len(first["forward_buckets"]) >= 2, first["forward_buckets"]
+    assert first["agreed"] == [], first["agreed"]
+    assert second["forward_buckets"][: len(first["forward_buckets"])] == first["forward_buckets"]
+    # Rank 1 priced another plan from its own batch, and says it applies rank 0's.
+    assert second["agreed"] and "rank 0's plan, adopted by every rank" in second["agreed"][0], second["agreed"]
+    assert first["checks"][0] == "agreed" and second["checks"][0] == "agreed", (first["checks"], second["checks"])
+    if 4 in rank1_rows:
+        # Rank 1's recompile for its 4 rows took the plan its ranks settled and needed no exchange.
+        assert len(second["graphs"]) == len(first["graphs"]) + 1, (first["graphs"], second["graphs"])
+        assert second["checks"][-1] == "agreed on by an earlier graph", second["checks"]
+        assert any("settled for an earlier graph" in a for a in second["agreed"]), second["agreed"]
+
+
+def _step_on_rank(rank: int, rows: list[list[int]], check_ranks: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    _, model, eager = _models(mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    eager_optimizer = torch.optim.AdamW(eager.parameters(), lr=0.01, foreach=False)
+    step = dtcompile.compile_step(
+        lambda x: model(x).pow(2).mean(), model=model, optimizer=optimizer, inductor=False, check_ranks=check_ranks
+    )
+    losses, params = [], []
+    for i, n in enumerate(rows[rank]):
+        x = _batch(rank, i, n)
+        loss = step(x)
+        want = eager(x).pow(2).mean()
+        want.backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad(set_to_none=True)
+        losses.append((loss.item(), want.item()))
+        params.append([(p.to_local().clone(), q.to_local().clone()) for p, q in zip(model.parameters(), eager.parameters())])
+    records = step.step_pass.records
+    return {
+        "losses": losses,
+        "params": params,
+        "buckets": [_without_names(_decisions([r], "step", Action.BUCKETED)) for r in records],
+        "agreed": _decisions(records, "step", Action.AGREED),
+        "checks": [str(c.outcome) for c in step.step_pass.checks],
+        "traces": step.traces,
+    }
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("check_ranks", [True, False], ids=["check", "no-check"])
+def test_compile_step_with_adamw_ranks_fed_batches_of_their_own_sizes_equal_eager(check_ranks):
+    """Rank 0: 8 rows every step; rank 1: 8, 6, 8, 6 (re-traced alone at the second step)."""
+    runs = run_gloo(2, _step_on_rank, [[8, 8, 8, 8], [8, 6, 8, 6]], check_ranks, timeout=240)
+    for rank, run in enumerate(runs):
+        for i, (got, want) in enumerate(run["losses"]):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), f"rank {rank} step {i}: {run['losses']}"
+        for i, pairs in enumerate(run["params"]):
+            for p, q in pairs:
+                torch.testing.assert_close(p, q, **TOL, msg=f"rank {rank} step {i}")
+    first, second = runs
+    assert first["traces"] == 1 and second["traces"] == 2, (first["traces"], second["traces"])
+    # Every step graph buckets as rank 0's one step graph does (8 rows on both ranks at the first step).
+    assert first["buckets"][0], first["buckets"]
+    assert all(b == first["buckets"][0] for b in second["buckets"]), second["buckets"]
+    if check_ranks:
+        assert first["checks"] == ["agreed"], first["checks"]
+        assert second["checks"] == ["agreed", "agreed on by an earlier graph"], second["checks"]
