@@ -70,18 +70,15 @@ from dtcompile.rank_schedule import Schedule, short_digest
 
 __all__ = [
     "ABORT_KEY",
-    "Posted",
     "RankChecker",
     "RanksDisagree",
     "abort_checks",
     "agree",
     "check_groups",
     "checks_waiting_for",
-    "collect",
     "differences",
     "is_simulated",
     "meet",
-    "post",
     "read_detail",
     "settle",
     "settled",
@@ -229,52 +226,9 @@ def _exchange(
     )
 
 
-@dataclass(frozen=True)
-class Posted:
-    """This rank's entry of one meeting, written (:func:`post`): what :func:`collect` waits for."""
-
-    keys: dict[int, str]
-    """Each rank of the meeting -> the store key of its entry."""
-
-
 def _prefix(topic: str, ranks: Sequence[int]) -> str:
     group_key = short_digest(",".join(map(str, ranks)))
     return f"{_PREFIX}/{topic}/{group_key}" if topic else f"{_PREFIX}/{group_key}"
-
-
-def post(topic: str, ranks: Sequence[int], entry: Mapping[str, Any], detail: str) -> Posted:
-    """Writes this rank's ``entry`` (JSON) and ``detail`` to the default process group's
-    store for its next meeting on ``topic`` with ``ranks`` (the n-th meeting of this rank
-    on ``topic`` and these ranks meets each peer's n-th); :func:`collect` reads them all.
-    A rank that posts on several topics before collecting any cannot deadlock with
-    peers that post them in another order."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-    rank = dist.get_rank()
-    prefix = _prefix(topic, ranks)
-    seq = store.add(f"{prefix}/count/{rank}", 1)
-    base = f"{prefix}/{seq}"
-    mine = {**entry, "rank": rank, "detail": f"{base}/{rank}/detail"}
-    store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
-    return Posted({r: f"{base}/{r}" for r in ranks})
-
-
-def collect(
-    posted: Posted, timeout_s: float, *, waiting: str, ended: str, late: Callable[[list[int]], str]
-) -> list[dict[str, Any]]:
-    """Every entry of the meeting ``posted`` belongs to, once all its ranks posted (see :func:`meet`)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-    try:
-        _wait(store, posted.keys, timeout_s, waiting)
-    except _Aborted as exc:
-        raise RanksDisagree(f"{ended}: {exc}") from None
-    except _TimedOut as exc:
-        raise RanksDisagree(late(exc.missing)) from None
-    return [json.loads(value) for value in store.multi_get(list(posted.keys.values()))]
 
 
 def meet(
@@ -291,42 +245,72 @@ def meet(
 ) -> list[dict[str, Any]]:
     """Writes this rank's ``entry`` (JSON) and ``detail`` to the default process group's
     store, then reads every entry of ``ranks``: the n-th meeting of this rank on ``topic``
-    and these ranks meets each peer's n-th (:func:`post`, then :func:`collect`).  An
-    entry read carries ``rank`` and ``detail``, the key of its rank's detail (read it
-    with :func:`read_detail` where needed).
+    and these ranks meets each peer's n-th.  An entry read carries ``rank`` and ``detail``,
+    the key of its rank's detail (read it with :func:`read_detail` where needed).
 
     A peer not there within ``timeout_s`` ends the wait with :class:`RanksDisagree` saying
     ``late(missing ranks)``; :func:`abort_checks` ends it saying ``ended`` and the reason.
     ``waiting`` says what this rank waits for (logs, :func:`checks_waiting_for`).
     ``wait=False`` only writes (a rank that stops anyway leaves its peers its entry) and
     returns nothing."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank = dist.get_rank()
+    prefix = _prefix(topic, ranks)
+    seq = store.add(f"{prefix}/count/{rank}", 1)
+    base = f"{prefix}/{seq}"
+    mine = {**entry, "rank": rank, "detail": f"{base}/{rank}/detail"}
     # Four round trips: the count, both keys, the wait, the peers' entries.
-    posted = post(topic, ranks, entry, detail)
+    store.multi_set([f"{base}/{rank}", f"{base}/{rank}/detail"], [json.dumps(mine), detail])
     if not wait:
         return []
-    return collect(posted, timeout_s, waiting=waiting, ended=ended, late=late)
+    keys = [f"{base}/{r}" for r in ranks]
+    try:
+        _wait(store, dict(zip(ranks, keys)), timeout_s, waiting)
+    except _Aborted as exc:
+        raise RanksDisagree(f"{ended}: {exc}") from None
+    except _TimedOut as exc:
+        raise RanksDisagree(late(exc.missing)) from None
+    return [json.loads(value) for value in store.multi_get(keys)]
 
 
-def settled(topic: str, ranks: Sequence[int]) -> str | None:
-    """What the ranks settled on ``topic`` (:func:`settle`), or ``None`` where they have not yet."""
+def settle(topic: str, ranks: Sequence[int], value: str) -> bool:
+    """Settles ``topic`` for ``ranks`` with this rank's ``value`` if no rank has claimed it
+    yet, and says whether it did; a later rank reads what was settled (:func:`settled`).
+
+    The first rank to claim a topic decides it and never waits; every other rank waits
+    only for that one, which is already past its claim: no rank waits for a rank that
+    waits, so the ranks cannot deadlock, whether they compile at once (processes),
+    one after another (threads, which compile under Dynamo's one lock), or alone
+    (a recompile on one rank, a rank whose compile cache served the graph)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    prefix = _prefix(topic, ranks)
+    if store.add(f"{prefix}/claim", 1) != 1:
+        return False
+    store.set(f"{prefix}/settled", value)
+    return True
+
+
+def settled(topic: str, ranks: Sequence[int], timeout_s: float, *, waiting: str, late: str) -> str:
+    """What the rank that claimed ``topic`` for ``ranks`` settled (:func:`settle`), once it is
+    there; :class:`RanksDisagree` saying ``late`` after ``timeout_s``, or the reason of an
+    :func:`abort_checks`."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
     key = f"{_prefix(topic, ranks)}/settled"
-    if not store.check([key]):
-        return None
+    try:
+        _wait(store, {-1: key}, timeout_s, waiting)
+    except _Aborted as exc:
+        raise RanksDisagree(f"dtcompile: {waiting} was ended: {exc}") from None
+    except _TimedOut:
+        raise RanksDisagree(late) from None
     value = store.get(key)
     return value.decode() if isinstance(value, bytes) else value
-
-
-def settle(topic: str, ranks: Sequence[int], value: str) -> None:
-    """Keeps what ``ranks`` decided together on ``topic`` in the store, for a rank that meets
-    the topic again on its own (a recompile its peers do not make): :func:`settled`.
-    Written only after a meeting every rank posted to, so a rank that finds nothing
-    settled is one whose peers meet it."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    _get_default_store().set(f"{_prefix(topic, ranks)}/settled", value)
 
 
 def read_detail(entry: Mapping[str, Any]) -> str:

@@ -8,27 +8,27 @@ batch, an evaluation set that does not divide by the world): priced alone, two
 ranks can bucket the same collectives differently, and their collectives no
 longer pair (gloo aborts on the size, NCCL hangs or moves the wrong bytes).
 
-So such a pass decides its plan locally, then the ranks of each group the plan
-is about settle on one (:meth:`PlanMeeting.agree`):
+So such a pass prices its plan locally, and the ranks of each group the plan is
+about settle on one (:meth:`PlanMeeting.agree`):
 
 - the plan is written over what every rank of the group shares, the group's
   candidate collectives in program order (their op, group size, dtype, reduce
-  op and bytes); its topic is a digest of those, so ranks that meet on it are
+  op and bytes); its topic is a digest of those, so ranks that settle it are
   deciding about the same collectives;
-- each rank posts its own plan and the peak its graph was traced with, then
-  reads its peers' (one store round per graph: every group's entry is posted
-  before any is read, so ranks that meet on several groups cannot deadlock);
-  every rank adopts the plan of the rank with the highest traced peak (the one
-  whose memory its buckets were priced against most tightly; ties by the plan's
-  text), so all adopt the same;
-- what was adopted is kept in the store (:func:`dtcompile.rank_check.settle`):
-  a rank that meets the same topic again on its own (a recompile for a batch of
-  another size, which its peers do not make) adopts it without waiting.
+- the first rank of the group to compile that topic settles it with its own
+  plan, through the job's store (:func:`dtcompile.rank_check.settle`), and goes
+  on; every other rank adopts what was settled, waiting only for that rank,
+  which waits for nobody.  So ranks compiling at once (processes), one after
+  another (ranks as threads compile under Dynamo's one lock) or alone (a
+  recompile for a batch of another size, which its peers do not make) never
+  wait for each other, and every rank applies the same plan.  Which rank's
+  plan it is depends on which compiled first: where their own plans differ
+  (their shapes do), the record of every rank that adopted another's says so.
 
 Nothing is exchanged where the ranks cannot differ: no process group, the fake
-group, a group of one rank.  A peer that does not come within
-``check_ranks_timeout_s`` (it is running another graph, with other collectives
-on this group) ends the wait with :class:`~dtcompile.rank_check.RanksDisagree`.
+group, a group of one rank.  A rank that waits ``check_ranks_timeout_s`` for the
+settled plan (the rank that claimed it stopped) ends with
+:class:`~dtcompile.rank_check.RanksDisagree`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dtcompile.rank_check import collect, is_simulated, post, settle, settled, world_can_disagree
+from dtcompile.rank_check import is_simulated, settle, settled, world_can_disagree
 from dtcompile.rank_schedule import short_digest
 
 __all__ = ["Adoption", "AgreedPlan", "GroupPlan", "PlanMeeting"]
@@ -66,9 +66,9 @@ class Adoption(enum.Enum):
     """Where the plan a rank applies came from."""
 
     LOCAL = "this rank's own: no other rank can differ"
-    AGREED = "every rank's own"
-    ADOPTED = "another rank's"
-    EARLIER = "settled by the ranks for an earlier graph"
+    SETTLED = "this rank's own, settled for every rank of the group"
+    AGREED = "settled by another rank, the same as this rank's own"
+    ADOPTED = "settled by another rank, not this rank's own"
 
 
 @dataclass(frozen=True)
@@ -77,17 +77,14 @@ class AgreedPlan:
     plan: Plan
     how: Adoption
     source: int | None = None
-    """The rank whose plan was adopted, where one was."""
-    differed: tuple[int, ...] = ()
-    """The ranks whose own plan was not the adopted one."""
+    """The rank that settled the plan, where one did."""
 
     def describe(self, what: str) -> str:
         """The record's text, where this rank applies a plan not its own."""
-        if self.how is Adoption.EARLIER:
-            return f"{what} on group {self.group}: the plan its ranks settled for an earlier graph with these collectives"
         return (
-            f"{what} on group {self.group}: rank {self.source}'s plan, adopted by every rank (rank(s) "
-            f"{list(self.differed)} priced another from their own shapes, which their peers do not share)"
+            f"{what} on group {self.group}: rank {self.source}'s plan, settled for these collectives by the first "
+            "rank to compile them and applied by every rank (this rank priced another from its own shapes, "
+            "which its peers do not share)"
         )
 
 
@@ -109,51 +106,39 @@ class PlanMeeting:
     timeout_s: float = 300.0
     """How long a rank waits for its peers' plans (``check_ranks_timeout_s``)."""
 
-    def agree(self, what: str, peak_bytes: int, plans: Sequence[GroupPlan]) -> list[AgreedPlan]:
+    def agree(self, what: str, plans: Sequence[GroupPlan]) -> list[AgreedPlan]:
         """The plan every rank of each group applies, for ``plans`` (this rank's own);
-        ``what`` names the decision (pass and graph kind), ``peak_bytes`` the peak this
-        rank's graph was traced with."""
+        ``what`` names the decision (pass and graph kind)."""
         if not plans or not world_can_disagree():
             return [AgreedPlan(p.group, p.plan, Adoption.LOCAL) for p in plans]
         import torch.distributed as dist
 
         rank = dist.get_rank()
-        found: dict[str, AgreedPlan] = {}
-        pending = []
+        found = []
         for mine in plans:
             ranks = _ranks_of(mine.group)
             if ranks is None:
-                found[mine.group] = AgreedPlan(mine.group, mine.plan, Adoption.LOCAL)
+                found.append(AgreedPlan(mine.group, mine.plan, Adoption.LOCAL))
                 continue
             topic = f"plans/{what}/{short_digest(mine.candidates)}"
-            earlier = settled(topic, ranks)
-            if earlier is not None:
-                found[mine.group] = AgreedPlan(mine.group, _plan(json.loads(earlier)), Adoption.EARLIER)
+            if settle(topic, ranks, json.dumps({"rank": rank, "plan": [list(b) for b in mine.plan]})):
+                found.append(AgreedPlan(mine.group, mine.plan, Adoption.SETTLED, rank))
                 continue
-            entry = {"plan": [list(b) for b in mine.plan], "peak": int(peak_bytes)}
-            pending.append((mine, ranks, topic, post(topic, ranks, entry, "")))
-        for mine, ranks, topic, posted in pending:
-            peers = collect(
-                posted, self.timeout_s,
-                waiting=f"rank {rank} waits for the {what} plans of group {mine.group} {ranks}",
-                ended=f"dtcompile: the {what} plans of group {mine.group} {ranks} were not settled",
-                late=lambda missing, mine=mine, ranks=ranks: (
-                    f"dtcompile: rank(s) {missing} of group {mine.group} {ranks} did not come to settle the {what} "
-                    f"plan with rank {rank} within check_ranks_timeout_s={self.timeout_s:g} s: they are running "
-                    "another graph (with other collectives on this group), are still compiling (raise "
-                    "check_ranks_timeout_s where compiles take longer), or have stopped"
+            settled_by = json.loads(settled(
+                topic, ranks, self.timeout_s,
+                waiting=f"rank {rank} waits for the {what} plan of group {mine.group} {ranks}",
+                late=(
+                    f"dtcompile: rank {rank} waited check_ranks_timeout_s={self.timeout_s:g} s for the {what} plan "
+                    f"of group {mine.group} {ranks}, which the first rank to compile these collectives settles: "
+                    "it has stopped, or is still compiling (raise check_ranks_timeout_s where compiles take longer)"
                 ),
-            )
-            chosen = max(peers, key=lambda p: (p["peak"], json.dumps(p["plan"]), -p["rank"]))
-            plan = _plan(chosen["plan"])
-            settle(topic, ranks, json.dumps(chosen["plan"]))
-            differed = tuple(sorted(p["rank"] for p in peers if _plan(p["plan"]) != plan))
-            how = Adoption.AGREED if not differed else Adoption.ADOPTED
-            if differed:
-                log.info("dtcompile: %s on group %s: rank %d's plan adopted (ranks %s differed)",
-                         what, mine.group, chosen["rank"], list(differed))
-            found[mine.group] = AgreedPlan(mine.group, plan, how, chosen["rank"], differed)
-        return [found[p.group] for p in plans]
+            ))
+            plan = _plan(settled_by["plan"])
+            how = Adoption.AGREED if plan == mine.plan else Adoption.ADOPTED
+            if how is Adoption.ADOPTED:
+                log.info("dtcompile: %s on group %s: rank %d's settled plan adopted", what, mine.group, settled_by["rank"])
+            found.append(AgreedPlan(mine.group, plan, how, settled_by["rank"]))
+        return found
 
 
 def _plan(data: Any) -> Plan:

@@ -31,6 +31,18 @@ dtype, reduce op) when
   ``profile.overlap`` of their time.  A member that does not pay closes the
   bucket and opens the next one.
 
+Nothing that communicates crosses an ordering barrier
+(:func:`~dtcompile.base.op_facts.is_ordering_barrier`: P2P, c10d's own ops, a custom op
+with effects): a bucket holds only members after the same barrier, and is issued after it.
+
+What this rank priced is its own plan; the ranks of each group settle one
+(:mod:`dtcompile.rank_plans`: the first rank to compile the group's candidates
+settles its plan, the others apply it), since the prices read this rank's own
+shapes (compute, activations) and ranks fed batches of other sizes would bucket
+differently.  A rank that applies another's plan builds each planned bucket from
+what its ranks share (the graph's dependencies, the cap), records that it did, and
+prices it for the records as it prices its own.
+
 A bucket is issued right after its last input can be computed: inputs are
 flattened and concatenated (for a reduce-scatter, rank by rank, so that each
 rank's chunk holds its piece of every input), one collective and one wait run,
@@ -54,6 +66,7 @@ from torch import fx
 
 from dtcompile.base.channels import Meta
 from dtcompile.base.notation import format_bytes
+from dtcompile.base.op_facts import is_ordering_barrier
 from dtcompile.base.sizes import is_symbolic
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost import collective_time_us
@@ -100,6 +113,16 @@ class _Member:
     moves its views and copies up."""
     copied_bytes: int = 0
     """The bytes of the copies among the ops moved up with its input (views move for free): alive longer."""
+    barrier: fx.Node | None = None
+    """The last ordering barrier before it (:func:`~dtcompile.base.op_facts.is_ordering_barrier`):
+    its bucket is issued after that, and holds only members after the same barrier."""
+    epoch: int = 0
+    """How many ordering barriers come before it: members of one bucket share it."""
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Its bucket's key: op, group, group size, dtype, reduce op and :attr:`epoch`."""
+        return (*_key(self.node), self.epoch)
 
     @property
     def num_bytes(self) -> int:
@@ -268,7 +291,11 @@ def _candidates(graph: fx.Graph, index: dict[fx.Node, int], ctx: PassContext | N
     """The collectives that may join a bucket, in graph order; each one left out is recorded
     (where ``ctx`` is given) with why."""
     found = []
+    barrier, epoch = None, 0
     for node in graph.nodes:
+        if is_ordering_barrier(node):
+            barrier, epoch = node, epoch + 1
+            continue
         if node.target not in _BUCKETABLE:
             continue
         wait = single_wait(node)
@@ -282,7 +309,10 @@ def _candidates(graph: fx.Graph, index: dict[fx.Node, int], ctx: PassContext | N
             if ctx is not None:
                 ctx.skipped(node.name, "not bucketed: its shape is symbolic (dynamic shapes); a bucket is built for one shape")
             continue
-        found.append(_Member(node, wait, value, index[source], first_use_index(wait, index), collective_info(node), index[source]))
+        # Issued after the last barrier before it, whatever its input's place.
+        ready = max(index[source], index[barrier] if barrier is not None else -1)
+        found.append(_Member(node, wait, value, ready, first_use_index(wait, index), collective_info(node), index[source],
+                             barrier=barrier, epoch=epoch))
     return found
 
 
@@ -293,8 +323,9 @@ def _independent(bucket: _Bucket, member: _Member, index: dict[fx.Node, int], wr
     if max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use):
         return True
     anchor, chain = hoistable(member.node.args[0], index, written)
-    if max(bucket.ready, index[anchor]) < min(bucket.first_use, member.first_use):
-        member.ready = index[anchor]
+    ready = max(index[anchor], index[member.barrier] if member.barrier is not None else -1)
+    if max(bucket.ready, ready) < min(bucket.first_use, member.first_use):
+        member.ready = ready
         member.copied_bytes = sum(_bytes(n) for n in chain if n.target in _COPIES_OPS)
         return True
     return False
@@ -304,13 +335,13 @@ def _group_candidates(members: Sequence[_Member]) -> dict[Any, list[_Member]]:
     """The candidates by process group, each group's in graph order: what its ranks plan over."""
     by_group: dict[Any, list[_Member]] = {}
     for member in members:
-        by_group.setdefault(_key(member.node)[1], []).append(member)
+        by_group.setdefault(member.key[1], []).append(member)
     return by_group
 
 
 def _described(members: Sequence[_Member]) -> str:
     """A group's candidates as every rank of it describes them alike (no node names)."""
-    return "\n".join(f"{i}: {'/'.join(map(str, _key(m.node)[::2]))} {m.num_bytes} B" for i, m in enumerate(members))
+    return "\n".join(f"{i}: {'/'.join(map(str, m.key[::2]))} {m.num_bytes} B @{m.epoch}" for i, m in enumerate(members))
 
 
 def _plan_of(buckets: Sequence[_Bucket], members: Sequence[_Member]) -> Plan:
@@ -331,8 +362,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     # (dtcompile.rank_plans): where a peer's plan is adopted, the buckets follow it.
     by_group = _group_candidates(candidates)
     mine = [GroupPlan(str(group), _described(members), _plan_of(closed, members)) for group, members in by_group.items()]
-    peak = ctx.traced_memory.peak_bytes if ctx.traced_memory is not None else tracker.peak
-    agreed = ctx.plans.agree(f"bucketing/{ctx.kind}", peak, mine)
+    agreed = ctx.plans.agree(f"bucketing/{ctx.kind}", mine)
     if any(a.plan != m.plan for a, m in zip(agreed, mine)):
         fresh = _group_candidates(_candidates(graph, index, None))
         closed, followed = [], []
@@ -386,7 +416,7 @@ def _followed_buckets(
                                      "out of range; please report this")
             planned.add(i)
             member = members[i]
-            if bucket is not None and bucket.key == _key(member.node) and (
+            if bucket is not None and bucket.key == member.key and (
                 member.num_bytes + bucket.num_bytes <= cap and _independent(bucket, member, index, written)
             ):
                 bucket.prices.append(pricer.join(bucket, member))
@@ -394,10 +424,10 @@ def _followed_buckets(
                 continue
             if bucket is not None:
                 buckets.append(bucket)
-            bucket = _Bucket(_key(member.node), [member])
+            bucket = _Bucket(member.key, [member])
         if bucket is not None:
             buckets.append(bucket)
-    buckets += [_Bucket(_key(m.node), [m]) for i, m in enumerate(members) if i not in planned]
+    buckets += [_Bucket(m.key, [m]) for i, m in enumerate(members) if i not in planned]
     return buckets
 
 
@@ -428,7 +458,7 @@ def _priced_buckets(
 
     for member in candidates:
         node = member.node
-        key = _key(node)
+        key = member.key
         bucket = open_buckets.get(key)
         if bucket is not None:
             fits = member.num_bytes + bucket.num_bytes <= ctx.config.bucket_cap_bytes
@@ -470,7 +500,8 @@ def _hoist(bucket: _Bucket, order: dict[fx.Node, int], written: set[fx.Node]) ->
         hoistable(m.node.args[0], order, written) if m.ready < m.source_at else (m.node.args[0], [])
         for m in bucket.members
     ]
-    at = max((anchor for anchor, _ in found), key=order.__getitem__)
+    floors = [m.barrier for m in bucket.members if m.barrier is not None]
+    at = max([anchor for anchor, _ in found] + floors, key=order.__getitem__)
     cursor = at
     for node in sorted({n for _, chain in found for n in chain if order[n] > order[at]}, key=order.__getitem__):
         cursor.append(node)
@@ -480,7 +511,7 @@ def _hoist(bucket: _Bucket, order: dict[fx.Node, int], written: set[fx.Node]) ->
 
 def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
     graph = gm.graph
-    kind, group, group_size, _, reduce_op = bucket.key
+    kind, group, group_size, _, reduce_op, _ = bucket.key
     values = [m.value for m in bucket.members]
     numels = [v.numel() for v in values]
     # New nodes go in order, right after the last input; for the annotations each
