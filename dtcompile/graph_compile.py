@@ -42,6 +42,7 @@ from dtcompile.artifacts import (
 )
 from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.base.channels import BesideCacheFolders, GraphKind
+from dtcompile.base.op_facts import is_ordering_barrier
 from dtcompile.base.sharding_cache import fresh_sharding_caches
 from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
@@ -130,20 +131,37 @@ def _aot_settings(config: DTCompileConfig, *, backward_now: bool, cacheable: boo
         yield
 
 
-def schedule_owned_by_dtcompile(config: DTCompileConfig, passes: Sequence[PassRecord]) -> dict[str, Any]:
-    """Inductor settings that leave the collectives' schedule to dtcompile's passes,
-    given what they did to this graph.
+def schedule_owned_by_dtcompile(
+    config: DTCompileConfig, passes: Sequence[PassRecord], graph: fx.Graph | None = None
+) -> dict[str, Any]:
+    """Inductor settings that leave the order of ``graph``'s communication to dtcompile,
+    given what its passes did to it.
 
     From torch 2.14 Inductor reorders collectives itself (``simple_overlap``, on by
-    default; :func:`dtcompile.base.torch_compat.inductor_reorders_collectives`).  Where
-    dtcompile's ``overlap`` pass has placed the collectives and waits, or its
-    ``async_tp`` pass has put collectives inside fused ops, dtcompile owns the
-    schedule and Inductor's pass is switched off for this compile: it would
-    redo the placement without dtcompile's cost model, and it does not see a
-    collective inside a fused op (a ``FallbackKernel``), so it could move
-    another collective across it (pytorch/pytorch#189454).  Where neither
-    changed the graph (disabled, or their rewrites did not pay under the
-    profile), or the setting is given explicitly, Inductor's own choice stands.
+    default; :func:`dtcompile.base.torch_compat.inductor_reorders_collectives`), and it
+    sees only the functional collectives (``_c10d_functional``, P2P included) as
+    communication: an op that communicates inside a ``FallbackKernel`` (a custom op such
+    as torchcomms', a fused collective-matmul) is invisible to its rule, so it can move a
+    collective across one on some ranks only and the ranks pair the wrong collectives
+    (pytorch/pytorch#189454).  Its pass is switched off for this compile where
+
+    - ``graph`` holds an ordering barrier
+      (:func:`dtcompile.base.op_facts.is_ordering_barrier`) and something else that
+      communicates (a collective or another barrier): the order the ranks traced is
+      the order they issue;
+    - dtcompile's ``overlap`` pass has placed the collectives and waits, or its
+      ``async_tp`` pass has put collectives inside fused ops: dtcompile owns the
+      schedule, and Inductor would redo it without dtcompile's cost model.
+
+    Elsewhere (no barrier, and those passes disabled or their rewrites did not pay
+    under the profile), or where the setting is given explicitly in
+    ``config.inductor_config``, Inductor's own choice stands.  Inductor's other
+    reorderings on by default in 2.14 and 2.15 keep that order: ``reorder_for_locality``
+    (inference graphs) moves no collective (its users are waits) and keeps a
+    ``with_effects`` op next to its outputs; ``reorder_for_peak_memory`` only sorts the
+    scheduler's nodes by their dependencies; ``reorder_for_compute_comm_overlap`` and
+    ``enable_overlap_scheduling`` are off.  Without ``graph`` (a caller that has none)
+    only the passes' record decides.
     """
     if not inductor_reorders_collectives() or INDUCTOR_SIMPLE_OVERLAP in config.inductor_config:
         return {}
@@ -153,7 +171,10 @@ def schedule_owned_by_dtcompile(config: DTCompileConfig, passes: Sequence[PassRe
         if record.name in ("overlap", "async_tp")
         for decision in record.decisions
     )
-    return {INDUCTOR_SIMPLE_OVERLAP: False} if scheduled else {}
+    nodes = list(graph.nodes) if graph is not None else []
+    barriers = sum(1 for n in nodes if is_ordering_barrier(n))
+    crossable = barriers > 1 or (barriers == 1 and any(is_collective(n) for n in nodes))
+    return {INDUCTOR_SIMPLE_OVERLAP: False} if scheduled or crossable else {}
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
@@ -287,12 +308,14 @@ class GraphCompile:
             kind = GraphKind.INFERENCE
         else:
             kind = GraphKind.FORWARD
-        communicates = any(is_collective(node) for node in gm.graph.nodes)
         with contextlib.ExitStack() as stack:
+            traced, kind, records, memory, ctx = self.passes(gm, example_inputs, kind)
 
             def lowering(passes: Sequence[PassRecord]) -> dict[str, Any]:
-                """Patches Inductor for this graph (until it is compiled); what it will read."""
-                owned = schedule_owned_by_dtcompile(self.config, passes) if communicates else {}
+                """Patches Inductor for this graph (until it is compiled); what it will read.
+                Called on the graph as it is lowered: after the passes, its regions inlined."""
+                communicates = any(is_collective(n) or is_ordering_barrier(n) for n in traced.graph.nodes)
+                owned = schedule_owned_by_dtcompile(self.config, passes, traced.graph) if communicates else {}
                 stack.enter_context(inductor_config.patch(owned))
                 current = inductor_config.get_config_copy()
                 settings = {name: current[name] for name in self.config.inductor_config}
@@ -300,7 +323,7 @@ class GraphCompile:
                     settings[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
                 return settings
 
-            gm = self.lower(*self.passes(gm, example_inputs, kind), lowering)
+            gm = self.lower(traced, kind, records, memory, ctx, lowering)
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _aot_only(self) -> Callable[..., Any]:

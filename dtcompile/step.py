@@ -398,7 +398,7 @@ class CompiledStep:
 
         from dtcompile.graph_compile import schedule_owned_by_dtcompile
 
-        patches = {**self.config.inductor_config, **schedule_owned_by_dtcompile(self.config, self.records[-1].passes)}
+        patches = {**self.config.inductor_config, **schedule_owned_by_dtcompile(self.config, self.records[-1].passes, gm.graph)}
         # Inputs as values: the graph already holds its backward; nothing here needs a gradient.
         inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in example]
         return compile_fx(gm, inputs, config_patches=patches)

@@ -5,7 +5,8 @@ After AOTAutograd every functional collective is followed at once by its
 
 1. moves every ``wait_tensor`` down to just before the first node that uses its
    result (a wait that nobody uses stays where it is);
-2. moves every collective up to just after the last of its inputs, unless the
+2. moves every collective up to just after the last of its inputs, or of the
+   graph's communication before it if that is later (see below), unless the
    bytes of the collectives then in flight at once (issued, not yet waited on)
    would pass ``config.overlap_memory_budget_bytes``, or the graph's estimated
    peak (:mod:`dtcompile.memory`) its memory budget
@@ -14,13 +15,22 @@ After AOTAutograd every functional collective is followed at once by its
 3. where the compute between a collective and its wait is estimated shorter
    than the collective (``config.cost_profile``), moves compute that the
    collective does not depend on from before it to just after it (latest first,
-   back to the previous collective's wait) until the window covers it: in a
-   backward pass, the weight-gradient matmuls behind a reduce-scatter of the
-   input gradient; where those moves together would take the estimated peak over
-   the memory budget, none of them is made.
+   back to the previous collective's wait, or the communication before it) until
+   the window covers it: in a backward pass, the weight-gradient matmuls behind a
+   reduce-scatter of the input gradient; where those moves together would take
+   the estimated peak over the memory budget, none of them is made.
 
 The graph computes the same values (only the order of independent nodes
-changes).  Fused collective-matmuls (``async_tp``) are left where they are:
+changes), and issues its communication in the order it was traced: a
+collective is never issued before another collective, nor before an ordering
+barrier (:func:`dtcompile.base.op_facts.is_ordering_barrier`: P2P, c10d's own
+ops, effectful or mutating custom ops, which communicate or may), nor before a
+``local_map`` region that issues either; compute never moves across a barrier.
+Ranks pair their collectives by the order they issue them, and the pass prices
+each graph from its own rank's shapes, which may differ between ranks: keeping
+the traced order is what keeps its decisions, however they differ, from
+pairing the wrong collectives.  Waits issue nothing and still sink past
+anything.  Fused collective-matmuls (``async_tp``) are left where they are:
 they overlap inside.  A data-dependent collective (a MoE's token all-to-all,
 its split sizes read from a tensor) is not moved either, nor compute under it:
 its buffer and its time are only estimates, so neither the budget nor the
@@ -36,13 +46,14 @@ gained; every move, and every move refused, is recorded.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 from torch import fx
 
 from dtcompile.base.notation import format_bytes
-from dtcompile.base.op_facts import WAIT
+from dtcompile.base.op_facts import WAIT, is_ordering_barrier
 from dtcompile.collectives import collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us, simulate
@@ -77,19 +88,27 @@ def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
 
 
 def _hoist_collectives(
-    gm: fx.GraphModule, infos: dict[fx.Node, Any], budget: int, tracker: PeakTracker, ctx: PassContext
+    gm: fx.GraphModule,
+    infos: dict[fx.Node, Any],
+    communication: set[fx.Node],
+    budget: int,
+    tracker: PeakTracker,
+    ctx: PassContext,
 ) -> int:
     moved = 0
+    previous: fx.Node | None = None  # the communication before this node, in the traced order
     for node in list(gm.graph.nodes):
         info = infos.get(node)
+        earlier, previous = previous, (node if node in communication else previous)
         if info is None or info.fused:
             continue
         if info.data_dependent:
             ctx.skipped(node.name, f"not issued earlier: {_DATA_DEPENDENT}, so the bytes in flight are unknown")
             continue
         order = _order(gm.graph)
-        inputs = node.all_input_nodes
-        anchor = max(inputs, key=order.__getitem__) if inputs else next(iter(gm.graph.nodes))
+        # Never before the communication issued before it: the ranks' order stays the traced one.
+        after = [*node.all_input_nodes, *([earlier] if earlier is not None else [])]
+        anchor = max(after, key=order.__getitem__) if after else next(iter(gm.graph.nodes))
         distance = order[node] - order[anchor] - 1
         if distance <= 0:
             continue
@@ -140,7 +159,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions: set[fx.Node], ctx: PassContext) -> int:
+def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], communication: set[fx.Node], ctx: PassContext) -> int:
     profile = ctx.profile
 
     moved = 0
@@ -162,8 +181,8 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], talking_regions
         ancestors = _ancestors(node)
         candidates = []
         for before in reversed([n for n in gm.graph.nodes if order[n] < order[node]]):
-            if before.op != "call_function" or before.target is WAIT or before in infos or before in talking_regions:
-                break  # do not move compute across another collective or wait, or a region issuing one
+            if before.op != "call_function" or before.target is WAIT or before in communication:
+                break  # do not move compute across another collective or wait, a barrier, or a region issuing one
             if before in ancestors:
                 continue
             candidates.append(before)
@@ -212,7 +231,13 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     infos = {node: info for node in gm.graph.nodes if (info := collective_info(node)) is not None}
     if not infos:
         return gm
-    talking_regions = {node for node in gm.graph.nodes if issues_collectives(node)}
+    # What issues communication, in its traced order: collectives, barriers (a region holding
+    # one is one), regions issuing collectives, and the getitems that read their outputs.
+    # Moving nodes changes none of them either.
+    communication = {
+        node for node in gm.graph.nodes if node in infos or is_ordering_barrier(node) or issues_collectives(node)
+    }
+    communication |= {user for node in communication for user in node.users if user.target is operator.getitem}
     original = list(gm.graph.nodes)
     before = simulate(gm.graph, ctx.profile).total_us
     held = _peak_in_flight(gm.graph, infos)
@@ -221,9 +246,9 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     # Sinking a wait moves no allocation (a wait is its collective's buffer): the memory as found.
     tracker = ctx.peak_tracker(gm)
     peak_before = tracker.estimate.peak_bytes
-    moved += _hoist_collectives(gm, infos, ctx.config.overlap_memory_budget_bytes, tracker, ctx)
+    moved += _hoist_collectives(gm, infos, communication, ctx.config.overlap_memory_budget_bytes, tracker, ctx)
     hoisted, recorded = list(gm.graph.nodes), len(ctx.outcomes)
-    filled = _fill_windows(gm, infos, talking_regions, ctx)
+    filled = _fill_windows(gm, infos, communication, ctx)
     peak = None
     if filled:
         peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
