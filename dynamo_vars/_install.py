@@ -22,9 +22,14 @@ reverted here and nowhere else:
    (``WRAPPED``: ``(class or module, name)`` -> replacement
    ``(original) -> function``).
 
-Outside the torch versions dtcompile is tested on
+On a torch older than the versions dtcompile is tested on
 (:data:`dtcompile.base.torch_contract.TESTED_TORCH`) nothing is installed: one
-warning says so, and Dynamo stays stock.  Installing changes what Dynamo can
+warning says so, and Dynamo stays stock.  On a newer one the contract
+(:func:`dtcompile.base.torch_contract.contract_breaks`: every private name with
+its parameters, every object patched) is checked once, at the first install:
+where it holds, dynamo_vars installs and one log line (INFO) says so; where it
+does not, nothing is installed and one warning names the first names broken
+and the last tested release.  Installing changes what Dynamo can
 trace and how guards describe themselves; it does not change a graph that
 already traced.  Callbacks given to :func:`on_uninstall` run when it is undone
 (the named ``dtcompile`` backend forgets itself there, so that the next lookup
@@ -34,10 +39,14 @@ by name installs again).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtcompile.base.torch_contract import Break
 
 __all__ = ["enabled", "install", "is_installed", "on_uninstall", "uninstall"]
 
@@ -45,6 +54,10 @@ _lock = threading.RLock()
 _undo: list[Callable[[], None]] = []
 _on_uninstall: list[Callable[[], None]] = []
 _warned_version = False
+_newer_breaks: tuple[Break, ...] | None = None
+"""On a torch newer than the tested range, the contract's breaks once checked (empty: it holds)."""
+
+log = logging.getLogger(__name__)
 
 
 class HandlerClashError(RuntimeError):
@@ -64,31 +77,26 @@ def is_installed() -> bool:
 def install() -> bool:
     """Install dynamo_vars into Dynamo (idempotent); ``uninstall()`` undoes it.
 
-    Returns whether it is installed: False without ``torch.distributed`` or on
-    a torch outside the tested range (then stock Dynamo stays, with one warning).
+    Returns whether it is installed: False without ``torch.distributed``, on a
+    torch older than the tested range, or on a newer one that breaks the
+    contract (then stock Dynamo stays, with one warning).
     """
-    global _warned_version
+    global _warned_version, _newer_breaks
     import torch.distributed as dist
 
-    from dtcompile.base.torch_contract import TESTED_TORCH, torch_is_supported
+    from dtcompile.base import torch_contract
 
     if not dist.is_available():
         return False
-    if not torch_is_supported():
-        if not _warned_version:
-            import torch
-
-            (low, high) = TESTED_TORCH
-            warnings.warn(
-                f"dtcompile: torch {torch.__version__} is outside the tested range "
-                f">={low[0]}.{low[1]},<{high[0]}.{high[1]}; Dynamo's DTensor support (dynamo_vars) is "
-                "not installed and Dynamo stays stock. Install a tested torch "
-                f"(pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}').",
-                stacklevel=2,
-            )
-            _warned_version = True
-        return False
     with _lock:
+        if _newer_breaks is None and torch_contract.torch_is_newer():
+            _newer_breaks = _newer_torch_checked()
+        refused = _refusal(_newer_breaks)
+        if refused is not None:
+            if not _warned_version:
+                warnings.warn(refused, stacklevel=2)
+                _warned_version = True
+            return False
         if _undo:
             return True
         try:
@@ -97,6 +105,53 @@ def install() -> bool:
             _uninstall_locked()
             raise
     return True
+
+
+def _newer_torch_checked() -> tuple[Break, ...]:
+    """The contract's breaks on a torch newer than the tested range; where there are none,
+    the one log line saying that the contract holds."""
+    import torch
+
+    from dtcompile.base import torch_contract
+
+    breaks = tuple(torch_contract.contract_breaks())
+    if not breaks:
+        (major, minor) = torch_contract.last_tested()
+        log.info(
+            "dtcompile: torch %s is newer than the tested range %s (the last tested release is %d.%d); "
+            "the contract holds (every private torch name dtcompile relies on outside its test worlds is "
+            "there with its parameters, every object it patches is there), so dynamo_vars installs",
+            torch.__version__, torch_contract.tested_range(), major, minor,
+        )
+    return breaks
+
+
+def _refusal(newer_breaks: tuple[Break, ...] | None) -> str | None:
+    """Why this torch gets no dynamo_vars, as the warning says it; None where it does: a
+    tested torch, or a newer one whose contract check found ``newer_breaks`` empty."""
+    import torch
+
+    from dtcompile.base import torch_contract
+
+    if torch_contract.torch_is_supported():
+        return None
+    tested = torch_contract.tested_range()
+    stock = "Dynamo's DTensor support (dynamo_vars) is not installed and Dynamo stays stock"
+    if not torch_contract.torch_is_newer():
+        return (
+            f"dtcompile: torch {torch.__version__} is outside the tested range {tested}; {stock}. "
+            f"Install a tested torch (pip install 'torch{tested}')."
+        )
+    assert newer_breaks is not None  # install() checks a newer torch's contract first
+    if not newer_breaks:
+        return None
+    (major, minor) = torch_contract.last_tested()
+    return (
+        f"dtcompile: torch {torch.__version__} is newer than the tested range {tested} (the last tested "
+        f"release is {major}.{minor}) and breaks the contract of private torch names dtcompile relies on: "
+        f"{torch_contract.describe(newer_breaks)}; {stock}. Install torch {major}.{minor} "
+        f"(pip install 'torch{tested}') or report it to dtcompile."
+    )
 
 
 def _install_locked() -> None:

@@ -5,22 +5,31 @@ and guard builder, the HOP tracing helpers, DTensor's sharding caches...).
 Their contract is not public, so it is fenced:
 
 - :data:`TESTED_TORCH` is the range of torch versions the package is tested
-  on (2.13, 2.14 and 2.15; ``pyproject.toml`` pins the same range);
-  :func:`torch_is_supported` says whether the running torch is in it, and
-  ``dynamo_vars.install()`` leaves stock Dynamo alone with one warning outside it;
+  on (2.13, 2.14 and 2.15); :func:`torch_is_supported` says whether the
+  running torch is in it, :func:`torch_is_newer` whether it is past it.
+  ``pyproject.toml`` declares the lower bound only: a newer torch is judged
+  by this contract, not by its version.  ``dynamo_vars.install()`` installs
+  on a tested torch; on a newer one it checks the contract once
+  (:func:`contract_breaks`) and installs where it holds (one log line says
+  so), else stays off with one warning naming what broke; on an older one it
+  stays off with one warning;
 - :data:`PRIVATE_NAMES` lists every private name used, with the parameters
   dtcompile passes and, for a name only some supported releases have, which
-  (:mod:`dtcompile.base.torch_compat` chooses between them);
+  (:mod:`dtcompile.base.torch_compat` chooses between them; a torch newer
+  than the range is expected to have the newest tested release's names);
   ``tests/architecture/test_torch_contract.py`` asserts each still exists
-  with that signature on the running torch, and reads the code to fail on a
-  private name missing here, so an upgrade that moves one fails in one
-  readable test instead of silently (a guard that no longer explains itself,
-  a region whose backward is paired wrongly);
+  with that signature on the running torch (:func:`problem`), and reads the
+  code to fail on a private name missing here, so an upgrade that moves one
+  fails in one readable test instead of silently (a guard that no longer
+  explains itself, a region whose backward is paired wrongly);
 - :data:`PATCHED` lists every torch object that dynamo_vars replaces while
   installed; ``dynamo_vars.uninstall()`` restores each.  Every other change
   dtcompile makes to the process (the partitioner's rules and ``copyreg``'s
   table during a compile, the registry, the test worlds' swaps) is listed, with
-  how long it lasts, in :mod:`dtcompile.base.process_changes`.
+  how long it lasts, in :mod:`dtcompile.base.process_changes`;
+- :func:`require` is a feature's check at its entry: a private name it needs
+  that the running torch lacks is a :class:`TorchContractError` naming it,
+  never an ``AttributeError`` from deep inside.
 
 Upgrading torch: run that test on the new release first; each line it fails
 on is a name to add to :mod:`dtcompile.base.torch_compat` (one function per
@@ -31,26 +40,70 @@ Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import importlib
+import inspect
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
-__all__ = ["PATCHED", "PRIVATE_NAMES", "TESTED_TORCH", "PrivateName", "applies", "torch_is_supported"]
+__all__ = [
+    "PATCHED",
+    "PRIVATE_NAMES",
+    "TESTED_TORCH",
+    "Break",
+    "PrivateName",
+    "TorchContractError",
+    "applies",
+    "contract_breaks",
+    "describe",
+    "last_tested",
+    "own_attribute",
+    "problem",
+    "require",
+    "resolve",
+    "tested_range",
+    "torch_is_newer",
+    "torch_is_supported",
+]
 
 TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 16))
 """``[low, high)``: the torch (major, minor) versions dtcompile is tested on."""
 
 
-def torch_is_supported(version: str | None = None) -> bool:
-    """Whether ``version`` (default: the running torch's) is in :data:`TESTED_TORCH`."""
+def _parsed(version: str | None) -> Any:
     from torch.torch_version import TorchVersion
 
     if version is None:
         import torch
 
         version = torch.__version__
-    low, high = TESTED_TORCH
     # TorchVersion compares as a version (2.13.0+cpu >= (2, 13)), not as a string.
-    parsed = TorchVersion(version)
+    return TorchVersion(version)
+
+
+def torch_is_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the running torch's) is in :data:`TESTED_TORCH`."""
+    low, high = TESTED_TORCH
+    parsed = _parsed(version)
     return parsed >= low and parsed < high
+
+
+def torch_is_newer(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the running torch's) is past :data:`TESTED_TORCH`
+    (``2.16.0``, ``2.16.0+cu130``: judged by the contract, not refused)."""
+    return _parsed(version) >= TESTED_TORCH[1]
+
+
+def last_tested() -> tuple[int, int]:
+    """The newest torch release in :data:`TESTED_TORCH`: ``(2, 15)``."""
+    (major, minor) = TESTED_TORCH[1]
+    assert minor > 0, TESTED_TORCH  # the range ends before a x.0 release: name its last one here
+    return (major, minor - 1)
+
+
+def tested_range() -> str:
+    """:data:`TESTED_TORCH` as a pip specifier: ``>=2.13,<2.16``."""
+    (low, high) = TESTED_TORCH
+    return f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
 
 
 class PrivateName(NamedTuple):
@@ -62,11 +115,20 @@ class PrivateName(NamedTuple):
     params: tuple[str, ...] | None = None
     """Parameter names the call sites rely on; None: only its existence matters."""
     versions: tuple[tuple[int, int], tuple[int, int]] | None = None
-    """``[low, high)`` of the supported releases that have it; None: every one."""
+    """``[low, high)`` of the supported releases that have it; None: every one.  A range
+    ending where :data:`TESTED_TORCH` ends goes on: a newer torch is expected to have it."""
+
+    @property
+    def dotted(self) -> str:
+        """``module.path``, as the code spells it (``torch._dynamo.guards.GuardBuilder.EQUALS_MATCH``)."""
+        return f"{self.module}.{self.path}"
 
 
 def applies(name: PrivateName, version: tuple[int, int] | None = None) -> bool:
-    """Whether the release ``version`` (default: the running torch's) has ``name``."""
+    """Whether the release ``version`` (default: the running torch's) has ``name``.
+
+    A release past :data:`TESTED_TORCH` is expected to have what the newest tested
+    one has: the names of every release, and those of the newest releases only."""
     if name.versions is None:
         return True
     if version is None:
@@ -74,7 +136,7 @@ def applies(name: PrivateName, version: tuple[int, int] | None = None) -> bool:
 
         version = torch_version()
     low, high = name.versions
-    return low <= version < high
+    return low <= version and (version < high or high == TESTED_TORCH[1])
 
 
 _P = PrivateName
@@ -325,3 +387,132 @@ PATCHED: tuple[PrivateName, ...] = tuple(_P(module, path, None, *versions) for m
 ))
 """Every torch object dynamo_vars replaces while installed (``dynamo_vars/_install.py``);
 ``uninstall()`` puts each original back."""
+
+
+
+class Break(NamedTuple):
+    """A listed name the running torch lacks, or has without what dtcompile relies on."""
+
+    name: PrivateName
+    problem: str
+    """In words: ``gone``, ``lost the parameters ['hints'] dtcompile passes``..."""
+
+
+class TorchContractError(RuntimeError):
+    """The running torch lacks a private name a dtcompile feature relies on (:func:`require`)."""
+
+    def __init__(self, message: str, breaks: tuple[Break, ...]) -> None:
+        super().__init__(message)
+        self.breaks = breaks
+
+
+def resolve(name: PrivateName) -> Any:
+    """The object ``name`` names on the running torch, unwrapped (a classmethod's function,
+    the original under a ``functools.wraps`` wrapper); ``ImportError`` or ``AttributeError``
+    where torch lacks it.  A class's attributes are read statically, as defined."""
+    obj = importlib.import_module(name.module)
+    for part in name.path.split("."):
+        obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+    if isinstance(obj, (classmethod, staticmethod)):
+        obj = obj.__func__
+    return getattr(obj, "__wrapped__", obj)
+
+
+def own_attribute(name: PrivateName) -> Any:
+    """The object stored under ``name``'s last part in its owner's own namespace, as
+    dynamo_vars replaces it (``vars(GuardBuilder)["EQUALS_MATCH"]``); ``KeyError`` where
+    the owner only inherits it."""
+    obj = importlib.import_module(name.module)
+    *owners, last = name.path.split(".")
+    for part in owners:
+        obj = getattr(obj, part)
+    return vars(obj)[last]
+
+
+def problem(name: PrivateName) -> str | None:
+    """What the running torch lacks of ``name``, in words; None where it has it with every
+    parameter :attr:`PrivateName.params` lists."""
+    try:
+        obj = resolve(name)
+    except Exception:  # a module or attribute gone, an op no longer registered: all one answer
+        return "gone"
+    if name.params is None:
+        return None
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "has no signature to read"
+    missing = [p for p in name.params if p not in signature.parameters]
+    return f"lost the parameters {missing} dtcompile passes (now {signature})" if missing else None
+
+
+_TORCH_TEST_HELPERS = "torch.testing._internal."
+"""torch's own test helpers, used by dtcompile.testing's worlds only: importing one changes
+the process (``multi_threaded_pg`` registers the ``threaded`` process-group backend)."""
+
+
+def contract_breaks() -> list[Break]:
+    """Every break of the contract on the running torch, in the contract's order: each
+    :data:`PRIVATE_NAMES` entry that :func:`applies` and has a :func:`problem`, then each
+    :data:`PATCHED` object no longer defined where dynamo_vars replaces it.
+
+    What ``dynamo_vars.install()`` checks on a torch newer than :data:`TESTED_TORCH`; it
+    imports every module listed (about a second past what a compile imports anyway) but
+    torch's test helpers (``torch.testing._internal``), which it leaves out: those the
+    contract test checks, and a world of dtcompile.testing imports them when it starts."""
+    found = [
+        Break(n, why)
+        for n in PRIVATE_NAMES
+        if applies(n) and not n.module.startswith(_TORCH_TEST_HELPERS) and (why := problem(n)) is not None
+    ]
+    broken = {b.name.dotted for b in found}
+    for name in PATCHED:
+        if not applies(name) or name.dotted in broken:
+            continue
+        try:
+            own_attribute(name)
+        except Exception:
+            found.append(Break(name, "no longer defined on its owner, where dynamo_vars replaces it"))
+    return found
+
+
+def describe(breaks: Iterable[Break], shown: int = 3) -> str:
+    """The first ``shown`` breaks, each with its problem, and how many more:
+    ``torch._dynamo.guards.check_dtensor_spec (gone) and 2 more``."""
+    breaks = list(breaks)
+    text = ", ".join(f"{b.name.dotted} ({b.problem})" for b in breaks[:shown])
+    return f"{text} and {len(breaks) - shown} more" if len(breaks) > shown else text
+
+
+def require(names: Iterable[str], feature: str) -> None:
+    """Raise :class:`TorchContractError` at ``feature``'s entry where the running torch
+    breaks one of ``names`` (dotted, each listed in :data:`PRIVATE_NAMES`: every entry
+    under it that :func:`applies` is checked, its parameters too).
+
+    ``feature`` names what is refused (``dtcompile.auto_parallel``); the error names the
+    broken names, the running torch and the tested range.  A name not listed is a
+    ``ValueError``: the contract is the one list of private names.
+    """
+    names = list(names)
+    listed: dict[str, list[PrivateName]] = {}
+    for name in PRIVATE_NAMES:
+        listed.setdefault(name.dotted, []).append(name)
+    unlisted = [dotted for dotted in names if dotted not in listed]
+    if unlisted:
+        raise ValueError(
+            f"require: {feature} asks for {unlisted}, not in torch_contract.PRIVATE_NAMES; "
+            "list each there, with the parameters it passes"
+        )
+    breaks = tuple(
+        Break(n, why) for dotted in names for n in listed[dotted] if applies(n) and (why := problem(n)) is not None
+    )
+    if breaks:
+        import torch
+
+        (major, minor) = last_tested()
+        raise TorchContractError(
+            f"{feature}: torch {torch.__version__} lacks private torch names it relies on: {describe(breaks)}; "
+            f"dtcompile is tested on torch {tested_range()} (the last tested release is {major}.{minor}): "
+            f"install one of those (pip install 'torch{tested_range()}') or report it to dtcompile",
+            breaks,
+        )

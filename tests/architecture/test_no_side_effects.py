@@ -174,12 +174,14 @@ def test_on_the_running_torch_a_backend_installs_dynamo_vars_without_a_warning()
     assert last == "True []"
 
 
-def test_outside_the_tested_torch_range_dynamo_stays_stock():
+def test_below_the_tested_torch_range_dynamo_stays_stock():
+    """An older torch than the tested range (a newer one is judged by the contract:
+    tests/architecture/test_newer_torch.py)."""
     last = run_python(
         """
         import warnings
         import torch
-        torch.__version__ = "2.16.0"   # as an upgraded torch would report
+        torch.__version__ = "2.12.0"   # as an older torch would report
         import dynamo_vars
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -9,49 +9,51 @@ supported releases only say which (``versions``), and
 :func:`test_every_private_torch_name_in_the_code_is_in_the_contract` reads the
 code and fails on a private name it does not list.  Every torch object that
 dynamo_vars or the backend replaces is listed in ``PATCHED`` and is restored by
-``dynamo_vars.uninstall()``.
+``dynamo_vars.uninstall()``.  Each name is checked with the contract's own
+:func:`~dtcompile.base.torch_contract.problem`, the check
+``dynamo_vars.install()`` runs on a torch newer than the tested range
+(``tests/architecture/test_newer_torch.py``).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 from pathlib import Path
 
 import pytest
 
 from dtcompile.base.torch_compat import torch_version
-from dtcompile.base.torch_contract import PATCHED, PRIVATE_NAMES, TESTED_TORCH, applies, torch_is_supported
+from dtcompile.base.torch_contract import (
+    PATCHED,
+    PRIVATE_NAMES,
+    TESTED_TORCH,
+    applies,
+    contract_breaks,
+    own_attribute,
+    problem,
+    resolve,
+    torch_is_newer,
+    torch_is_supported,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("dtcompile", "dynamo_vars", "hops", "tools")
 
 
-def _resolve(module: str, path: str):
-    obj = importlib.import_module(module)
-    for part in path.split("."):
-        obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
-    if isinstance(obj, (classmethod, staticmethod)):
-        obj = obj.__func__
-    return getattr(obj, "__wrapped__", obj)
-
-
-@pytest.mark.parametrize("name", PRIVATE_NAMES, ids=lambda n: f"{n.module}.{n.path}")
+@pytest.mark.parametrize("name", PRIVATE_NAMES, ids=lambda n: n.dotted)
 def test_private_name_exists_with_its_signature(name):
     if not applies(name):
         with pytest.raises((ImportError, AttributeError)):
-            _resolve(name.module, name.path)
+            resolve(name)
         return
-    try:
-        obj = _resolve(name.module, name.path)
-    except (ImportError, AttributeError) as e:
-        pytest.fail(f"torch no longer has {name.module}.{name.path} ({e}); dtcompile relies on it")
-    if name.params is None:
-        return
-    names = list(inspect.signature(obj).parameters)
-    missing = [p for p in name.params if p not in names]
-    assert not missing, f"{name.module}.{name.path}{inspect.signature(obj)} lost the parameters {missing} dtcompile passes"
+    found = problem(name)
+    assert found is None, f"torch {name.dotted}: {found}; dtcompile relies on it"
+
+
+def test_the_whole_contract_holds_as_install_checks_it_on_a_newer_torch():
+    """The check ``dynamo_vars.install()`` runs on a torch past the tested range, run here."""
+    assert contract_breaks() == []
 
 
 def test_the_contract_says_which_names_differ_between_releases():
@@ -98,6 +100,24 @@ def test_the_running_torch_is_the_tested_one():
 def test_the_version_fence_compares_versions_not_strings(version, supported):
     # "2.9.0" > "2.13.0" as strings: a string comparison would let it in.
     assert torch_is_supported(version) is supported
+
+
+@pytest.mark.parametrize(
+    "version, newer",
+    [("2.15.0+cu132", False), ("2.16.0", True), ("2.16.0+cu130", True), ("2.17.1", True), ("2.12.9", False), ("2.9.0", False)],
+)
+def test_a_newer_torch_is_told_from_an_older_one(version, newer):
+    assert torch_is_newer(version) is newer
+
+
+def test_a_newer_torch_is_expected_to_have_the_newest_tested_releases_names():
+    newest_only = [n.dotted for n in PRIVATE_NAMES if not applies(n, (2, 13))]
+    assert [n.dotted for n in PRIVATE_NAMES if not applies(n, (2, 16))] == [
+        "torch._dynamo.variables.script_object.TorchScriptObjectVariable.call_method",
+        "torch._dynamo.variables.base.VariableTracker.var_getattr",
+    ]
+    assert all(applies(n, (2, 17)) for n in PRIVATE_NAMES if n.dotted in newest_only), newest_only
+    assert not any(applies(n, (2, 12)) for n in PRIVATE_NAMES if n.versions is not None)
 
 
 # ---- the contract is complete
@@ -226,7 +246,7 @@ def test_uninstall_restores_every_patched_object():
     import dynamo_vars
 
     def current():
-        return {(m, p): _resolve_raw(m, p) for m, p in _patched()}
+        return {(n.module, n.path): own_attribute(n) for n in PATCHED if applies(n)}
 
     with dynamo_vars.enabled(False):
         before = current()
@@ -235,11 +255,3 @@ def test_uninstall_restores_every_patched_object():
         after = current()
     assert all(during[k] is not before[k] for k in before), [k for k in before if during[k] is before[k]]
     assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
-
-
-def _resolve_raw(module: str, path: str):
-    obj = importlib.import_module(module)
-    *owners, last = path.split(".")
-    for part in owners:
-        obj = getattr(obj, part)
-    return vars(obj)[last]
