@@ -67,6 +67,7 @@ from dtcompile.rank_schedule import (
     load_schedule,
     save_schedule,
     scheduled_collectives,
+    traced_digest,
 )
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
 from dtcompile.regions import format_with_regions, is_region
@@ -429,6 +430,7 @@ class GraphCompile:
                 memory_budget=(ctx.budget_bytes, ctx.budget_why),
                 timeline=simulate(gm.graph, self.info.profile),
                 timeline_traced=ctx.traced_timeline,
+                collectives_traced=ctx.traced_collectives,
                 spmd_types_traced=self.spmd_types_traced.get(kind, {}),
                 lowering=dict(lowering(records)),
             )
@@ -498,7 +500,8 @@ class GraphCompile:
         elif self.obtained is Obtained.SERVED and self.beside_cache_key is not None:
             collectives, merged = load_schedule(self.beside_cache_key) or (None, False)
         decided = decided_from(self.config, self.profile_choice, self.gm, self.example_inputs)
-        schedule = Schedule(self.info.compile_id, self.obtained, collectives, decided, self.eager_because, merged)
+        traced = traced_digest(self.graphs) if self.graphs else ""
+        schedule = Schedule(self.info.compile_id, self.obtained, collectives, decided, self.eager_because, merged, traced)
         if self.graphs and self.beside_cache_key is not None:
             save_schedule(self.beside_cache_key, schedule)
         return schedule

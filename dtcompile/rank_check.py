@@ -23,7 +23,10 @@ and then every rank does the same thing:
   DTensor's own collectives on each, with a warning;
 - schedules differ: every rank raises :class:`RanksDisagree`, naming the graph,
   the ranks on each side, the first collective that differs and the inputs
-  that differ between them (an option, the profile, the cache);
+  that differ between them (an option, the profile, the cache): the user's to
+  fix; or, where the ranks traced the same collectives with the same settings
+  and dtcompile's passes made different ones of them (:func:`own_making`), that
+  it is dtcompile's bug, not the user's;
 - a peer does not come within ``check_ranks_timeout_s``: :class:`RanksDisagree`
   naming it (it is running another graph, e.g. one it recompiled).
 
@@ -66,7 +69,7 @@ from typing import Any
 from torch import fx
 
 from dtcompile.collectives import axis_name, group_names_in
-from dtcompile.rank_schedule import Schedule, short_digest
+from dtcompile.rank_schedule import Obtained, Schedule, short_digest
 
 __all__ = [
     "ABORT_KEY",
@@ -79,6 +82,7 @@ __all__ = [
     "differences",
     "is_simulated",
     "meet",
+    "own_making",
     "read_detail",
     "settle",
     "settled",
@@ -437,6 +441,16 @@ def disagreement_message(
     else:
         lines.append("  (a rank's schedule is unknown: served from the compile cache without it, so what the graphs "
                      "were decided from is compared)")
+    if own_making(a, b):
+        lines.append(
+            f"  cause: dtcompile's own. Ranks {ranks_a[0]} and {ranks_b[0]} traced the same collectives with the same "
+            "options, cost profile, sources and torch, and dtcompile's passes rewrote them differently (a decision "
+            "made from one rank's own shapes, which its peers need not share: a batch of another size). This is a "
+            "bug in dtcompile, not in your program or setup; please report it with each rank's TORCH_TRACE log. "
+            "Meanwhile dtcompile.backend(disable_passes={'bucketing', 'overlap', 'async_tp'}) keeps the collectives "
+            "as traced."
+        )
+        return "\n".join(lines)
     causes = differences(a.decided_by, b.decided_by, ranks_a[0], ranks_b[0])
     if a.how != b.how:
         causes.append(f"rank {ranks_a[0]}'s graph was {a.how}, rank {ranks_b[0]}'s {b.how}")
@@ -453,6 +467,20 @@ def disagreement_message(
         "cache; dtcompile.backend(check_ranks=False) skips this check."
     )
     return "\n".join(lines)
+
+
+def own_making(a: Schedule, b: Schedule) -> bool:
+    """Whether two ranks' schedules of one graph differ by dtcompile's own making: both
+    compiled here from the same collectives as traced (:attr:`Schedule.traced_digest`) and
+    the same settings (their Dynamo graphs may differ: a rank's own input shapes), and
+    dtcompile's passes made different collectives of them."""
+    return (
+        a.obtained is b.obtained is Obtained.COMPILED
+        and bool(a.traced_digest)
+        and a.traced_digest == b.traced_digest
+        and a.settings_digest == b.settings_digest
+        and a.digest != b.digest
+    )
 
 
 def differences(a: Mapping[str, str], b: Mapping[str, str], rank_a: int, rank_b: int) -> list[str]:

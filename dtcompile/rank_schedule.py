@@ -42,6 +42,7 @@ __all__ = [
     "save_schedule",
     "scheduled_collectives",
     "short_digest",
+    "traced_digest",
 ]
 
 DYNAMO_GRAPH = "Dynamo graph"
@@ -99,6 +100,11 @@ class Schedule:
     bucketed: bool = False
     """Whether dtcompile merged collectives into buckets: their sizes are then its decision
     (from this rank's shapes), and a recompile must match an agreed schedule size for size."""
+    traced_digest: str = ""
+    """Digest of its collectives as traced, before dtcompile's passes (:func:`traced_digest`);
+    empty where unknown (served from the cache, run eagerly).  Ranks that traced the same
+    collectives with the same settings and compiled different ones differ by dtcompile's
+    own making."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "obtained", Obtained(self.obtained))  # from JSON: its text
@@ -248,6 +254,13 @@ def scheduled_collectives(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]
         for kind, collectives in graphs
         for i, c in enumerate(collectives)
     )
+
+
+def traced_digest(graphs: Iterable[Any]) -> str:
+    """Digest of the collectives ``graphs`` (:class:`~dtcompile.records.CompiledGraph`) were
+    traced with, before dtcompile's passes: :attr:`Schedule.traced_digest`."""
+    collectives = scheduled_collectives((g.kind, g.collectives_traced) for g in graphs)
+    return short_digest("\n".join(map(str, collectives))) if collectives else ""
 
 
 def inputs_text(example_inputs: Sequence[Any]) -> str:

@@ -160,6 +160,9 @@ class CompiledGraph:
     """Its schedule played on its cost profile, as lowered (:func:`dtcompile.cost.simulate.simulate`)."""
     timeline_traced: Timeline | None = None
     """The same before any pass: what the passes hid is the difference."""
+    collectives_traced: tuple[CollectiveInfo, ...] = ()
+    """Its collectives before dtcompile's passes, as traced: what the ranks' check tells
+    from what the passes made of them (:mod:`dtcompile.rank_check`)."""
     spmd_types_traced: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Its nodes' SPMD types per mesh axis as traced, before the passes (where they were
     checked: :mod:`dtcompile.spmd_typing`); the graph's nodes carry them as lowered."""

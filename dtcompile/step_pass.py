@@ -42,7 +42,7 @@ from dtcompile.passes._graph import alias_roots, read_inputs, written_args
 from dtcompile.passes.optimizer_updates import optimizer_of
 from dtcompile.rank_check import RankChecker, check_groups, world_can_disagree
 from dtcompile.rank_plans import PlanMeeting
-from dtcompile.rank_schedule import Obtained, Schedule, bucketed, decided_from, scheduled_collectives
+from dtcompile.rank_schedule import Obtained, Schedule, bucketed, decided_from, scheduled_collectives, traced_digest
 from dtcompile.records import CompiledGraph, PassRecord, RankCheck
 from dtcompile.reshard import reshard_step_graph
 
@@ -214,6 +214,7 @@ class StepPass:
             memory_budget=(ctx.budget_bytes or 0, ctx.budget_why),
             timeline=simulate(gm.graph, info.profile),
             timeline_traced=ctx.traced_timeline,
+            collectives_traced=ctx.traced_collectives,
         )
         self.records.append(record)
         log.info(
@@ -241,5 +242,6 @@ class StepPass:
             scheduled_collectives([(record.kind, record.collectives)]),
             decided_from(self.config, priced, gm, example_inputs),
             bucketed=bucketed([record]),
+            traced_digest=traced_digest([record]),
         )
         self._checker.check(schedule, groups, self.config.check_ranks_timeout_s, record.info.axes)

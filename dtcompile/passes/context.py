@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from torch import fx
 
 from dtcompile.base.channels import GraphKind
-from dtcompile.collectives import largest_collective
+from dtcompile.collectives import CollectiveInfo, largest_collective
 from dtcompile.cost.simulate import Timeline
 from dtcompile.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
 from dtcompile.rank_plans import PlanMeeting
@@ -48,6 +48,9 @@ class PassContext:
     """The graph's memory before any pass, set by ``run_passes``."""
     traced_timeline: Timeline | None = None
     """The graph before any pass played on its profile (:func:`~dtcompile.cost.simulate.simulate`), set by ``run_passes``."""
+    traced_collectives: tuple[CollectiveInfo, ...] = ()
+    """The graph's collectives before any pass, set by ``run_passes``: what the ranks traced,
+    which the ranks' check tells from what dtcompile's passes made of them."""
     plans: PlanMeeting = field(default_factory=PlanMeeting)
     """How a decision that changes what ranks send is settled by every rank of its group
     (:mod:`dtcompile.rank_plans`): a pass never applies a plan priced from its rank's own

@@ -183,3 +183,30 @@ def test_compile_step_with_adamw_ranks_fed_batches_of_their_own_sizes_equal_eage
     if check_ranks:
         assert first["checks"] == ["agreed"], first["checks"]
         assert second["checks"] == ["agreed", "agreed on by an earlier graph"], second["checks"]
+
+
+def _planted_on_rank(rank: int, rows: list[list[int]]) -> str:
+    """The Dynamo program with bucketing's settlement planted away: each rank applies the plan
+    it priced from its own batch, as a pass that reads a rank-local size into its decision."""
+    from dtcompile.rank_check import RanksDisagree
+    from dtcompile.rank_plans import Adoption, AgreedPlan, PlanMeeting
+
+    def each_rank_its_own(self: PlanMeeting, what: str, plans: Any) -> list[AgreedPlan]:
+        return [AgreedPlan(p.group, p.plan, Adoption.LOCAL) for p in plans]
+
+    PlanMeeting.agree = each_rank_its_own
+    try:
+        _dynamo_on_rank(rank, rows, True)
+    except RanksDisagree as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.gloo
+def test_a_pass_that_decides_from_its_ranks_own_batch_is_caught_and_named_dtcompiles_bug():
+    messages = run_gloo(2, _planted_on_rank, [[8, 8, 8], [6, 6, 6]], timeout=240)
+    for message in messages:
+        assert "ranks compiled graph 0/0 differently" in message, message
+        assert "cause: dtcompile's own" in message and "a bug in dtcompile" in message, message
+        # The user gave every rank the same options: the message does not tell them to.
+        assert "Fix: give every rank the same" not in message, message
