@@ -42,7 +42,7 @@ from typing import Any
 from torch import fx
 
 from dtcompile.base.channels import Artifact
-from dtcompile.collectives import is_collective
+from dtcompile.collectives import graph_collectives, is_collective
 from dtcompile.cost.simulate import simulate
 from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
@@ -123,6 +123,7 @@ def run_passes(
     records = []
     ctx.set_budget(gm)
     ctx.traced_timeline = simulate(gm.graph, ctx.profile)
+    ctx.traced_collectives = tuple(graph_collectives(gm.graph, ctx.axes))
     # Judged on the graph as traced: a pass's own rewrites (bucketing's slices of
     # its flat buffers) must not read as DTensor's padding to the passes after it.
     rank_dependent = _rank_dependent(ctx, gm)
