@@ -6,6 +6,9 @@ solves it and returns the :class:`~dtcompile.auto_parallel.solution.Solution`;
 Arguments are checked first, and a wrong one is a ``TypeError`` or
 ``ValueError`` that names it.  With ``TORCH_TRACE=DIR`` set, every plan also
 logs its ``explain()`` as the ``dtcompile_auto_parallel_solution`` artifact.
+Every plan first checks the private torch names the planner relies on
+(:data:`_TORCH_NAMES`, :func:`dtcompile.base.torch_contract.require`): on a torch
+that lacks one, planning is a ``TorchContractError`` naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dtcompile.auto_parallel.placements import Layout, text
 from dtcompile.base.channels import Artifact
 from dtcompile.base.progress import Progress
 from dtcompile.base.scoped_patch import ScopedPatch, fx_tracing
+from dtcompile.base.torch_contract import require
 from dtcompile.collectives import profile_for_groups
 from dtcompile.cost import HardwareProfile
 from dtcompile.reshard import resharded
@@ -34,6 +38,61 @@ from dtcompile.reshard import resharded
 __all__ = ["auto_parallel", "plan"]
 
 log = logging.getLogger(__name__)
+
+_TORCH_NAMES: tuple[str, ...] = (
+    "torch._C._AutoDispatchBelowAutograd",
+    "torch._decomp.decomposition_table",
+    "torch._logging.trace_structured",
+    "torch._ops.OpOverload",
+    "torch._subclasses.fake_tensor.DataDependentOutputException",
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException",
+    "torch._subclasses.fake_tensor.FakeTensorMode",
+    "torch.distributed.device_mesh.DeviceMesh._get_root_mesh",
+    "torch.distributed.tensor.DTensor.__new__",
+    "torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.op_to_schema_info",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.op_to_schema_info_for_single_dim_strategy",
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
+    "torch.distributed.tensor._collective_utils.redistribute_cost",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec.is_default_device_order",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch.distributed.tensor._op_schema.OpSchema",
+    "torch.distributed.tensor._op_schema.OpSchema.args_meta",
+    "torch.distributed.tensor._op_schema.OpSchema.kwargs_meta",
+    "torch.distributed.tensor._op_schema.OpSpec",
+    "torch.distributed.tensor._op_schema.OpStrategy",
+    "torch.distributed.tensor._ops.single_dim_strategy._fill_single_dim_strategy_placeholders",
+    "torch.distributed.tensor._ops.single_dim_strategy._insert_single_dim_replication_strategy",
+    "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy",
+    "torch.distributed.tensor._ops.utils.is_tensor_shardable",
+    "torch.distributed.tensor._ops.utils.redistribute_cost",
+    "torch.distributed.tensor._redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN",
+    "torch.distributed.tensor._redistribute._FlattenedTransformInfo",
+    "torch.distributed.tensor._redistribute._TransformInfo",
+    "torch.distributed.tensor._redistribute._gen_transform_infos",
+    "torch.distributed.tensor._redistribute._gen_transform_infos.cache_clear",
+    "torch.distributed.tensor._redistribute._optimize_transform_infos",
+    "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.fx._lazy_graph_module._use_lazy_graph_module",
+    "torch.fx.experimental.proxy_tensor.get_proxy_mode",
+    "torch.ops.aten._scaled_dot_product_efficient_attention",
+    "torch.ops.aten._scaled_dot_product_efficient_attention.default",
+    "torch.utils._python_dispatch.TorchDispatchMode",
+    "torch.utils._pytree.tree_flatten",
+    "torch.utils._pytree.tree_leaves",
+    "torch.utils._pytree.tree_map_only",
+    "torch.utils._pytree.tree_unflatten",
+)
+"""The private torch names the modules of :mod:`dtcompile.auto_parallel` use, each listed in
+:data:`dtcompile.base.torch_contract.PRIVATE_NAMES` (with its parameters there), checked by
+:func:`plan` before it starts.  ``tests/architecture/test_newer_torch.py`` reads the package's
+code with the contract test's scanner and fails on a private name used and missing here,
+and on a name here the package no longer mentions.  The lower layers the planner calls
+(:mod:`dtcompile.base`, :mod:`dtcompile.hops`, :mod:`dtcompile.reshard`...) are not covered."""
 
 
 class _OtherThreads(logging.Filter):
@@ -181,7 +240,13 @@ def plan(
     optimizer: Any = None,
 ) -> Any:
     """Choose every parameter's, input's, output's and op's placements; returns the
-    :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`)."""
+    :class:`~dtcompile.auto_parallel.solution.Solution` (see :func:`auto_parallel`).
+
+    A torch that lacks one of the private names the planner relies on (:data:`_TORCH_NAMES`)
+    is a :class:`~dtcompile.base.torch_contract.TorchContractError` naming it, before any
+    argument is read."""
+    require(_TORCH_NAMES, "dtcompile.auto_parallel")
+
     from dtcompile.auto_parallel.agreement import MadeFrom, peers_learn_failure
     from dtcompile.auto_parallel.local_ops import decomposition_for
     from dtcompile.auto_parallel.peak import optimizer_states, step_memory

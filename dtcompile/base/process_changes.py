@@ -112,7 +112,12 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "importing dtcompile.integrations.torchtitan, as graph_trainer's register_pass_pipeline does: "
      "a new name; graph_trainer uses it only where its config names it"),
     # ---- dynamo_vars
-    ("dynamo_vars._install", "install", _I, "warns once per process about a torch outside the tested range"),
+    ("dynamo_vars._install", "install", _P,
+     "dynamo_vars' own fence, kept for the process: on a torch newer than the tested range, the result "
+     "of its one contract check (torch_contract.contract_breaks: what broke, or nothing), so that "
+     "installing again after uninstall() checks nothing again; and whether it has warned, once per "
+     "process, about a torch outside the tested range or a newer one that breaks the contract. No torch "
+     "object changes; the running torch, which the result describes, is the process's"),
     ("dynamo_vars._install", "_install_locked", _I,
      "Dynamo's _id_dispatch handlers, guard builders, opaque-type members and the objects in "
      "torch_contract.PATCHED (DTensor.__tensor_unflatten__ among them: it differs from stock only where "

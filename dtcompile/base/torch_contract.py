@@ -27,9 +27,14 @@ Their contract is not public, so it is fenced:
   dtcompile makes to the process (the partitioner's rules and ``copyreg``'s
   table during a compile, the registry, the test worlds' swaps) is listed, with
   how long it lasts, in :mod:`dtcompile.base.process_changes`;
-- :func:`require` is a feature's check at its entry: a private name it needs
-  that the running torch lacks is a :class:`TorchContractError` naming it,
-  never an ``AttributeError`` from deep inside.
+- :func:`require` is a feature's check at its entry (``dtcompile.auto_parallel``'s
+  ``plan``, the passes' ``run_passes``), each feature naming its private names in
+  one tuple (``_TORCH_NAMES`` in its module; ``tests/architecture/test_newer_torch.py``
+  reads the feature's code with the contract test's scanner and fails on a name
+  the tuple misses): a private name it needs that the running torch lacks is a
+  :class:`TorchContractError` naming it, never an ``AttributeError`` from deep
+  inside.  On a tested torch it checks only that the names are listed: the
+  contract test asserts every listed name on each tested release.
 
 Upgrading torch: run that test on the new release first; each line it fails
 on is a name to add to :mod:`dtcompile.base.torch_compat` (one function per
@@ -484,6 +489,11 @@ def describe(breaks: Iterable[Break], shown: int = 3) -> str:
     return f"{text} and {len(breaks) - shown} more" if len(breaks) > shown else text
 
 
+_required: dict[tuple[str, tuple[str, ...]], tuple[Break, ...]] = {}
+""":func:`require`'s answers, per ``(feature, names)``: the breaks found, empty where the
+names hold.  Kept for the process, as the running torch is."""
+
+
 def require(names: Iterable[str], feature: str) -> None:
     """Raise :class:`TorchContractError` at ``feature``'s entry where the running torch
     breaks one of ``names`` (dotted, each listed in :data:`PRIVATE_NAMES`: every entry
@@ -492,20 +502,19 @@ def require(names: Iterable[str], feature: str) -> None:
     ``feature`` names what is refused (``dtcompile.auto_parallel``); the error names the
     broken names, the running torch and the tested range.  A name not listed is a
     ``ValueError``: the contract is the one list of private names.
+
+    Cheap where a feature calls it on every use: the answer is kept per ``(feature,
+    names)`` for the process (give ``names`` as a tuple, the feature's one tuple of
+    them).  On a torch in :data:`TESTED_TORCH` the names are only looked up in the
+    contract, not resolved: ``tests/architecture/test_torch_contract.py`` asserts every
+    listed name with its parameters on each tested release, the same guarantee on which
+    ``dynamo_vars.install()`` installs there without checking.  On any other torch each
+    name is resolved once, with its parameters (:func:`problem`).
     """
-    names = list(names)
-    listed: dict[str, list[PrivateName]] = {}
-    for name in PRIVATE_NAMES:
-        listed.setdefault(name.dotted, []).append(name)
-    unlisted = [dotted for dotted in names if dotted not in listed]
-    if unlisted:
-        raise ValueError(
-            f"require: {feature} asks for {unlisted}, not in torch_contract.PRIVATE_NAMES; "
-            "list each there, with the parameters it passes"
-        )
-    breaks = tuple(
-        Break(n, why) for dotted in names for n in listed[dotted] if applies(n) and (why := problem(n)) is not None
-    )
+    key = (feature, tuple(names))
+    breaks = _required.get(key)
+    if breaks is None:
+        breaks = _required.setdefault(key, _feature_breaks(*key))
     if breaks:
         import torch
 
@@ -516,3 +525,22 @@ def require(names: Iterable[str], feature: str) -> None:
             f"install one of those (pip install 'torch{tested_range()}') or report it to dtcompile",
             breaks,
         )
+
+
+def _feature_breaks(feature: str, names: tuple[str, ...]) -> tuple[Break, ...]:
+    """What :func:`require` finds: ``ValueError`` for a name not listed, then the breaks
+    of ``names`` on the running torch (none on a tested one, by the contract test)."""
+    listed: dict[str, list[PrivateName]] = {}
+    for name in PRIVATE_NAMES:
+        listed.setdefault(name.dotted, []).append(name)
+    unlisted = [dotted for dotted in names if dotted not in listed]
+    if unlisted:
+        raise ValueError(
+            f"require: {feature} asks for {unlisted}, not in torch_contract.PRIVATE_NAMES; "
+            "list each there, with the parameters it passes"
+        )
+    if torch_is_supported():
+        return ()
+    return tuple(
+        Break(n, why) for dotted in names for n in listed[dotted] if applies(n) and (why := problem(n)) is not None
+    )

@@ -42,6 +42,7 @@ from typing import Any
 from torch import fx
 
 from dtcompile.base.channels import Artifact
+from dtcompile.base.torch_contract import require
 from dtcompile.collectives import graph_collectives, is_collective
 from dtcompile.cost.simulate import simulate
 from dtcompile.passes.annotate import annotate
@@ -56,6 +57,18 @@ from dtcompile.records import Outcome, PassRecord
 __all__ = ["PASSES", "GraphPass", "PassContext", "run_passes"]
 
 log = logging.getLogger(__name__)
+
+_TORCH_NAMES: tuple[str, ...] = (
+    "torch._guards.detect_fake_mode",
+    "torch._logging.trace_structured",
+    "torch._ops.OpOverload",
+    "torch.ops._c10d_functional.all_gather_into_tensor.default",
+    "torch.ops._c10d_functional.wait_tensor.default",
+    "torch.utils._pytree.tree_map",
+)
+"""The private torch names the passes' modules use (each in ``torch_contract.PRIVATE_NAMES``),
+checked by :func:`run_passes` (``torch_contract.require``); ``tests/architecture/test_newer_torch.py``
+fails on one used and missing here."""
 
 PassFn = Callable[[fx.GraphModule, Sequence[Any], PassContext], fx.GraphModule]
 
@@ -120,6 +133,7 @@ def run_passes(
     passes: Sequence[GraphPass] = PASSES,
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
     """Runs ``passes`` (default :data:`PASSES`) in order, skipping those in ``ctx.config.disable_passes``."""
+    require(_TORCH_NAMES, "dtcompile.passes")
     records = []
     ctx.set_budget(gm)
     ctx.traced_timeline = simulate(gm.graph, ctx.profile)

@@ -6,11 +6,14 @@ contract (:func:`dtcompile.base.torch_contract.contract_breaks`) once on a torch
 :data:`~dtcompile.base.torch_contract.TESTED_TORCH`: it installs where the contract
 holds, with one log line, and stays off with one warning naming what broke otherwise.
 An older torch stays off by its version.  :func:`~dtcompile.base.torch_contract.require`
-is the same check at a feature's entry, raising.
+is the same check at a feature's entry, raising: ``dtcompile.auto_parallel``'s ``plan``
+and the passes' ``run_passes`` each check their one tuple of names (``_TORCH_NAMES``),
+which the contract test's scanner of the code keeps complete.
 
 The newer torch is a stand-in: the running torch reporting ``2.16.0``, with a name
 taken away where the contract must break.  Each test leaves dynamo_vars installed or
-not as it found it (the ``stand_in_torch`` fixture).
+not as it found it, and ``require``'s kept answers as it found them (the
+``stand_in_torch`` fixture).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import pytest
 from expecttest import assert_expected_inline
 from packaging.requirements import Requirement
+from test_torch_contract import _covered, private_torch_references
 
 from dtcompile.base import torch_contract
 from dtcompile.base.torch_contract import (
@@ -47,7 +51,8 @@ LOGGER = "dynamo_vars._install"
 @pytest.fixture
 def stand_in_torch(monkeypatch):
     """Sets the version the running torch reports; dynamo_vars starts uninstalled with a
-    fresh fence (no contract checked, no warning given) and ends installed or not as found."""
+    fresh fence (no contract checked, no warning given) and ends installed or not as found;
+    ``require`` keeps no answer from before (nor from before the version was set)."""
     import torch
     from torch.torch_version import TorchVersion
 
@@ -58,9 +63,11 @@ def stand_in_torch(monkeypatch):
     dynamo_vars.uninstall()
     monkeypatch.setattr(_install, "_newer_breaks", None)
     monkeypatch.setattr(_install, "_warned_version", False)
+    monkeypatch.setattr(torch_contract, "_required", {})
 
     def report(version: str) -> None:
         monkeypatch.setattr(torch, "__version__", TorchVersion(version))
+        monkeypatch.setattr(torch_contract, "_required", {})
 
     try:
         yield report
@@ -178,6 +185,101 @@ dtcompile.auto_parallel: torch 2.16.0 lacks private torch names it relies on: to
 def test_a_feature_may_require_only_names_the_contract_lists():
     with pytest.raises(ValueError, match=r"torch\._dynamo\.not_listed.*not in torch_contract\.PRIVATE_NAMES"):
         require(["torch._dynamo.not_listed"], "dtcompile.example")
+
+
+# ---- the features that check their own names at their entry
+
+FEATURES = {
+    # feature: (the module holding its _TORCH_NAMES, the package whose code uses them)
+    "dtcompile.auto_parallel": ("dtcompile.auto_parallel.api", "dtcompile/auto_parallel"),
+    "dtcompile.passes": ("dtcompile.passes", "dtcompile/passes"),
+}
+
+
+def _feature_names(feature: str) -> tuple[str, ...]:
+    import importlib
+
+    return importlib.import_module(FEATURES[feature][0])._TORCH_NAMES
+
+
+def _mentioned(name: str, source: str) -> bool:
+    """Whether the code in ``source`` still mentions ``name``: its last part as a word (its
+    owner's for ``.default`` and a dunder: ``DTensor.__new__`` is ``DTensor(...)``)."""
+    parts = name.split(".")
+    last = parts[-2] if parts[-1] == "default" or parts[-1].startswith("__") else parts[-1]
+    return re.search(rf"\b{re.escape(last)}\b", source) is not None
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_a_features_names_are_every_private_name_its_code_uses(feature):
+    """The tuple ``require`` checks cannot go stale: every private torch name the feature's
+    package references, as the contract test's scanner reads the code, is in it; every name
+    in it is in the contract and still mentioned by the code."""
+    names = _feature_names(feature)
+    folder = ROOT / FEATURES[feature][1]
+    paths = sorted(folder.rglob("*.py"))
+    missing = {}
+    for path in paths:
+        for reference in private_torch_references(path):
+            if not _covered(reference, set(names)):
+                missing.setdefault(reference, str(path.relative_to(ROOT)))
+    assert not missing, f"private torch names {feature} uses but its _TORCH_NAMES lacks:\n" + "\n".join(
+        f"  {name}  ({where})" for name, where in sorted(missing.items())
+    )
+    listed = {n.dotted for n in PRIVATE_NAMES}
+    assert [n for n in names if n not in listed] == [], "not in torch_contract.PRIVATE_NAMES"
+    assert len(set(names)) == len(names), names
+    source = "\n".join(path.read_text() for path in paths)
+    assert [n for n in names if not _mentioned(n, source)] == [], f"{feature}'s code no longer uses these"
+
+
+def test_auto_parallel_on_a_torch_without_one_of_its_names_says_so_at_its_entry(stand_in_torch, monkeypatch, fake_world):
+    import torch
+    import torch.distributed.tensor._op_schema as op_schema
+
+    import dtcompile
+    from dtcompile._testing.models import MLP
+    from dtcompile.auto_parallel import api  # imported before the name is taken away
+
+    mesh = fake_world(4, (4,), ("tp",))
+    model, x = MLP(8, 16), torch.randn(4, 8)
+    stand_in_torch("2.16.0")
+    monkeypatch.delattr(op_schema, "OpStrategy")
+    for entry in (dtcompile.auto_parallel, dtcompile.auto_parallel.plan):
+        with pytest.raises(TorchContractError) as raised:
+            entry(model, mesh, (x,))
+        assert [b.name.dotted for b in raised.value.breaks] == ["torch.distributed.tensor._op_schema.OpStrategy"]
+    assert_expected_inline(str(raised.value), """\
+dtcompile.auto_parallel: torch 2.16.0 lacks private torch names it relies on: torch.distributed.tensor._op_schema.OpStrategy (gone); dtcompile is tested on torch >=2.13,<2.16 (the last tested release is 2.15): install one of those (pip install 'torch>=2.13,<2.16') or report it to dtcompile""")
+    # Without the check at the entry the planner would fail deep inside, on the missing name.
+    monkeypatch.setattr(api, "require", lambda names, feature: None)
+    with pytest.raises((AttributeError, ImportError), match="OpStrategy"):
+        dtcompile.auto_parallel.plan(model, mesh, (x,))
+
+
+def test_the_passes_on_a_torch_without_one_of_their_names_say_so_before_reading_the_graph(stand_in_torch, monkeypatch):
+    import torch._guards
+
+    from dtcompile.passes import run_passes
+
+    stand_in_torch("2.16.0")
+    monkeypatch.delattr(torch._guards, "detect_fake_mode")
+    with pytest.raises(TorchContractError, match=r"^dtcompile\.passes: .*torch\._guards\.detect_fake_mode \(gone\)"):
+        run_passes(None, (), None)  # the check comes before the graph and the context are read
+
+
+def test_require_resolves_nothing_on_a_tested_torch_and_each_name_once_on_a_newer_one(stand_in_torch, monkeypatch):
+    names = _feature_names("dtcompile.auto_parallel")
+    resolved: list[str] = []
+    check = torch_contract.problem
+    monkeypatch.setattr(torch_contract, "problem", lambda name: resolved.append(name.dotted) or check(name))
+    require(names, "dtcompile.auto_parallel")
+    assert resolved == []  # the contract test asserts every name on each tested release
+    stand_in_torch("2.16.0")
+    for _ in range(3):
+        require(names, "dtcompile.auto_parallel")
+    entries = [n.dotted for n in PRIVATE_NAMES if n.dotted in set(names) and torch_contract.applies(n)]
+    assert sorted(resolved) == sorted(entries), "each entry resolved once, on the first call only"
 
 
 def _declared() -> dict[str, list[Requirement]]:
