@@ -68,6 +68,7 @@ from dtcompile.base.channels import Meta
 from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import is_ordering_barrier
 from dtcompile.base.sizes import is_symbolic
+from dtcompile.cache_keys import key_fields, profile_text
 from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
@@ -81,6 +82,7 @@ from dtcompile.passes._graph import (
 )
 from dtcompile.passes.context import PassContext
 from dtcompile.rank_plans import GroupPlan, Plan
+from dtcompile.rank_schedule import short_digest
 from dtcompile.records import Action, Outcome, Price
 
 __all__ = ["bucket_collectives", "hoistable", "written_values"]
@@ -362,7 +364,10 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     # (dtcompile.rank_plans): where a peer's plan is adopted, the buckets follow it.
     by_group = _group_candidates(candidates)
     mine = [GroupPlan(str(group), _described(members), _plan_of(closed, members)) for group, members in by_group.items()]
-    agreed = ctx.plans.agree(f"bucketing/{ctx.kind}", mine)
+    # Settled per graph kind and settings: ranks (or compiles) given other options or
+    # another profile decide for themselves, and the ranks' check names what differs.
+    settings = short_digest(f"{key_fields(ctx.config)}\n{profile_text(ctx.profile)}")
+    agreed = ctx.plans.agree(f"bucketing/{ctx.kind}/{settings}", mine)
     if any(a.plan != m.plan for a, m in zip(agreed, mine)):
         fresh = _group_candidates(_candidates(graph, index, None))
         closed, followed = [], []
@@ -371,14 +376,17 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
             followed += _followed_buckets(members, settled.plan, index, written, ctx.config.bucket_cap_bytes, pricer)
             if settled.plan != own.plan:
                 ctx.record(Outcome(Action.AGREED, settled.describe("bucket plan"), "graph"))
-        closed = sorted(followed, key=lambda b: index[b.members[0].node])
+        closed = followed
         tracker = ctx.peak_tracker(gm)
         added = {}
         for bucket in closed:
             before = tracker.peak
             tracker.commit(_memory_spans(bucket.members, index, tracker))
             added[id(bucket)] = tracker.peak - before
-    for bucket in closed:
+    # Rewritten in graph order of their last members, whichever way they were made: two
+    # buckets issued after one node end up in an order of the rewrites, which must be every
+    # rank's, whether it priced the plan or followed a peer's.
+    for bucket in sorted(closed, key=lambda b: index[b.members[-1].node]):
         if len(bucket.members) < 2:
             continue
         # The last input as the graph is now: a bucket that reduces the results of
