@@ -78,9 +78,16 @@ class AgreedPlan:
     how: Adoption
     source: int | None = None
     """The rank that settled the plan, where one did."""
+    rank: int | None = None
+    """This rank."""
 
     def describe(self, what: str) -> str:
         """The record's text, where this rank applies a plan not its own."""
+        if self.source is not None and self.source == self.rank:
+            return (
+                f"{what} on group {self.group}: the plan this rank settled for an earlier graph with these "
+                "collectives, applied by every rank (this graph's own prices, from its shapes, differ)"
+            )
         return (
             f"{what} on group {self.group}: rank {self.source}'s plan, settled for these collectives by the first "
             "rank to compile them and applied by every rank (this rank priced another from its own shapes, "
@@ -122,7 +129,7 @@ class PlanMeeting:
                 continue
             topic = f"plans/{what}/{short_digest(mine.candidates)}"
             if settle(topic, ranks, json.dumps({"rank": rank, "plan": [list(b) for b in mine.plan]})):
-                found.append(AgreedPlan(mine.group, mine.plan, Adoption.SETTLED, rank))
+                found.append(AgreedPlan(mine.group, mine.plan, Adoption.SETTLED, rank, rank))
                 continue
             settled_by = json.loads(settled(
                 topic, ranks, self.timeout_s,
@@ -137,7 +144,7 @@ class PlanMeeting:
             how = Adoption.AGREED if plan == mine.plan else Adoption.ADOPTED
             if how is Adoption.ADOPTED:
                 log.info("dtcompile: %s on group %s: rank %d's settled plan adopted", what, mine.group, settled_by["rank"])
-            found.append(AgreedPlan(mine.group, plan, how, settled_by["rank"]))
+            found.append(AgreedPlan(mine.group, plan, how, settled_by["rank"], rank))
         return found
 
 
