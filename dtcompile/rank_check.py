@@ -512,7 +512,9 @@ class RankChecker:
     (:func:`dtcompile.rank_schedule.agreed_earlier`): the same collectives, or the same
     ones with other sizes where the sizes are the program's (not a bucketing decision),
     or, where this rank does not know them (served from the cache without them), the
-    same settings they were decided from."""
+    same settings they were decided from.  Where only some mesh axes' collectives are new,
+    only those axes' groups meet (:func:`dtcompile.rank_schedule.agreed_axes`), and the record
+    names them."""
 
     def __init__(self, checks: MutableSequence[Any]) -> None:
         self.checks = checks
@@ -526,7 +528,7 @@ class RankChecker:
 
         import torch.distributed as dist
 
-        from dtcompile.rank_schedule import CheckOutcome, agreed_earlier, agreement_marks
+        from dtcompile.rank_schedule import CheckOutcome, agreed_axes, agreed_earlier, agreement_marks
         from dtcompile.records import RankCheck
 
         agreed = self._agreed.setdefault((dist.get_rank(), schedule.frame), set())
@@ -539,6 +541,13 @@ class RankChecker:
         earlier = agreed_earlier(schedule, agreed)
         if earlier:
             record(earlier)
+            return False
+        # Only the groups whose collectives are new here meet: the others' peers may never
+        # compile this graph (a recompile on one dp coordinate).
+        settled = agreed_axes(schedule, agreed)
+        groups = [name for name in groups if axis_name(name, axes) not in settled]
+        if settled and not groups:
+            record(CheckOutcome.EARLIER)
             return False
         start = time.perf_counter()
         try:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dtcompile.base.notation import real_object
 from dtcompile.base.op_facts import PADDING_RESHAPES, WAIT, op_name
@@ -62,6 +63,8 @@ def uneven_sharding(dtensor: Any) -> str | None:
     for dim, n in ways.items():
         size = dtensor.shape[dim]
         if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
+            if statically_known_true(size % n == 0):
+                continue
             return f"dim {dim} of symbolic size over {n} shards"
         if int(size) % n:
             return f"dim {dim} of size {int(size)} over {n} shards"

@@ -33,6 +33,7 @@ __all__ = [
     "Obtained",
     "Schedule",
     "Scheduled",
+    "agreed_axes",
     "agreed_earlier",
     "agreement_marks",
     "bucketed",
@@ -208,6 +209,31 @@ def agreement_marks(schedule: Schedule) -> set[tuple[str, str]]:
         marks.add(("sizes", schedule.digest))
     if schedule.sizeless_digest:
         marks.add(("sizeless", schedule.sizeless_digest))
+    for axis in _axes(schedule):
+        marks.update(_axis_marks(schedule, axis))
+    return marks
+
+
+def agreed_axes(schedule: Schedule, marks: Set[tuple[str, str]]) -> set[str]:
+    """The mesh axes whose collectives in ``schedule`` its frame's ranks agreed on earlier
+    (:func:`agreement_marks`), size for size or, where the sizes are the program's, whatever
+    the sizes: ranks of those groups need not meet again.  A recompile on one dp coordinate
+    of FSDP x TP changes its tensor-parallel collectives (sizes of its own), not its dp ones,
+    and its dp peers, which did not recompile, never come to compare it."""
+    if schedule.eager or schedule.collectives is None:
+        return set()
+    return {axis for axis in _axes(schedule) if _axis_marks(schedule, axis) & marks}
+
+
+def _axes(schedule: Schedule) -> list[str]:
+    return list(dict.fromkeys(c.axis for c in schedule.collectives or ()))
+
+
+def _axis_marks(schedule: Schedule, axis: str) -> set[tuple[str, str]]:
+    on_axis = schedule.on_axis(axis) or ()
+    marks = {("sizes on axis", f"{axis}:{short_digest(chr(10).join(map(str, on_axis)))}")}
+    if not schedule.bucketed:
+        marks.add(("sizeless on axis", f"{axis}:{short_digest(json.dumps([c.sizeless for c in on_axis]))}"))
     return marks
 
 

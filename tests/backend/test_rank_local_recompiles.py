@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtcompile
-from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, Scheduled, agreed_earlier, agreement_marks
+from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, Scheduled, agreed_axes, agreed_earlier, agreement_marks
 from dtcompile.testing import run_gloo
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -325,3 +325,23 @@ def test_gloo_uneven_programs_that_run_on_stock_run_with_the_check_on_and_equal_
             waits = run[f"{program.__name__} checks"]
             assert waits and all(seconds < 10 for _, seconds in waits), (program.__name__, rank, waits)
     assert compared >= 2 * (len(PROGRAMS) - 1), f"only {compared} program-ranks ran on stock"
+
+
+def test_only_the_axes_whose_collectives_are_new_meet_again():
+    """FSDP x TP recompiled on one dp coordinate: its tp collectives have sizes of their own,
+    its dp ones are those its dp peers (which did not recompile) agreed on."""
+    def two_axes(tp_shape: tuple[int, ...], *, dp_shape: tuple[int, ...] = (800,)) -> tuple[Scheduled, ...]:
+        return (Scheduled("forward", 0, "all_gather", "dp", 2, "float32", dp_shape),
+                Scheduled("forward", 1, "all_gather", "tp", 2, "float32", tp_shape))
+
+    marks = agreement_marks(_schedule(two_axes((2, 16)), bucketed=True))
+    recompiled = _schedule(two_axes((4, 16)), bucketed=True, graph="b")
+    assert agreed_earlier(recompiled, marks) is None
+    assert agreed_axes(recompiled, marks) == {"dp"}
+    # A dp bucket of another size is dtcompile's decision: the dp group meets too.
+    assert agreed_axes(_schedule(two_axes((4, 16), dp_shape=(512,)), bucketed=True), marks) == set()
+    # Unbucketed, the program's own sizes on both axes pair up whatever they are.
+    plain = agreement_marks(_schedule(two_axes((2, 16))))
+    assert agreed_axes(_schedule(two_axes((4, 16), dp_shape=(512,))), plain) == {"dp", "tp"}
+    # Every rank must learn of a graph run eagerly.
+    assert agreed_axes(_schedule(None, obtained=Obtained.EAGER), marks) == set()

@@ -13,11 +13,12 @@ stock eager does, equal to it (1e-5), its ranks' collectives pairing
 The CI batch is :data:`CI_CASES` cases from a fixed seed (about a minute on 2 cores);
 ``--fuzz-examples N --fuzz-seed S`` runs more or others.  FSDP x TP (4 ranks) and the
 1,000-program run are ``benchmarks/rank_shapes_fuzz.py``'s (``benchmarks/RESULTS.md``);
-what they found that fails is pinned below.
+what they found is kept below.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -50,7 +51,7 @@ def test_ranks_fed_batches_of_their_own_sizes_run_as_eager(fuzz_options, fuzz_re
     assert sum(r.bucketed for r in results if not r.case.equal) >= 2, report
 
 
-# The finds pinned (benchmarks/RESULTS.md, "rank_shapes_fuzz.py"): failing until dtcompile is fixed.
+# The finds, kept (benchmarks/RESULTS.md, "rank_shapes_fuzz.py").
 
 FSDP_TP_RECOMPILE_ON_ONE_DP_COORDINATE = Case(
     index=0,
@@ -63,16 +64,16 @@ FSDP_TP_RECOMPILE_ON_ONE_DP_COORDINATE = Case(
     check_ranks=False,
 )
 """FSDP x TP on 2 x 2: at the second step dp coordinate 0 gets 4 tokens, coordinate 1 its 2 again.
-Ranks 0 and 1 recompile (dynamic), their tensor-parallel shards of the symbolic sequence may be
-uneven, so bucketing does not run in that graph ("not run: sharded unevenly: ... dim 1 of
-symbolic size over 2 shards") and the partitioner keeps the gathers in the forward: its dp
-gathers are 9 unbucketed ones where ranks 2 and 3, which did not recompile, issue 2 buckets
-(800 and 512 floats).  gloo aborts rank 0 ("Received data size doesn't match expected size. 800
-vs 16"); with the ranks' check on, ranks 0 and 1 wait at it for dp peers that never recompile
-and stop with RanksDisagree after check_ranks_timeout_s."""
+Ranks 0 and 1 recompile (dynamic).  Their tensor-parallel shards of the sequence, ``2 * s0``
+long, were judged uneven ("symbolic size"), so bucketing did not run in that graph and the
+partitioner kept the gathers in the forward: 9 unbucketed dp gathers where ranks 2 and 3, which
+did not recompile, issue 2 buckets (800 and 512 floats).  gloo aborted rank 0 ("Received data
+size doesn't match expected size. 800 vs 16"); with the ranks' check on, ranks 0 and 1 waited
+for dp peers that never recompile.  A symbolic size known to divide is even now
+(:func:`dtcompile.rank_dependence.uneven_sharding`)."""
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="dtcompile: a recompile on one dp coordinate of FSDP x TP changes its dp collectives")
-def test_fsdp_tp_recompiling_on_one_dp_coordinate_keeps_its_dp_collectives():
-    (result,) = run_cases([FSDP_TP_RECOMPILE_ON_ONE_DP_COORDINATE])
+@pytest.mark.parametrize("check_ranks", [False, True], ids=["check_off", "check_on"])
+def test_fsdp_tp_recompiling_on_one_dp_coordinate_keeps_its_dp_collectives(check_ranks):
+    (result,) = run_cases([dataclasses.replace(FSDP_TP_RECOMPILE_ON_ONE_DP_COORDINATE, check_ranks=check_ranks)])
     assert result.outcome == "ok", f"{result.outcome}: {result.detail[:1500]} {result.note}"

@@ -122,3 +122,51 @@ def test_an_ops_own_uneven_redistribution_keeps_the_collectives_on_every_rank():
         for per_rank in decisions:
             (text,) = per_rank[name]
             assert text.startswith("not run: sharded unevenly: reduce_scatter_tensor (its input padded by ")
+
+
+def _dynamic_records(make_input):
+    backend = dtcompile.backend(inductor=False)
+    with fake_world(2) as mesh:
+        torch._dynamo.reset()
+        x = make_input(mesh)
+        torch.compile(lambda t: torch.nn.functional.linear(t, t), backend=backend, fullgraph=True)(x)
+    return backend.records
+
+
+def _not_run(records) -> list[str]:
+    return [d.text for r in records for p in r.passes for d in p.decisions if "not run" in d.text]
+
+
+def test_a_symbolic_size_known_to_divide_is_even():
+    """A shard of global rows ``2 * s0`` (Dynamo's for a DTensor marked dynamic) is even
+    whatever ``s0``: the passes run (the fuzzer's FSDP x TP, recompiled on one dp coordinate,
+    stopped bucketing its dp gathers where its peers bucketed theirs)."""
+    def make(mesh):
+        x = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)], src_data_rank=None)
+        torch._dynamo.mark_dynamic(x, 0)  # Dynamo makes the local rows s0, the global 2 * s0
+        return x
+
+    records = _dynamic_records(make)
+    assert records and _not_run(records) == []
+    texts = [d.text for r in records for p in r.passes for d in p.decisions]
+    assert "not bucketed: its shape is symbolic (dynamic shapes); a bucket is built for one shape" in texts, texts
+
+
+def test_a_symbolic_size_that_may_not_divide_is_uneven():
+    """Global rows ``2 * s0 - 1`` over 2 ranks: uneven for every ``s0``, and the passes say so."""
+    from torch.distributed.tensor import DTensor
+
+    backend = dtcompile.backend(inductor=False)
+
+    def program(local, mesh):
+        rows = 2 * local.shape[0] - 1
+        x = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(rows, 3), stride=(3, 1))
+        return torch.nn.functional.linear(x, x)
+
+    with fake_world(2) as mesh:
+        torch._dynamo.reset()
+        local = torch.randn(3, 3)
+        torch._dynamo.mark_dynamic(local, 0)
+        torch.compile(lambda t: program(t, mesh), backend=backend, fullgraph=True)(local)
+    texts = _not_run(backend.records)
+    assert texts and all("symbolic size over 2 shards" in t for t in texts), texts
