@@ -54,6 +54,7 @@ from dtcompile.hops import keep_regions
 from dtcompile.lowering import inline_regions
 from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
 from dtcompile.partition import Partitioner
+from dtcompile.pass_names import SCHEDULE_OWNERS
 from dtcompile.passes import PassContext, run_passes
 from dtcompile.rank_check import world_can_disagree
 from dtcompile.rank_plans import PlanMeeting
@@ -169,7 +170,7 @@ def schedule_owned_by_dtcompile(
     scheduled = any(
         decision.action in (Action.MOVED, Action.FUSED)
         for record in passes
-        if record.name in ("overlap", "async_tp")
+        if record.name in SCHEDULE_OWNERS
         for decision in record.decisions
     )
     nodes = list(graph.nodes) if graph is not None else []

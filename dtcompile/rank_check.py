@@ -69,6 +69,7 @@ from typing import Any
 from torch import fx
 
 from dtcompile.collectives import axis_name, group_names_in
+from dtcompile.pass_names import COMMUNICATION_PASSES
 from dtcompile.rank_schedule import Obtained, Schedule, short_digest
 
 __all__ = [
@@ -447,8 +448,8 @@ def disagreement_message(
             "options, cost profile, sources and torch, and dtcompile's passes rewrote them differently (a decision "
             "made from one rank's own shapes, which its peers need not share: a batch of another size). This is a "
             "bug in dtcompile, not in your program or setup; please report it with each rank's TORCH_TRACE log. "
-            "Meanwhile dtcompile.backend(disable_passes={'bucketing', 'overlap', 'async_tp'}) keeps the collectives "
-            "as traced."
+            f"Meanwhile dtcompile.backend(disable_passes={{{', '.join(map(repr, sorted(COMMUNICATION_PASSES)))}}}) "
+            "keeps the collectives as traced."
         )
         return "\n".join(lines)
     causes = differences(a.decided_by, b.decided_by, ranks_a[0], ranks_b[0])

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtcompile.config import DTCompileConfig
+from dtcompile.pass_names import COMMUNICATION_PASSES
 from dtcompile.step_pass import StepPass, mesh_axes_of
 
 __all__ = ["PIPELINE_NAME", "REWRITES", "StepPass", "configure", "mesh_axes_of", "pipeline_passes", "register", "step_pipeline"]
@@ -38,7 +39,7 @@ _TITAN_MESHES = ("fsdp", "dp_shard", "dp_replicate", "dp", "tp", "cp", "ep", "ef
 # ---------------------------------------------------------------------------
 # The registered pipeline.
 
-REWRITES = frozenset({"async_tp", "bucketing", "overlap"})
+REWRITES = COMMUNICATION_PASSES
 """dtcompile's passes that rewrite collectives: off in the registered pipeline unless
 :func:`configure` says otherwise, since graph_trainer's default passes after it bucket and
 reorder the FSDP collectives themselves, matching the gather chains as traced."""

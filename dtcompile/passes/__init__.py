@@ -45,6 +45,7 @@ from dtcompile.base.channels import Artifact
 from dtcompile.base.torch_contract import require
 from dtcompile.collectives import graph_collectives, is_collective
 from dtcompile.cost.simulate import simulate
+from dtcompile.pass_names import PASS_SPECS, PassSpec
 from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
 from dtcompile.passes.bucketing import bucket_collectives
@@ -75,21 +76,31 @@ PassFn = Callable[[fx.GraphModule, Sequence[Any], PassContext], fx.GraphModule]
 
 @dataclass(frozen=True)
 class GraphPass:
-    name: str
+    """A pass of :data:`dtcompile.pass_names.PASS_SPECS` with the function that runs it."""
+
+    spec: PassSpec
     fn: PassFn
-    changes_collectives: bool = False
-    """Whether it merges, fuses or reorders collectives: every rank must decide the same."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def changes_collectives(self) -> bool:
+        """Whether it merges, fuses or reorders collectives: every rank must decide the same."""
+        return self.spec.rewrites_collectives
 
 
-# Rewrites first, then ``annotate``: it describes the graph that is lowered.
-# Their names, in this order, are ``dtcompile.pass_names.PASS_NAMES`` (a test checks).
-PASSES: tuple[GraphPass, ...] = (
-    GraphPass("async_tp", fuse_async_tp, changes_collectives=True),
-    GraphPass("bucketing", bucket_collectives, changes_collectives=True),
-    GraphPass("overlap", reorder_for_overlap, changes_collectives=True),
-    GraphPass("optimizer_updates", place_optimizer_updates),
-    GraphPass("annotate", annotate),
-)
+_FUNCTIONS: dict[str, PassFn] = {
+    "async_tp": fuse_async_tp,
+    "bucketing": bucket_collectives,
+    "overlap": reorder_for_overlap,
+    "optimizer_updates": place_optimizer_updates,
+    "annotate": annotate,
+}
+
+PASSES: tuple[GraphPass, ...] = tuple(GraphPass(s, _FUNCTIONS[s.name]) for s in PASS_SPECS)
+"""Every pass of :data:`~dtcompile.pass_names.PASS_SPECS`, in its order."""
 
 
 def _rank_dependent(ctx: PassContext, gm: fx.GraphModule) -> Outcome | None:

@@ -12,6 +12,7 @@ import dtcompile
 from dtcompile._testing.cases import pass_context
 from dtcompile.base.channels import Artifact, GraphKind
 from dtcompile.config import DTCompileConfig
+from dtcompile.pass_names import PassSpec, Stage
 from dtcompile.passes import GraphPass, run_passes
 
 
@@ -129,7 +130,7 @@ def _graph():
 
 
 def test_run_passes_checks_that_a_pass_returns_a_graph_module():
-    broken = GraphPass("broken", lambda gm, inputs, ctx: None)
+    broken = GraphPass(PassSpec("broken", Stage.DESCRIPTION), lambda gm, inputs, ctx: None)
     with pytest.raises(TypeError, match="dtcompile: pass broken returned NoneType, not the fx.GraphModule every pass must return"):
         run_passes(_graph(), [], _context(), passes=[broken])
 
@@ -140,7 +141,7 @@ def test_run_passes_times_each_pass_and_traces_its_graphs(monkeypatch):
         "torch._logging.trace_structured",
         lambda kind, metadata_fn, payload_fn: traced.append((metadata_fn()["name"], payload_fn())),
     )
-    identity = GraphPass("identity", lambda gm, inputs, ctx: gm)
+    identity = GraphPass(PassSpec("identity", Stage.DESCRIPTION), lambda gm, inputs, ctx: gm)
     _, records = run_passes(_graph(), [], _context(trace_pass_graphs=True), passes=[identity])
     assert records[0].ran and records[0].seconds >= 0
     forward = GraphKind.FORWARD
