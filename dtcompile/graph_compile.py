@@ -46,16 +46,15 @@ from dtcompile.base.op_facts import is_ordering_barrier
 from dtcompile.base.sharding_cache import fresh_sharding_caches
 from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
-from dtcompile.collectives import graph_collectives, is_collective, mesh_axes, profile_for_groups
+from dtcompile.collectives import is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig
-from dtcompile.cost.simulate import simulate
 from dtcompile.dynamo_output import split_constant_outputs, split_input_views
 from dtcompile.hops import keep_regions
 from dtcompile.lowering import inline_regions
-from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
+from dtcompile.memory import MemoryPlan, prefetch_window
 from dtcompile.partition import Partitioner
 from dtcompile.pass_names import SCHEDULE_OWNERS
-from dtcompile.passes import PassContext, run_passes
+from dtcompile.passes import PassContext, compiled_graph, run_passes
 from dtcompile.rank_check import world_can_disagree
 from dtcompile.rank_plans import PlanMeeting
 from dtcompile.rank_schedule import (
@@ -417,23 +416,13 @@ class GraphCompile:
         regions = inline_regions(gm, self.info, kind)
         gm.recompile()
         self.record(
-            CompiledGraph(
-                compile_id=self.info.compile_id,
-                kind=kind,
-                graph=gm,
-                collectives=tuple(graph_collectives(gm.graph, self.info.axes)),
-                passes=tuple(records),
-                info=self.info,
-                regions=tuple(regions),
+            compiled_graph(
+                gm, ctx, records,
+                held_bytes=memory.held_bytes,
+                regions=regions,
                 with_regions=with_regions,
-                memory=estimate_memory(gm, kind, memory.held_bytes),
-                memory_traced=ctx.traced_memory,
-                memory_budget=(ctx.budget_bytes, ctx.budget_why),
-                timeline=simulate(gm.graph, self.info.profile),
-                timeline_traced=ctx.traced_timeline,
-                collectives_traced=ctx.traced_collectives,
                 spmd_types_traced=self.spmd_types_traced.get(kind, {}),
-                lowering=dict(lowering(records)),
+                lowering=lowering(records),
             )
         )
         return gm

@@ -34,10 +34,9 @@ from dtcompile.artifacts import emit_artifacts, format_compiled_graph
 from dtcompile.base.channels import GraphKind
 from dtcompile.collectives import flattened_axes, graph_collectives, group_names_in, profile_for_groups, spmd_axes
 from dtcompile.config import DTCompileConfig
-from dtcompile.cost.simulate import simulate
 from dtcompile.graph_compile import devices_of
-from dtcompile.memory import MemoryPlan, estimate_memory, prefetch_window
-from dtcompile.passes import PassContext, run_passes
+from dtcompile.memory import MemoryPlan, prefetch_window
+from dtcompile.passes import PassContext, compiled_graph, run_passes
 from dtcompile.passes._graph import alias_roots, read_inputs, written_args
 from dtcompile.passes.optimizer_updates import optimizer_of
 from dtcompile.rank_check import RankChecker, check_groups, world_can_disagree
@@ -202,20 +201,7 @@ class StepPass:
             passes.insert(0, resharded)
         gm.recompile()
         check_mutations_kept(before, gm.graph, compile_id)
-        record = CompiledGraph(
-            compile_id=compile_id,
-            kind=GraphKind.STEP,
-            graph=gm,
-            collectives=tuple(graph_collectives(gm.graph, axes)),
-            passes=tuple(passes),
-            info=info,
-            memory=estimate_memory(gm, GraphKind.STEP),
-            memory_traced=ctx.traced_memory,
-            memory_budget=(ctx.budget_bytes or 0, ctx.budget_why),
-            timeline=simulate(gm.graph, info.profile),
-            timeline_traced=ctx.traced_timeline,
-            collectives_traced=ctx.traced_collectives,
-        )
+        record = compiled_graph(gm, ctx, passes)
         self.records.append(record)
         log.info(
             "%s step graph: %d nodes, %d collectives, cost profile %s",

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from dtcompile.base.channels import Artifact
 from dtcompile.base.torch_contract import require
 from dtcompile.collectives import graph_collectives, is_collective
 from dtcompile.cost.simulate import simulate
+from dtcompile.memory import estimate_memory
 from dtcompile.pass_names import PASS_SPECS, PassSpec
 from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
@@ -53,9 +54,9 @@ from dtcompile.passes.context import PassContext
 from dtcompile.passes.optimizer_updates import place_optimizer_updates
 from dtcompile.passes.overlap import reorder_for_overlap
 from dtcompile.rank_dependence import ranks_may_differ
-from dtcompile.records import Outcome, PassRecord
+from dtcompile.records import CompiledGraph, Outcome, PassRecord
 
-__all__ = ["PASSES", "GraphPass", "PassContext", "run_passes"]
+__all__ = ["PASSES", "GraphPass", "PassContext", "compiled_graph", "run_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -203,3 +204,40 @@ def run_passes(
         records.append(record)
     ctx.outcomes = []
     return gm, records
+
+
+def compiled_graph(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    records: Sequence[PassRecord],
+    *,
+    held_bytes: int = 0,
+    regions: Sequence[Any] = (),
+    with_regions: str = "",
+    spmd_types_traced: Mapping[str, Mapping[str, str]] | None = None,
+    lowering: Mapping[str, Any] | None = None,
+) -> CompiledGraph:
+    """What dtcompile did with ``gm``, the graph :func:`run_passes` rewrote under ``ctx``
+    and its ``records``, as it is lowered: the one place a
+    :class:`~dtcompile.records.CompiledGraph` is made, for every front door.  Its memory and
+    timeline are measured here, beside the traced ones ``ctx`` kept; ``held_bytes``: what
+    the caller holds while it runs (a backward: what its forward saved)."""
+    info = ctx.info
+    return CompiledGraph(
+        compile_id=info.compile_id,
+        kind=ctx.kind,
+        graph=gm,
+        collectives=tuple(graph_collectives(gm.graph, info.axes)),
+        passes=tuple(records),
+        info=info,
+        regions=tuple(regions),
+        with_regions=with_regions,
+        memory=estimate_memory(gm, ctx.kind, held_bytes),
+        memory_traced=ctx.traced_memory,
+        memory_budget=(ctx.budget_bytes or 0, ctx.budget_why),
+        timeline=simulate(gm.graph, info.profile),
+        timeline_traced=ctx.traced_timeline,
+        collectives_traced=ctx.traced_collectives,
+        spmd_types_traced=dict(spmd_types_traced or {}),
+        lowering=dict(lowering or {}),
+    )

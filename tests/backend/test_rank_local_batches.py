@@ -210,3 +210,31 @@ def test_a_pass_that_decides_from_its_ranks_own_batch_is_caught_and_named_dtcomp
         assert "cause: dtcompile's own" in message and "a bug in dtcompile" in message, message
         # The user gave every rank the same options: the message does not tell them to.
         assert "Fix: give every rank the same" not in message, message
+
+
+def _backward_collectives(rows: list[int], **options: Any) -> list[str]:
+    """The last backward's collectives as traced, compiled on one simulated rank fed ``rows``."""
+    from dtcompile._testing.models import build_norm_mlp_stack
+    from dtcompile.testing import fake_world
+
+    with fake_world(2) as mesh:
+        torch._dynamo.reset()
+        _, model, _ = build_norm_mlp_stack(mesh, rows=1, dim=8, hidden=16, layers=2, seed=36479)
+        backend = dtcompile.backend(inductor=False, **options)
+        compiled = torch.compile(model, backend=backend)
+        for n in rows:
+            compiled(torch.randn(n, 8)).sum().backward()
+    (last, *_) = [r for r in reversed(backend.records) if r.kind == "backward"]
+    return [f"{c.op}{list(c.shape)}" for c in last.collectives_traced]
+
+
+def test_the_traced_backward_issues_one_order_whatever_a_ranks_rows():
+    """Without dtcompile's re-gathers the traced collectives pair whatever each rank's rows."""
+    assert _backward_collectives([3, 2, 1], reshard_after_forward=False) == _backward_collectives([4, 3, 2], reshard_after_forward=False)
+
+
+@pytest.mark.xfail(strict=True, reason="dtcompile: a re-gather's place in the backward follows one rank's own shapes "
+                   "(tests/fuzz/test_rank_shapes.py, SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK)")
+def test_the_backward_re_gathers_issue_one_order_whatever_a_ranks_rows():
+    # Rank 0 specialized to 1 row at the third step, rank 1 on its dynamic graph at 2.
+    assert _backward_collectives([3, 2, 1]) == _backward_collectives([4, 3, 2])

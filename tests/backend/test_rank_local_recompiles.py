@@ -23,7 +23,15 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtcompile
-from dtcompile.rank_schedule import CheckOutcome, Obtained, Schedule, Scheduled, agreed_axes, agreed_earlier, agreement_marks
+from dtcompile.rank_schedule import (
+    CheckOutcome,
+    Obtained,
+    Schedule,
+    Scheduled,
+    agreed_axes,
+    agreed_earlier,
+    agreement_marks,
+)
 from dtcompile.testing import run_gloo
 
 TOL = dict(rtol=1e-5, atol=1e-5)

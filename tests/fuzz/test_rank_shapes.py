@@ -77,3 +77,30 @@ for dp peers that never recompile.  A symbolic size known to divide is even now
 def test_fsdp_tp_recompiling_on_one_dp_coordinate_keeps_its_dp_collectives(check_ranks):
     (result,) = run_cases([dataclasses.replace(FSDP_TP_RECOMPILE_ON_ONE_DP_COORDINATE, check_ranks=check_ranks)])
     assert result.outcome == "ok", f"{result.outcome}: {result.detail[:1500]} {result.note}"
+
+
+SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK = Case(
+    index=0,
+    family="simple_fsdp",
+    entry="dynamo",
+    sizes=(((3,), (4,)), ((2,), (3,)), ((1,), (2,))),
+    pattern="independent",
+    dims=(("dim", 8), ("hidden", 16), ("layers", 2)),
+    seed=36479,
+    check_ranks=False,
+)
+"""SimpleFSDP (2 x LayerNorm, Linear 8->16, GELU, Linear 16->8) on 2 ranks; at the third step rank
+0 gets 1 row, rank 1 2 rows (the 1,000-program run's programs 142 and 175).  Rank 0 recompiles,
+specialized to 1 row (Dynamo's 0/1 rule); in that backward the partitioner puts the LayerNorm
+weight's re-gather (``reshard_after_forward``, dtcompile's own collective) before the first
+layer's bias and weight reduce-scatters, where rank 1's dynamic graph has it after them: the
+autograd order of the compute the re-gather precedes differs at 1 row, and the re-gather is
+placed before its first use.  The traced collectives' order is the same on both ranks with
+``reshard_after_forward=False``.  gloo aborts (check off); with the check on, rank 0 waits for
+rank 1, which runs its earlier graph, and stops with RanksDisagree after check_ranks_timeout_s."""
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="dtcompile: a re-gather's place in the backward follows one rank's own shapes")
+def test_simple_fsdp_with_one_row_on_one_rank_issues_its_peers_collectives():
+    (result,) = run_cases([SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK])
+    assert result.outcome == "ok", f"{result.outcome}: {result.detail[:1500]} {result.note}"
