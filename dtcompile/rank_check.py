@@ -535,7 +535,7 @@ class RankChecker:
         agreed = self._agreed.setdefault((dist.get_rank(), schedule.frame), set())
 
         def record(outcome: CheckOutcome, seconds: float = 0.0) -> None:
-            check = RankCheck(schedule.compile_id, tuple(groups), str(outcome), seconds, bool(schedule.digest))
+            check = RankCheck(schedule.compile_id, tuple(groups), outcome, seconds, bool(schedule.digest))
             self.checks.append(check)
             log.info("%s", check)
 

@@ -26,6 +26,7 @@ from torch import fx
 from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.base.channels import BesideCacheFolders
 from dtcompile.collectives import CollectiveInfo
+from dtcompile.records import CheckOutcome
 
 __all__ = [
     "CheckOutcome",
@@ -181,25 +182,6 @@ class Obtained(str, enum.Enum):
     __format__ = str.__format__
 
 
-class CheckOutcome(str, enum.Enum):
-    """How one graph's check ended (:attr:`dtcompile.records.RankCheck.outcome`)."""
-
-    AGREED = "agreed"
-    EARLIER = "agreed on by an earlier graph"
-    """A recompile with collectives its frame's ranks agreed on: nothing exchanged."""
-    EARLIER_OTHER_SIZES = "agreed on by an earlier graph, with this rank's sizes"
-    """A recompile with its frame's agreed collectives but other sizes, which the program
-    decided (this rank's own shapes specialized, an uneven shard): nothing exchanged."""
-    EARLIER_SETTINGS = "decided as an earlier graph (its collectives unknown here)"
-    """A recompile served from the cache without its schedule, decided from the settings its
-    frame's ranks agreed on: nothing exchanged."""
-    EAGER = "every rank runs it eagerly"
-    DISAGREE = "ranks disagree"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
 
 
 def agreement_marks(schedule: Schedule) -> set[tuple[str, str]]:

@@ -23,7 +23,7 @@ from dtcompile.cost.simulate import Timeline
 from dtcompile.memory import MemoryEstimate
 from dtcompile.regions import RegionInfo
 
-__all__ = ["Action", "CachedCompile", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]
+__all__ = ["Action", "CachedCompile", "CheckOutcome", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]
 
 
 class Action(enum.Enum):
@@ -133,12 +133,13 @@ class PassRecord:
 
 @dataclass(frozen=True)
 class CompiledGraph:
-    """What dtcompile did with one AOT graph (forward, backward or inference)."""
+    """What dtcompile did with one graph: an AOT graph (forward, backward or inference) of the
+    Dynamo backend, or a whole-step graph (``GraphKind.STEP``) of ``compile_step`` or graph_trainer."""
 
     compile_id: str
     """Dynamo's compile id, e.g. ``"0/0"`` (frame 0, first compile)."""
     kind: GraphKind
-    """Which AOT graph: forward, backward or inference."""
+    """Which graph: forward, backward, inference, or a whole step."""
     graph: fx.GraphModule
     """The graph after the passes and with its regions inlined, as handed to lowering."""
     collectives: tuple[CollectiveInfo, ...]
@@ -238,6 +239,27 @@ class CachedCompile:
         )
 
 
+class CheckOutcome(str, enum.Enum):
+    """How one graph's check ended (:attr:`dtcompile.records.RankCheck.outcome`)."""
+
+    AGREED = "agreed"
+    EARLIER = "agreed on by an earlier graph"
+    """A recompile with collectives its frame's ranks agreed on: nothing exchanged."""
+    EARLIER_OTHER_SIZES = "agreed on by an earlier graph, with this rank's sizes"
+    """A recompile with its frame's agreed collectives but other sizes, which the program
+    decided (this rank's own shapes specialized, an uneven shard): nothing exchanged."""
+    EARLIER_SETTINGS = "decided as an earlier graph (its collectives unknown here)"
+    """A recompile served from the cache without its schedule, decided from the settings its
+    frame's ranks agreed on: nothing exchanged."""
+    EAGER = "every rank runs it eagerly"
+    DISAGREE = "ranks disagree"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
 @dataclass(frozen=True)
 class RankCheck:
     """One graph's check that its ranks compiled the same collectives (:mod:`dtcompile.rank_check`)."""
@@ -245,10 +267,10 @@ class RankCheck:
     compile_id: str
     groups: tuple[str, ...]
     """The process groups compared on, by name."""
-    outcome: str
-    """A :class:`dtcompile.rank_check.CheckOutcome`: ``agreed``, one of the ``agreed on by an
-    earlier graph`` kinds (a recompile whose collectives its frame's ranks agreed on: nothing
-    exchanged), ``every rank runs it eagerly`` or ``ranks disagree``."""
+    outcome: CheckOutcome
+    """``agreed``, one of the ``agreed on by an earlier graph`` kinds (a recompile whose
+    collectives its frame's ranks agreed on: nothing exchanged), ``every rank runs it
+    eagerly`` or ``ranks disagree``."""
     seconds: float
     """Wall time of the exchange (0 where nothing was exchanged)."""
     known: bool

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import threading
 
+import pytest
 import torch
 from support.library import modules
 from torch import nn
@@ -102,6 +103,7 @@ def _each_entry_on_a_rank(rank: int) -> None:
     StepPass({"inductor": False}, [mesh])(gm, [*weights, x])
 
 
+@pytest.mark.slow
 def test_every_front_door_checks_its_ranks_through_the_one_checker(monkeypatch):
     seen: list[tuple[int, str, str]] = []
     original = RankChecker.check

@@ -304,7 +304,7 @@ def _options_on_rank(rank: int, options_by_rank: list[dict[str, Any]]) -> str:
         step(batches[0])
     except RanksDisagree as exc:
         return f"RanksDisagree: {exc}"
-    return f"ran: {[c.outcome for c in step.step_pass.checks]}"
+    return f"ran: {[str(c.outcome) for c in step.step_pass.checks]}"
 
 
 @pytest.mark.gloo

@@ -260,7 +260,7 @@ def _check_with_options(rank: int, options_by_rank: list[dict[str, Any]]) -> str
         _apply_graph_passes(traced.gm, traced.example_inputs, [step_pass])
     except RanksDisagree as exc:
         return f"RanksDisagree: {exc}"
-    return f"ran: {[c.outcome for c in step_pass.checks]}"
+    return f"ran: {[str(c.outcome) for c in step_pass.checks]}"
 
 
 def test_ranks_with_different_options_stop_at_the_pass(titan):

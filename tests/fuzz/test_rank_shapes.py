@@ -90,17 +90,19 @@ SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK = Case(
     check_ranks=False,
 )
 """SimpleFSDP (2 x LayerNorm, Linear 8->16, GELU, Linear 16->8) on 2 ranks; at the third step rank
-0 gets 1 row, rank 1 2 rows (the 1,000-program run's programs 142 and 175).  Rank 0 recompiles,
-specialized to 1 row (Dynamo's 0/1 rule); in that backward the partitioner puts the LayerNorm
-weight's re-gather (``reshard_after_forward``, dtcompile's own collective) before the first
-layer's bias and weight reduce-scatters, where rank 1's dynamic graph has it after them: the
-autograd order of the compute the re-gather precedes differs at 1 row, and the re-gather is
-placed before its first use.  The traced collectives' order is the same on both ranks with
-``reshard_after_forward=False``.  gloo aborts (check off); with the check on, rank 0 waits for
-rank 1, which runs its earlier graph, and stops with RanksDisagree after check_ranks_timeout_s."""
+0 gets 1 row, rank 1 2 rows (the 1,000-program run's programs 142, 175 and 545).  Rank 0
+recompiles, specialized to 1 row (Dynamo's 0/1 rule), and the min-cut partitioner, pricing that
+graph's own sizes, recomputes the LayerNorm's output in the backward where at 2 rows it saves it:
+the up-projection's weight gradient then needs the LayerNorm weight, so its re-gather
+(``reshard_after_forward``) goes before that gradient's reduce-scatter, where rank 1's dynamic
+graph sends the reduce-scatter first.  The traced collectives' order is the same on both ranks
+with ``reshard_after_forward=False``; no order of the collectives is legal on both graphs (an
+attempt to issue them module by module, as FSDP2 does, found rank 0's dependencies forbid it).
+gloo aborts (check off); with the check on, rank 0 waits for rank 1, which runs its earlier graph,
+and stops with RanksDisagree after check_ranks_timeout_s."""
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="dtcompile: a re-gather's place in the backward follows one rank's own shapes")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="dtcompile: min-cut's recompute choice follows one rank's own shapes")
 def test_simple_fsdp_with_one_row_on_one_rank_issues_its_peers_collectives():
     (result,) = run_cases([SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK])
     assert result.outcome == "ok", f"{result.outcome}: {result.detail[:1500]} {result.note}"
