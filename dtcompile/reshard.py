@@ -20,6 +20,11 @@ reduce-scatters DTensor traced.  ``DTCompileConfig.reshard_after_forward=False``
 keeps every gathered weight, ``keep_gathered`` the named ones (FSDP2's
 ``fully_shard(module, reshard_after_forward=False)``).
 
+The first ops that compute with a resharded weight (through its views) are tagged
+``MUST_SAVE``: min-cut would otherwise price recomputing one (a LayerNorm's
+output) from this rank's own sizes, and recomputing it moves the weight's
+re-gather before reduce-scatters that a peer fed another batch size sends first.
+
 Every rank tags the same chains: the decision reads only the graph's structure
 and the parameters' names, which every rank's graph shares where shards are even.
 Where they are not (:class:`dtcompile.partition.Partitioner` keeps collectives in
@@ -37,7 +42,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dtcompile.base.op_facts import ALL_GATHER, UNSHARD_OPS, WAIT, op_name
+from dtcompile.base.op_facts import ALL_GATHER, NO_WORK, UNSHARD_OPS, WAIT, op_name
 from dtcompile.base.sizes import nbytes_hint
 from dtcompile.records import Action, Outcome
 
@@ -224,8 +229,35 @@ def tag_reshard_after_forward(
         for node in chain:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = group
+        for user in _first_computed_from(chain, _partitioner_backward):
+            user.meta.setdefault("recompute", CheckpointPolicy.MUST_SAVE)
         group += 1
     return Resharding(tuple(outcomes), gathered_bytes)
+
+
+def _first_computed_from(chain: Sequence[fx.Node], is_backward: Callable[[fx.Node], bool]) -> list[fx.Node]:
+    """The forward ops that first compute with a gathered weight (through its views).
+
+    They are saved for the backward, never recomputed there: min-cut prices recomputing one
+    from this rank's own sizes, and recomputing it needs the weight's re-gather before the
+    backward's first use of it, among reduce-scatters its peers may send first (a rank fed 1
+    row recomputed a LayerNorm's output its peers saved, and their collectives did not pair).
+    """
+    members = set(chain)
+    found: dict[fx.Node, None] = {}
+    frontier = [user for node in chain for user in node.users if user not in members]
+    seen: set[fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen or node.op != "call_function" or is_backward(node):
+            continue
+        seen.add(node)
+        if op_name(node.target) in NO_WORK:  # a view of it: what computes with that
+            frontier.extend(node.users)
+        else:
+            found[node] = None
+    return list(found)
+
 
 
 def reshard_step_graph(

@@ -235,8 +235,8 @@ def test_the_traced_backward_issues_one_order_whatever_a_ranks_rows():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="dtcompile: min-cut's recompute choice follows one rank's own shapes "
-                   "(tests/fuzz/test_rank_shapes.py, SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK)")
 def test_the_backward_re_gathers_issue_one_order_whatever_a_ranks_rows():
-    # Rank 0 specialized to 1 row at the third step, rank 1 on its dynamic graph at 2.
+    """Rank 0 specialized to 1 row at the third step, rank 1 on its dynamic graph at 2: min-cut
+    recomputed the LayerNorm's output at 1 row only, re-gathering its weight before a
+    reduce-scatter (tests/fuzz/test_rank_shapes.py, SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK)."""
     assert _backward_collectives([3, 2, 1]) == _backward_collectives([4, 3, 2])

@@ -96,13 +96,14 @@ graph's own sizes, recomputes the LayerNorm's output in the backward where at 2 
 the up-projection's weight gradient then needs the LayerNorm weight, so its re-gather
 (``reshard_after_forward``) goes before that gradient's reduce-scatter, where rank 1's dynamic
 graph sends the reduce-scatter first.  The traced collectives' order is the same on both ranks
-with ``reshard_after_forward=False``; no order of the collectives is legal on both graphs (an
+with ``reshard_after_forward=False``; no order of the collectives was legal on both graphs (an
 attempt to issue them module by module, as FSDP2 does, found rank 0's dependencies forbid it).
-gloo aborts (check off); with the check on, rank 0 waits for rank 1, which runs its earlier graph,
-and stops with RanksDisagree after check_ranks_timeout_s."""
+gloo aborted (check off); with the check on, rank 0 waited for rank 1, which ran its earlier graph,
+and stopped with RanksDisagree after check_ranks_timeout_s.  The first ops computing with a
+resharded weight are now saved for the backward, never recomputed
+(:func:`dtcompile.reshard.tag_reshard_after_forward`)."""
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="dtcompile: min-cut's recompute choice follows one rank's own shapes")
 def test_simple_fsdp_with_one_row_on_one_rank_issues_its_peers_collectives():
     (result,) = run_cases([SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK])
     assert result.outcome == "ok", f"{result.outcome}: {result.detail[:1500]} {result.note}"
