@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["COMMUNICATION_PASSES", "PASS_NAMES", "PASS_SPECS", "SCHEDULE_OWNERS", "PassSpec", "Stage", "spec"]
+__all__ = ["COMMUNICATION_PASSES", "PASS_NAMES", "PASS_SPECS", "SCHEDULE_OWNERS", "PassSpec", "Stage"]
 
 
 class Stage(str, enum.Enum):
@@ -27,9 +27,6 @@ class Stage(str, enum.Enum):
     """Moves local work (the optimizer's updates) and no collective."""
     DESCRIPTION = "description"
     """Changes nothing: describes the graph that is lowered."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -63,10 +60,3 @@ COMMUNICATION_PASSES: frozenset[str] = frozenset(s.name for s in PASS_SPECS if s
 """The passes that change what collectives run, or when."""
 SCHEDULE_OWNERS: frozenset[str] = frozenset(s.name for s in PASS_SPECS if s.owns_schedule)
 
-
-def spec(name: str) -> PassSpec:
-    """The spec of the pass called ``name``; a ``KeyError`` naming the passes for another."""
-    for found in PASS_SPECS:
-        if found.name == name:
-            return found
-    raise KeyError(f"no pass {name!r}; the passes are {list(PASS_NAMES)}")

@@ -534,29 +534,29 @@ class RankChecker:
 
         agreed = self._agreed.setdefault((dist.get_rank(), schedule.frame), set())
 
-        def record(outcome: CheckOutcome, seconds: float = 0.0) -> None:
-            check = RankCheck(schedule.compile_id, tuple(groups), outcome, seconds, bool(schedule.digest))
+        def record(outcome: CheckOutcome, met_on: Sequence[str], seconds: float = 0.0) -> None:
+            check = RankCheck(schedule.compile_id, tuple(met_on), outcome, seconds, bool(schedule.digest))
             self.checks.append(check)
             log.info("%s", check)
 
         earlier = agreed_earlier(schedule, agreed)
         if earlier:
-            record(earlier)
+            record(earlier, groups)
             return False
         # Only the groups whose collectives are new here meet: the others' peers may never
         # compile this graph (a recompile on one dp coordinate).
         settled = agreed_axes(schedule, agreed)
-        groups = [name for name in groups if axis_name(name, axes) not in settled]
-        if settled and not groups:
-            record(CheckOutcome.EARLIER)
+        meeting = [name for name in groups if axis_name(name, axes) not in settled]
+        if settled and not meeting:
+            record(CheckOutcome.EARLIER, groups)
             return False
         start = time.perf_counter()
         try:
-            eager = agree(schedule, groups, timeout_s, axes)
+            eager = agree(schedule, meeting, timeout_s, axes)
         except RanksDisagree:
-            record(CheckOutcome.DISAGREE, time.perf_counter() - start)
+            record(CheckOutcome.DISAGREE, meeting, time.perf_counter() - start)
             raise
-        record(CheckOutcome.EAGER if eager else CheckOutcome.AGREED, time.perf_counter() - start)
+        record(CheckOutcome.EAGER if eager else CheckOutcome.AGREED, meeting, time.perf_counter() - start)
         if not eager:
             agreed.update(agreement_marks(schedule))
         return eager

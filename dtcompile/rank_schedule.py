@@ -134,9 +134,7 @@ class Schedule:
     def sizeless_digest(self) -> str:
         """Digest of the collectives without their sizes; empty where they are unknown or
         :attr:`bucketed` (then the sizes are dtcompile's decision, not the program's)."""
-        if self.collectives is None or self.bucketed:
-            return ""
-        return short_digest(json.dumps([c.sizeless for c in self.collectives]))
+        return _sizeless(self.collectives, self.bucketed)
 
     def on_axis(self, axis: str) -> tuple[Scheduled, ...] | None:
         """The collectives on ``axis``'s groups: what the ranks of one such group must agree on.
@@ -149,6 +147,10 @@ class Schedule:
     def digest_on(self, axis: str) -> str:
         on_axis = self.on_axis(axis)
         return "" if on_axis is None else short_digest("\n".join(map(str, on_axis)))
+
+    def sizeless_digest_on(self, axis: str) -> str:
+        """:attr:`sizeless_digest` of the collectives on ``axis``."""
+        return _sizeless(self.on_axis(axis), self.bucketed)
 
     @property
     def decided_by_digest(self) -> str:
@@ -168,6 +170,12 @@ class Schedule:
         return cls(**{**data, "collectives": _scheduled_from_json(data["collectives"])})
 
 
+def _sizeless(collectives: Sequence[Scheduled] | None, bucketed: bool) -> str:
+    if collectives is None or bucketed:
+        return ""
+    return short_digest(json.dumps([c.sizeless for c in collectives]))
+
+
 class Obtained(str, enum.Enum):
     """How a rank got a Dynamo graph's code."""
 
@@ -180,8 +188,6 @@ class Obtained(str, enum.Enum):
         return self.value
 
     __format__ = str.__format__
-
-
 
 
 def agreement_marks(schedule: Schedule) -> set[tuple[str, str]]:
@@ -212,10 +218,9 @@ def _axes(schedule: Schedule) -> list[str]:
 
 
 def _axis_marks(schedule: Schedule, axis: str) -> set[tuple[str, str]]:
-    on_axis = schedule.on_axis(axis) or ()
-    marks = {("sizes on axis", f"{axis}:{short_digest(chr(10).join(map(str, on_axis)))}")}
-    if not schedule.bucketed:
-        marks.add(("sizeless on axis", f"{axis}:{short_digest(json.dumps([c.sizeless for c in on_axis]))}"))
+    marks = {("sizes on axis", f"{axis}:{schedule.digest_on(axis)}")}
+    if sizeless := schedule.sizeless_digest_on(axis):
+        marks.add(("sizeless on axis", f"{axis}:{sizeless}"))
     return marks
 
 

@@ -259,7 +259,6 @@ def _first_computed_from(chain: Sequence[fx.Node], is_backward: Callable[[fx.Nod
     return list(found)
 
 
-
 def reshard_step_graph(
     gm: fx.GraphModule,
     names: Sequence[str],

@@ -124,12 +124,13 @@ def test_an_ops_own_uneven_redistribution_keeps_the_collectives_on_every_rank():
             assert text.startswith("not run: sharded unevenly: reduce_scatter_tensor (its input padded by ")
 
 
-def _dynamic_records(make_input):
+def _dynamic_records(make_input, program=lambda t, mesh: torch.nn.functional.linear(t, t)):
+    """The records of ``program(make_input(mesh), mesh)`` compiled on 2 simulated ranks."""
     backend = dtcompile.backend(inductor=False)
     with fake_world(2) as mesh:
         torch._dynamo.reset()
         x = make_input(mesh)
-        torch.compile(lambda t: torch.nn.functional.linear(t, t), backend=backend, fullgraph=True)(x)
+        torch.compile(lambda t: program(t, mesh), backend=backend, fullgraph=True)(x)
     return backend.records
 
 
@@ -156,17 +157,15 @@ def test_a_symbolic_size_that_may_not_divide_is_uneven():
     """Global rows ``2 * s0 - 1`` over 2 ranks: uneven for every ``s0``, and the passes say so."""
     from torch.distributed.tensor import DTensor
 
-    backend = dtcompile.backend(inductor=False)
+    def make(mesh):
+        local = torch.randn(3, 3)
+        torch._dynamo.mark_dynamic(local, 0)
+        return local
 
     def program(local, mesh):
         rows = 2 * local.shape[0] - 1
         x = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(rows, 3), stride=(3, 1))
         return torch.nn.functional.linear(x, x)
 
-    with fake_world(2) as mesh:
-        torch._dynamo.reset()
-        local = torch.randn(3, 3)
-        torch._dynamo.mark_dynamic(local, 0)
-        torch.compile(lambda t: program(t, mesh), backend=backend, fullgraph=True)(local)
-    texts = _not_run(backend.records)
+    texts = _not_run(_dynamic_records(make, program))
     assert texts and all("symbolic size over 2 shards" in t for t in texts), texts
