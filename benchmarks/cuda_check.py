@@ -32,7 +32,7 @@ Part 4 (``--parts memory``; the fake process group at world 8, cuda mesh; issue
 compiled whole with dtcompile (gathered weights resharded, and kept), and with
 stock Inductor: the CUDA allocator's peak of one warm step (forward,
 ``out.pow(2).mean()``, backward; ``torch.cuda.max_memory_allocated``) beside
-dtcompile's estimate of its graphs (:mod:`dtcompile.memory`).
+dtcompile's estimate of its graphs (:mod:`dtcompile.graph.memory`).
 
     python benchmarks/cuda_check.py                   # all parts
     python benchmarks/cuda_check.py --parts block --batch 1 --seq 2048
@@ -105,10 +105,10 @@ def _compat_older_torch() -> list[str]:
 COMPAT = _compat_older_torch()
 
 import dtcompile
-from dtcompile import ops
 from dtcompile._testing.models import BlockArgs, SequenceParallelMLP, build_block
 from dtcompile.cost import get_profile
 from dtcompile.cost.simulate import node_time_us, simulate
+from dtcompile.base import fused_ops as ops
 
 LLAMA_8B = BlockArgs(dim=4096, n_heads=32, hidden=14336)
 WORLD = 8
@@ -286,10 +286,10 @@ def _fused(args: argparse.Namespace) -> None:
             f"\nPart 1: fused ops on a 1-rank NCCL group (group {group!r}, backend {dist.get_backend()})"
         )
         reasons = _Reasons()
-        logging.getLogger("dtcompile.ops").addHandler(reasons)
-        logging.getLogger("dtcompile.ops").setLevel(logging.INFO)
+        logging.getLogger("dtcompile.base.fused_ops").addHandler(reasons)
+        logging.getLogger("dtcompile.base.fused_ops").setLevel(logging.INFO)
         enabled = ops.symmetric_memory_available(torch.empty(1, device="cuda"), group)
-        print(f"dtcompile.ops.symmetric_memory_available: {enabled}")
+        print(f"dtcompile.base.fused_ops.symmetric_memory_available: {enabled}")
         for message in reasons.messages:
             print(f"  logged: {message}")
         print("torch's symm_mem entry points called directly:")

@@ -55,8 +55,8 @@ from schedule_owner import train_step  # noqa: E402  (this folder is on the path
 
 import dtcompile  # noqa: E402
 from dtcompile._testing.models import MLP, Block, BlockArgs, _data_parallel, parallelize_block  # noqa: E402
-from dtcompile.collectives import collective_info  # noqa: E402
 from dtcompile.cost.simulate import simulate  # noqa: E402
+from dtcompile.graph.collectives import collective_info  # noqa: E402
 from dtcompile.pass_names import COMMUNICATION_PASSES  # noqa: E402
 from dtcompile.testing.worlds import run_gloo  # noqa: E402
 

@@ -23,7 +23,7 @@ Per way, rank 0's numbers after two warm steps: the measured peak of one step
 (forward, loss, backward, optimizer step; :func:`dtcompile.testing.measure_memory`,
 the allocator's events, counting the parameters, gradients and optimizer state
 alive before it), the estimate beside it (dtcompile's graphs: the peak of its
-compiled graphs, :mod:`dtcompile.memory`, plus what the step holds outside them:
+compiled graphs, :mod:`dtcompile.graph.memory`, plus what the step holds outside them:
 the optimizer state; stock Inductor's: the same model over the graphs it
 partitions, passes off and weights kept gathered; FSDP2 eager's: torch's
 ``FSDPMemTracker`` over the same step on fake tensors and a fake world, and the
@@ -170,7 +170,7 @@ def _mirror() -> Any:
 
 def _graph_peak(backend: Any, outside: int = 0) -> tuple[int, int]:
     """``(estimated step peak, collectives per step)`` of ``backend``'s graphs: the peak of
-    its largest graph (:mod:`dtcompile.memory`) plus ``outside``, bytes the step holds
+    its largest graph (:mod:`dtcompile.graph.memory`) plus ``outside``, bytes the step holds
     outside them."""
     peak = max(r.memory.peak_bytes for r in backend.records)
     return peak + outside, sum(len(r.collectives) for r in backend.records)

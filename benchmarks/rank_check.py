@@ -3,7 +3,7 @@
 On the rows of ``gloo_steps.py`` (gloo ranks of this machine, ``torch.compile``
 default mode, Inductor, forward + backward), two variants of dtcompile compiled
 side by side in one run: ``check`` (the default: each compiled graph's first call
-compares its collectives across its ranks, :mod:`dtcompile.rank_check`) and
+compares its collectives across its ranks, :mod:`dtcompile.ranks.check`) and
 ``no check`` (``check_ranks=False``).  Both are checked against eager first
 (output and every gradient), then timed taking turns step by step.
 
@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, kind: str, dim: int, hidden: int, rows: int, st
     assert checks and all(c.outcome == "agreed" for c in checks), [str(c) for c in checks]
     assert not backends["no check"].checks
     records = list(backends["check"].records)
-    from dtcompile.rank_schedule import scheduled_collectives
+    from dtcompile.ranks.schedule import scheduled_collectives
 
     schedule_bytes = len("\n".join(map(str, scheduled_collectives((r.kind, r.collectives) for r in records))))
     return {

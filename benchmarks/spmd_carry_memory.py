@@ -1,4 +1,4 @@
-"""What a compiled graph keeps for its SPMD-type re-check (``dtcompile.spmd_carry``), in host memory.
+"""What a compiled graph keeps for its SPMD-type re-check (``dtcompile.spmd.carry``), in host memory.
 
 A graph whose inputs carry ``spmd_types`` types keeps a copy of its forward AOT graph as
 traced (``traced_copy``: new FX nodes, their meta dicts copied shallowly, the fake tensors
@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "clients")]
 
 
 def main() -> None:
-    import dtcompile.graph_compile as graph_compile
+    import dtcompile.pipeline.graph_compile as graph_compile
 
     warnings.filterwarnings("ignore")
     copy = graph_compile.traced_copy

@@ -24,7 +24,7 @@ The ways, each on a fresh copy of the model, built alike:
   default pass pipeline cannot run here (``graph_trainer.passes`` imports its trainer,
   which needs ``torchdata``, and ends in CUDA graphs): this is the graph it starts from;
 - ``gt + dtcompile``: the same graph through the ``dtcompile`` pipeline's pass
-  (:class:`dtcompile.step_pass.StepPass`, rewrites on);
+  (:class:`dtcompile.pipeline.step_pass.StepPass`, rewrites on);
 - ``compile_step``: :func:`dtcompile.compile_step` without the optimizer, which runs
   eagerly after it;
 - ``compile_step + opt``: with AdamW inside the graph (its first step eager: AdamW
@@ -33,7 +33,7 @@ The ways, each on a fresh copy of the model, built alike:
 Per way, rank 0's numbers after two warm steps: the median step time over
 ``--steps`` steps, the measured peak of one step (:func:`dtcompile.testing.measure_memory`:
 parameters, optimizer state and input alive before it), the estimated peak
-(:mod:`dtcompile.memory`, of the step graph, or of the largest Dynamo graph, plus
+(:mod:`dtcompile.graph.memory`, of the step graph, or of the largest Dynamo graph, plus
 the optimizer state the graph does not hold), the collectives per step, and the
 compile seconds (the calls that traced and compiled, less an eager step).  Every
 way's losses are checked equal to eager's.  Then, for ``compile_step``, the peak the
@@ -130,7 +130,7 @@ def _graph_trainer(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], ste
 
 
 def _way(layout: str, way: str, rank: int, steps: int, options: dict[str, Any], weights: Any) -> dict[str, Any]:
-    from dtcompile.step_pass import StepPass
+    from dtcompile.pipeline.step_pass import StepPass
 
     model, x = _build(layout, rank, weights)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)

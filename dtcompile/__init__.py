@@ -19,12 +19,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names below are; loaded lazily by __getattr__
-    from dtcompile.collectives import CollectiveInfo
     from dtcompile.compiler import DTCompileBackend
     from dtcompile.config import DTCompileConfig
     from dtcompile.cost.calibrate import calibrate
+    from dtcompile.graph.collectives import CollectiveInfo
     from dtcompile.hops.local_map import local_map
-    from dtcompile.rank_check import RanksDisagree
+    from dtcompile.ranks.check import RanksDisagree
     from dtcompile.records import CompiledGraph
     from dtcompile.registry import backend
     from dtcompile.report import Report, explain
@@ -47,12 +47,12 @@ __all__ = [
 ]
 
 _WHERE = {
-    "CollectiveInfo": "dtcompile.collectives",
+    "CollectiveInfo": "dtcompile.graph.collectives",
     "CompiledGraph": "dtcompile.records",
     "CompiledStep": "dtcompile.step",
     "DTCompileBackend": "dtcompile.compiler",
     "DTCompileConfig": "dtcompile.config",
-    "RanksDisagree": "dtcompile.rank_check",
+    "RanksDisagree": "dtcompile.ranks.check",
     "Report": "dtcompile.report",
     "auto_parallel": "dtcompile.auto_parallel",
     "backend": "dtcompile.registry",

@@ -27,11 +27,11 @@ from torch.utils import _pytree as pytree
 
 from dtcompile.base.channels import GraphKind, Meta
 from dtcompile.base.notation import describe_mesh, real_object
-from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost import HardwareProfile, collective_time_us
+from dtcompile.graph.collectives import CollectiveInfo, collective_info
+from dtcompile.graph.rank_dependence import uneven_sharding
 from dtcompile.hops.region_op import region_call_id
-from dtcompile.rank_dependence import uneven_sharding
-from dtcompile.spmd_typing import format_types, type_graph
+from dtcompile.spmd.inference import format_types, type_graph
 
 __all__ = [
     "Communication",
@@ -64,7 +64,7 @@ class Communication:
     """A collective issued on behalf of a Dynamo node."""
 
     kind: GraphKind
-    """``forward``, ``backward`` or ``inference``: the AOT graph that issues it."""
+    """The graph that issues it: ``forward``, ``backward``, ``inference`` or ``step`` (a whole-step graph)."""
     collective: CollectiveInfo
     time_us: float
 
@@ -91,7 +91,7 @@ class DynamoGraphInfo:
     """A forward ``local_map`` region's call id -> its Dynamo node (its backward region has the same id)."""
     communication: dict[str, list[Communication]] = field(default_factory=lambda: defaultdict(list))
     spmd_inputs: tuple[dict[str, str] | None, ...] = ()
-    """Each graph input's SPMD type per mesh axis (:func:`dtcompile.spmd_typing.input_types`); ``()`` if none is typed."""
+    """Each graph input's SPMD type per mesh axis (:func:`dtcompile.spmd.inference.input_types`); ``()`` if none is typed."""
     spmd_forward: dict[str, dict[str, str]] = field(default_factory=dict)
     """The forward graph's nodes' SPMD types by name, and its outputs' (the backward starts from them)."""
     spmd_forward_outputs: list[dict[str, str] | None] = field(default_factory=list)

@@ -41,6 +41,7 @@ def collectives_json(record: CompiledGraph) -> dict[str, Any]:
             {
                 "node": info.node,
                 "op": info.op,
+                "label": info.label,
                 "axis": info.axis,
                 "group_size": info.group_size,
                 "shape": list(info.shape),
@@ -94,7 +95,7 @@ _CURVE_POINTS = 400
 
 
 def memory_json(record: CompiledGraph) -> dict[str, Any] | None:
-    """One graph's estimated memory (:mod:`dtcompile.memory`) as JSON data: its peak, what is
+    """One graph's estimated memory (:mod:`dtcompile.graph.memory`) as JSON data: its peak, what is
     alive there, the peak before the passes, the budget they kept to, and the curve of
     live bytes over the schedule's estimated compute time (``[us, bytes]`` points)."""
     from dtcompile.cost.simulate import node_time_us

@@ -5,13 +5,14 @@ its compiled forward and backward; on a hit nothing is traced, partitioned or
 passed) and Inductor's FX graph cache (one partitioned graph, after
 dtcompile's passes -> its generated code).  Both key on the graph, its inputs
 and Inductor's config, which carries dtcompile's partitioner
-(:class:`dtcompile.partition.Partitioner`, whose ``uuid()`` is
+(:class:`dtcompile.pipeline.partition.Partitioner`, whose ``uuid()`` is
 :func:`compile_key`).  Two things make those keys right for dtcompile:
 
 - :func:`compile_key`: what else decides the graphs dtcompile makes: its own
   source (the ``dtcompile``, ``dtcompile.hops`` and ``dynamo_vars`` packages), every
-  :class:`~dtcompile.config.DTCompileConfig` field that changes a graph (not
-  those in ``_NOT_IN_KEY``: ``report`` and ``trace_pass_graphs``, what is shown;
+  :class:`~dtcompile.config.DTCompileConfig` field that changes a graph (its
+  :meth:`~dtcompile.config.DTCompileConfig.key_field_names`, each field saying so
+  where it is declared; not ``report`` and ``trace_pass_graphs``, what is shown;
   ``aot_cache``, whether a cache is read; ``eager_fallback``, what happens where
   nothing compiles; ``check_ranks`` and ``check_ranks_timeout_s``, whether and how
   long ranks compare what they compiled) and the cost profile's numbers
@@ -58,12 +59,6 @@ from dtcompile.cost import HardwareProfile
 
 __all__ = ["compile_key", "key_fields", "meshes_held", "profile_text", "rank_position", "source_digest", "stable_mesh_keys"]
 
-# Fields that do not change a compiled graph: what is printed or logged, and what
-# happens where torch cannot trace (nothing is compiled or cached then).
-_NOT_IN_KEY = frozenset(
-    {"report", "trace_pass_graphs", "eager_fallback", "aot_cache", "check_ranks", "check_ranks_timeout_s"}
-)
-
 
 @functools.cache
 def source_digest() -> str:
@@ -91,7 +86,7 @@ def _canonical(value: Any) -> str:
 
 def key_fields(config: DTCompileConfig) -> dict[str, str]:
     """The options that change a compiled graph, by name, as text every process writes alike."""
-    return {name: _canonical(getattr(config, name)) for name in DTCompileConfig.field_names() if name not in _NOT_IN_KEY}
+    return {name: _canonical(getattr(config, name)) for name in DTCompileConfig.key_field_names()}
 
 
 def profile_text(profile: HardwareProfile) -> str:
@@ -109,7 +104,7 @@ def compile_key(
     ``profile`` is the one the graph is priced with (``auto`` picks it per graph), ``position``
     this rank's place in the graph's meshes (:func:`rank_position`; empty: shared by all ranks),
     ``input_types`` the inputs' ``spmd_types`` types per mesh axis
-    (:func:`dtcompile.spmd_typing.input_types`): a graph whose inputs are typed otherwise is
+    (:func:`dtcompile.spmd.inference.input_types`): a graph whose inputs are typed otherwise is
     compiled (and type-checked) again, never served a check made for other types."""
     fields = ", ".join(f"{name}={text}" for name, text in key_fields(config).items())
     key = f"dtcompile(source={source_digest()}, {fields}, profile={profile_text(profile)}"

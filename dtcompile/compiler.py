@@ -11,23 +11,23 @@ Inductor settings; ``mode=`` adds Inductor's settings for that mode
 (Inductor settings with ``inductor=False``, CUDA graphs on a CPU graph) are
 dropped with one warning that names them.
 
-The pipeline for one Dynamo graph, one :class:`~dtcompile.graph_compile.GraphCompile` per
+The pipeline for one Dynamo graph, one :class:`~dtcompile.pipeline.graph_compile.GraphCompile` per
 backend call (a method per stage):
 
 1. AOTAutograd traces the joint forward/backward graph with Inductor's
    decomposition table, DTensor desugars to local ops plus functional
-   collectives, and :class:`dtcompile.partition.Partitioner` (the min-cut
+   collectives, and :class:`dtcompile.pipeline.partition.Partitioner` (the min-cut
    partitioner, or one that keeps collectives under uneven shards) splits it
    into a forward and a backward graph (exactly the graphs Inductor would get).
    ``local_map`` regions stay one ``local_map_region`` node each, forward and
    backward (:func:`dtcompile.hops.keep_regions` is on while AOTAutograd traces).
 2. :func:`dtcompile.passes.run_passes` runs the ordered pass list on each.
-3. Lowering: the regions are inlined (:func:`dtcompile.lowering.inline_regions`),
+3. Lowering: the regions are inlined (:func:`dtcompile.pipeline.lowering.inline_regions`),
    then Inductor's ``compile_fx_inner`` (``inductor=True``), or the graph as
    it is (``inductor=False``).
 4. Where ranks can compile differently (a real process group; ``check_ranks``),
    the compiled graph's first call first checks that every rank of its groups
-   compiled the same collectives (:mod:`dtcompile.rank_check`); the backward is
+   compiled the same collectives (:mod:`dtcompile.ranks.check`); the backward is
    then compiled with the forward, not at its first call, so that the check
    covers both.
 
@@ -53,11 +53,13 @@ import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo
 from dtcompile.cache_keys import meshes_held
 from dtcompile.config import DTCompileConfig, config_for
-from dtcompile.dynamo_output import with_outputs_put_back
-from dtcompile.graph_compile import GraphCompile, devices_of
-from dtcompile.rank_check import CheckedOnFirstCall, RankChecker, check_groups
+from dtcompile.cost.auto import devices_of
+from dtcompile.pipeline.compile_log import CompileLog
+from dtcompile.pipeline.dynamo_output import with_outputs_put_back
+from dtcompile.pipeline.graph_compile import GraphCompile
+from dtcompile.ranks.check import CheckedOnFirstCall, check_groups
 from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, RankCheck
-from dtcompile.spmd_carry import carry_spmd_types
+from dtcompile.spmd.carry import carry_spmd_types
 
 __all__ = ["DTCompileBackend"]
 
@@ -96,13 +98,26 @@ class DTCompileBackend:
     ``options=`` arrive as keyword arguments of the call (:func:`config_for`).
     """
 
-    def __init__(self, config: DTCompileConfig) -> None:
+    def __init__(self, config: DTCompileConfig, log: CompileLog | None = None) -> None:
         self.config = config
-        self.records: collections.deque[CompiledGraph] = collections.deque(maxlen=_MAX_RECORDS)
-        self.fallbacks: collections.deque[EagerFallback] = collections.deque(maxlen=_MAX_RECORDS)
-        self.cached: collections.deque[CachedCompile] = collections.deque(maxlen=_MAX_RECORDS)
-        self.checks: collections.deque[RankCheck] = collections.deque(maxlen=_MAX_RECORDS)
-        self._checker = RankChecker(self.checks)
+        self.log = log if log is not None else CompileLog(maxlen=_MAX_RECORDS)
+        """Where this backend's compiles land (:class:`~dtcompile.pipeline.compile_log.CompileLog`)."""
+
+    @property
+    def records(self) -> collections.deque[CompiledGraph]:
+        return self.log.records
+
+    @property
+    def fallbacks(self) -> collections.deque[EagerFallback]:
+        return self.log.fallbacks
+
+    @property
+    def cached(self) -> collections.deque[CachedCompile]:
+        return self.log.cached
+
+    @property
+    def checks(self) -> collections.deque[RankCheck]:
+        return self.log.checks
 
     def __repr__(self) -> str:
         return f"dtcompile.backend({self.config})"
@@ -111,11 +126,7 @@ class DTCompileBackend:
         """A backend with ``changes`` to this one's options whose records, fallbacks and
         cached graphs land in this backend's (``collective_schedule`` compiles so with
         ``aot_cache=False``: it reads what dtcompile compiles)."""
-        other = DTCompileBackend(self.config.replace(**changes))
-        other.records, other.fallbacks, other.cached = self.records, self.fallbacks, self.cached
-        other.checks = self.checks
-        other._checker = RankChecker(other.checks)
-        return other
+        return DTCompileBackend(self.config.replace(**changes), self.log.sharing())
 
     def __call__(
         self,
@@ -132,7 +143,7 @@ class DTCompileBackend:
             config, ignored = config_for(config, mode, options, devices_of(example_inputs))
             if ignored:
                 warnings.warn(f"dtcompile: ignored {'; '.join(ignored)}", stacklevel=2)
-        job = GraphCompile(self, gm, example_inputs, config)
+        job = GraphCompile(self.log, gm, example_inputs, config)
         try:
             compiled = job.trace()
         except Exception as exc:
@@ -155,7 +166,7 @@ class DTCompileBackend:
         return CheckedOnFirstCall(
             run,
             with_outputs_put_back(gm.forward, job.constants, job.views),
-            functools.partial(self._checker.check, schedule, groups, config.check_ranks_timeout_s, job.info.axes),
+            functools.partial(self.log.checker.check, schedule, groups, config.check_ranks_timeout_s, job.info.axes),
             functools.partial(self._run_eagerly_on_every_rank, gm, job.info),
         )
 

@@ -18,10 +18,10 @@ from torch import fx
 from dtcompile.annotations import DynamoGraphInfo, format_aot_graph
 from dtcompile.base.channels import GraphKind
 from dtcompile.base.notation import format_bytes
-from dtcompile.collectives import CollectiveInfo
 from dtcompile.cost.simulate import Timeline
-from dtcompile.memory import MemoryEstimate
-from dtcompile.regions import RegionInfo
+from dtcompile.graph.collectives import CollectiveInfo
+from dtcompile.graph.memory import MemoryEstimate
+from dtcompile.graph.regions import RegionInfo
 
 __all__ = ["Action", "CachedCompile", "CheckOutcome", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]
 
@@ -60,7 +60,7 @@ class Price:
     profile: str = ""
     """The cost profile's name."""
     adds_bytes: int | None = None
-    """Bytes the rewrite adds to the graph's estimated peak (:mod:`dtcompile.memory`),
+    """Bytes the rewrite adds to the graph's estimated peak (:mod:`dtcompile.graph.memory`),
     where the pass priced memory too."""
 
     @property
@@ -149,10 +149,10 @@ class CompiledGraph:
     regions: tuple[RegionInfo, ...] = ()
     """The ``local_map`` regions the passes saw as one op each (inlined at lowering)."""
     with_regions: str = ""
-    """The graph as the passes left it, regions as one op (:func:`~dtcompile.regions.format_with_regions`);
+    """The graph as the passes left it, regions as one op (:func:`~dtcompile.graph.regions.format_with_regions`);
     empty when it has none."""
     memory: MemoryEstimate | None = None
-    """Its live bytes along the schedule and its peak, as lowered (:mod:`dtcompile.memory`)."""
+    """Its live bytes along the schedule and its peak, as lowered (:mod:`dtcompile.graph.memory`)."""
     memory_traced: MemoryEstimate | None = None
     """The same before any pass: what the passes added is the difference."""
     memory_budget: tuple[int, str] = (0, "")
@@ -163,10 +163,10 @@ class CompiledGraph:
     """The same before any pass: what the passes hid is the difference."""
     collectives_traced: tuple[CollectiveInfo, ...] = ()
     """Its collectives before dtcompile's passes, as traced: what the ranks' check tells
-    from what the passes made of them (:mod:`dtcompile.rank_check`)."""
+    from what the passes made of them (:mod:`dtcompile.ranks.check`)."""
     spmd_types_traced: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Its nodes' SPMD types per mesh axis as traced, before the passes (where they were
-    checked: :mod:`dtcompile.spmd_typing`); the graph's nodes carry them as lowered."""
+    checked: :mod:`dtcompile.spmd.inference`); the graph's nodes carry them as lowered."""
     lowering: Mapping[str, Any] = field(default_factory=dict)
     """How it was lowered: ``{}`` without Inductor, else the Inductor settings this
     backend asked for (from ``inductor_config``, ``options=`` and ``mode=``) as
@@ -262,7 +262,7 @@ class CheckOutcome(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RankCheck:
-    """One graph's check that its ranks compiled the same collectives (:mod:`dtcompile.rank_check`)."""
+    """One graph's check that its ranks compiled the same collectives (:mod:`dtcompile.ranks.check`)."""
 
     compile_id: str
     groups: tuple[str, ...]

@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dtcompile.artifacts import collective_table, memory_lines, pass_lines, region_lines
-from dtcompile.rank_check import ranks_are_threads, reset_dynamo_of_this_rank
+from dtcompile.ranks.check import ranks_are_threads, reset_dynamo_of_this_rank
 from dtcompile.records import CompiledGraph
 from dtcompile.registry import backend as make_backend
 
@@ -111,7 +111,7 @@ def explain(
     outputs), and report what was compiled (``aot_cache=False``: every graph is
     compiled, none served by a cache).  Calling the result again with other args
     reports the recompiles they cause.  Resets Dynamo's caches first, but where ranks are
-    threads of one process (they share them: :func:`dtcompile.rank_check.ranks_are_threads`).
+    threads of one process (they share them: :func:`dtcompile.ranks.check.ranks_are_threads`).
 
     ``depyf_dir``: also dump Dynamo's transformed bytecode, decompiled by depyf, and
     the graphs' code there (``dtcompile-report --depyf DIR`` puts it beside the HTML)."""

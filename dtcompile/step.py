@@ -4,7 +4,7 @@
 traces forward, loss and backward (and, given an optimizer, its ``step()``) as one
 graph of plain tensors and functional collectives, the way torchtitan
 ``graph_trainer``'s tracer does, runs dtcompile's passes on it
-(:class:`~dtcompile.step_pass.StepPass`: placements, costs, bucketing, overlap,
+(:class:`~dtcompile.pipeline.step_pass.StepPass`: placements, costs, bucketing, overlap,
 memory, the ranks' check, the report's artifacts) and runs it::
 
     step = dtcompile.compile_step(lambda x, y: F.cross_entropy(model(x), y), model=model)
@@ -53,8 +53,8 @@ from torch.fx import traceback as fx_traceback
 from dtcompile.base.channels import Meta
 from dtcompile.base.scoped_patch import fx_tracing
 from dtcompile.config import DTCompileConfig
+from dtcompile.pipeline.step_pass import StepPass, TracedStep
 from dtcompile.records import CompiledGraph
-from dtcompile.step_pass import StepPass
 
 __all__ = ["CompiledStep", "StepNotTraceable", "compile_step"]
 
@@ -380,28 +380,27 @@ class CompiledStep:
 
         gm = _make_graph(make_fx, step, flat, self.loss_fn)
         state = pytree.tree_unflatten(state_leaves, state_spec)
-        self.step_pass.input_names = _input_names(state, tensor_at, in_layouts)
         self.traces += 1
         if self.traces > 1:
             log.info("compile_step: traced the step again (%d graphs): a new shape, placement or hyperparameter", self.traces)
         example = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        gm = self.step_pass(gm, example)
-        run = self._lower(gm, example) if self.config.inductor else gm
+        record = self.step_pass.compile(TracedStep(gm, example, _input_names(state, tensor_at, in_layouts), self.step_pass.meshes))
+        run = self._lower(record, example) if self.config.inductor else record.graph
         return _Traced(run, out["layouts"], out["spec"])
 
-    def _lower(self, gm: fx.GraphModule, example: Sequence[Any]) -> Callable[..., Any]:
-        """The step graph after the passes, through Inductor (``compile_fx``: AOTAutograd
+    def _lower(self, record: CompiledGraph, example: Sequence[Any]) -> Callable[..., Any]:
+        """``record``'s step graph after the passes, through Inductor (``compile_fx``: AOTAutograd
         functionalizes its in-place updates, Inductor generates the code; its caches serve
         a restarted job).  Inductor leaves the collectives where dtcompile's passes put them
         when those moved any (as for the Dynamo path)."""
         from torch._inductor.compile_fx import compile_fx
 
-        from dtcompile.graph_compile import schedule_owned_by_dtcompile
+        from dtcompile.pipeline.graph_compile import schedule_owned_by_dtcompile
 
-        patches = {**self.config.inductor_config, **schedule_owned_by_dtcompile(self.config, self.records[-1].passes, gm.graph)}
+        patches = {**self.config.inductor_config, **schedule_owned_by_dtcompile(self.config, record.passes, record.graph.graph)}
         # Inputs as values: the graph already holds its backward; nothing here needs a gradient.
         inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in example]
-        return compile_fx(gm, inputs, config_patches=patches)
+        return compile_fx(record.graph, inputs, config_patches=patches)
 
     @contextlib.contextmanager
     def _reparametrized(self, traced_state: dict[str, Any]) -> Iterator[None]:
@@ -446,7 +445,7 @@ def _params_swapped(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
 def _input_names(state: dict[str, Any], tensor_at: Sequence[int], layouts: Sequence[_Layout | None]) -> list[str]:
     """The step graph's inputs' names: parameters and buffers by their FQN (a parametrized
     one by the name its module reads it by), the optimizer's state and the arguments by place."""
-    from dtcompile.reshard import module_fqn
+    from dtcompile.pipeline.reshard import module_fqn
 
     names = [module_fqn(name) for name, v in state["model"].items() if isinstance(v, torch.Tensor)]
     names += [f"optimizer state {i}" for i, v in enumerate(pytree.tree_leaves(state["optim"])) if isinstance(v, torch.Tensor)]

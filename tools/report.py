@@ -11,10 +11,10 @@ solutions planned (each node's placements and cost); per compile id the DTensor
 placements, the annotated forward and backward graphs and the collective
 schedule; each graph's simulated timeline before and after the passes (a compute
 and a communication lane, the compute stream's waits marked) and its estimated
-memory over its schedule (the curve with its
-peak marked, the budget the passes kept to, what is alive at the peak);
-communication bytes and estimated time per step; a check that every
-rank issues the same collectives in the same order (a rank that differs would
+memory over its schedule (the curve with its peak marked, the budget the passes
+kept to, what is alive at the peak); communication bytes and estimated time per
+step; a check that every rank issues the same collectives in the same order, by
+the ranks' check's rule (:mod:`dtcompile.ranks.pairing`; a rank that differs would
 hang a real job); graph breaks and recompile reasons.  No scripts, no network:
 the file opens anywhere.  ``--perfetto OUT.json`` also writes the timelines as a
 Chrome trace-event file for Perfetto (:func:`perfetto_trace`), beside a
@@ -45,6 +45,7 @@ from typing import Any
 from dtcompile.base.channels import Artifact, GraphKind, parse_artifact
 from dtcompile.base.notation import format_bytes
 from dtcompile.base.progress import track
+from dtcompile.ranks.pairing import Scheduled, scheduled_from_artifact
 from dtcompile_tools.pictures import measured_events, memory_svg, timeline_svg
 
 __all__ = ["Trace", "TraceError", "main", "perfetto_trace", "read_trace", "render_html"]
@@ -271,24 +272,27 @@ def _unused(compiles: dict[str, CompileRecord], key: str) -> str:
     return f"{key} ({n})"
 
 
-def _schedule_key(record: CompileRecord) -> list[tuple[Any, ...]]:
-    return [
-        (kind, c["op"], c["axis"], c["group_size"], c["bytes"])
-        for kind, data in sorted(record.collectives.items())
-        for c in data["collectives"]
-    ]
+def _schedule_on_axes(record: CompileRecord) -> dict[str, tuple[Scheduled, ...]]:
+    """A compile's collectives by mesh axis, as the ranks' check compares them (an all-to-all's
+    and a data-dependent collective's sizes are each rank's own: :mod:`dtcompile.ranks.pairing`)."""
+    on_axes: dict[str, tuple[Scheduled, ...]] = defaultdict(tuple)
+    for kind, data in sorted(record.collectives.items()):
+        for c in scheduled_from_artifact(kind, data["collectives"]):
+            on_axes[c.axis] += (c,)
+    return on_axes
 
 
 def divergence(trace: Trace) -> list[str]:
-    """Compile ids where some rank's collective schedule differs from the lowest rank's."""
-    problems = []
-    ranks = sorted(trace.ranks)
+    """Compile ids where some rank's collectives on a mesh axis differ from the lowest rank's."""
+    problems, ranks = [], sorted(trace.ranks)
     first = trace.ranks[ranks[0]]
     for rank in ranks[1:]:
         other = trace.ranks[rank]
         for cid in sorted(set(first.compiles) | set(other.compiles)):
-            if _schedule_key(first.compiles.get(cid, CompileRecord())) != _schedule_key(other.compiles.get(cid, CompileRecord())):
-                problems.append(f"compile {cid}: rank {rank}'s collectives differ from rank {ranks[0]}'s")
+            ours, theirs = (_schedule_on_axes(r.compiles.get(cid, CompileRecord())) for r in (first, other))
+            differ = sorted(axis for axis in set(ours) | set(theirs) if ours.get(axis) != theirs.get(axis))
+            if differ:
+                problems.append(f"compile {cid}: rank {rank}'s collectives on {', '.join(differ)} differ from rank {ranks[0]}'s")
     return problems
 
 

@@ -11,19 +11,19 @@ only, a budget or a pin computed per rank.  Ranks that apply different plans run
 models whose collectives do not pair up: gloo aborts, NCCL hangs until its watchdog
 fires, or, where the sizes happen to agree, the numbers are wrong.  So before
 ``parallelize`` distributes a parameter, the ranks of its mesh compare the plans they
-apply (:func:`dtcompile.rank_check.meet`: one exchange through the process group's
+apply (:func:`dtcompile.ranks.check.meet`: one exchange through the process group's
 store, no collective) and then all do the same:
 
 - all apply the same placements for every node: each goes on;
-- some apply others: every rank raises :class:`~dtcompile.rank_check.RanksDisagree`,
+- some apply others: every rank raises :class:`~dtcompile.ranks.check.RanksDisagree`,
   naming the ranks on each side, the first node whose placements differ and what the
   plans were made from that differs between them (the example inputs' shapes, the cost
   profile, a budget, a pin, the versions);
 - a rank could not plan on the mesh (an error of its own): it raises that error, and
-  its peers, once they apply theirs, a :class:`~dtcompile.rank_check.RanksDisagree`
+  its peers, once they apply theirs, a :class:`~dtcompile.ranks.check.RanksDisagree`
   quoting it, at once rather than after a timeout;
 - a peer does not come within the compile config's ``check_ranks_timeout_s``: a
-  :class:`~dtcompile.rank_check.RanksDisagree` naming it.
+  :class:`~dtcompile.ranks.check.RanksDisagree` naming it.
 
 Planning itself waits for no peer: a plan made on one rank alone (to print it, to
 compare budgets) returns as soon as it is made.  The comparison is governed by the
@@ -115,7 +115,7 @@ class PlanMeeting:
         ``check_ranks_timeout_s``)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        from dtcompile.rank_check import is_simulated, world_can_disagree
+        from dtcompile.ranks.check import is_simulated, world_can_disagree
 
         if not (checks.check_ranks and isinstance(mesh, DeviceMesh) and world_can_disagree()):
             return cls((), 0.0)
@@ -130,7 +130,7 @@ class PlanMeeting:
     def _meet(self, entry: Mapping[str, Any], detail: str, wait: bool = True) -> list[dict[str, Any]]:
         import torch.distributed as dist
 
-        from dtcompile.rank_check import meet
+        from dtcompile.ranks.check import meet
 
         rank = dist.get_rank()
         return meet(
@@ -159,8 +159,8 @@ class PlanMeeting:
             return
         import torch.distributed as dist
 
-        from dtcompile.rank_check import RanksDisagree, read_detail
-        from dtcompile.rank_schedule import short_digest
+        from dtcompile.ranks.check import RanksDisagree, read_detail
+        from dtcompile.ranks.schedule import short_digest
 
         start = time.perf_counter()
         lines = plan_lines(solution)
@@ -190,7 +190,7 @@ class PlanMeeting:
 
 def compare_applied(solution: Any, mesh: Any) -> None:
     """The mesh's ranks compare the plan each applies (see the module), as the config the plan
-    was made with says; raises :class:`~dtcompile.rank_check.RanksDisagree` on every rank where
+    was made with says; raises :class:`~dtcompile.ranks.check.RanksDisagree` on every rank where
     they differ."""
     from dtcompile.config import DTCompileConfig
 
@@ -212,7 +212,7 @@ def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str
     else:
         longer, rank = (plan_a, ra) if len(plan_a) > len(plan_b) else (plan_b, rb)
         lines.append(f"  first difference: {longer[min(len(plan_a), len(plan_b))]} on rank {rank} only")
-    from dtcompile.rank_check import differences
+    from dtcompile.ranks.check import differences
 
     differs = differences(a["facts"], b["facts"], ra, rb)
     if differs:
@@ -231,7 +231,7 @@ def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str
 def peers_learn_failure(mesh: Any, config: Any) -> Iterator[None]:
     """An error raised inside (this rank could not plan on ``mesh``) is left for the mesh's other
     ranks to read where they compare the plans they apply, before it is raised."""
-    from dtcompile.rank_check import RanksDisagree
+    from dtcompile.ranks.check import RanksDisagree
 
     try:
         yield

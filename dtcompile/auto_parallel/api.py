@@ -31,9 +31,9 @@ from dtcompile.base.channels import Artifact
 from dtcompile.base.progress import Progress
 from dtcompile.base.scoped_patch import ScopedPatch, fx_tracing
 from dtcompile.base.torch_contract import require
-from dtcompile.collectives import profile_for_groups
 from dtcompile.cost import HardwareProfile
-from dtcompile.reshard import resharded
+from dtcompile.cost.auto import profile_for_groups
+from dtcompile.pipeline.reshard import resharded
 
 __all__ = ["auto_parallel", "plan"]
 
@@ -92,7 +92,7 @@ _TORCH_NAMES: tuple[str, ...] = (
 :func:`plan` before it starts.  ``tests/architecture/test_newer_torch.py`` reads the package's
 code with the contract test's scanner and fails on a private name used and missing here,
 and on a name here the package no longer mentions.  The lower layers the planner calls
-(:mod:`dtcompile.base`, :mod:`dtcompile.hops`, :mod:`dtcompile.reshard`...) are not covered."""
+(:mod:`dtcompile.base`, :mod:`dtcompile.hops`, :mod:`dtcompile.pipeline.reshard`...) are not covered."""
 
 
 class _OtherThreads(logging.Filter):
@@ -372,7 +372,7 @@ def auto_parallel(
 
     Every rank plans for itself; before the plan is applied, the mesh's ranks compare
     their plans, and where they differ (each rank's own batch shapes, budgets or cost
-    profile) every rank raises :class:`~dtcompile.rank_check.RanksDisagree` saying how
+    profile) every rank raises :class:`~dtcompile.ranks.check.RanksDisagree` saying how
     (:mod:`dtcompile.auto_parallel.agreement`; off with the config's ``check_ranks=False``).
 
     ``parallel_model`` is a copy of ``model`` whose parameters are DTensors in the

@@ -243,7 +243,7 @@ def parallelize(model: nn.Module, solution: Solution, mesh: Any = None) -> AutoP
     ``mesh`` (default: the one planned on) may be another mesh of the same shape and axis
     names: plan once, on a fake process group, and apply the plan on every real rank.
     Before a parameter is distributed, the mesh's ranks compare the plans they apply, and
-    raise :class:`~dtcompile.rank_check.RanksDisagree` on every rank where they differ
+    raise :class:`~dtcompile.ranks.check.RanksDisagree` on every rank where they differ
     (:mod:`~dtcompile.auto_parallel.agreement`).
     """
     planned = solution.problem.mesh

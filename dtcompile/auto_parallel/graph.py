@@ -127,7 +127,7 @@ class Problem:
     """``made``: candidates measured for this problem; ``reused``: found measured already (by an
     earlier node with the same signature, or an earlier plan on a mesh like this one)."""
     regathered: frozenset[str] = frozenset()
-    """Parameter nodes the compile config reshards after forward (:func:`dtcompile.reshard.resharded`):
+    """Parameter nodes the compile config reshards after forward (:func:`dtcompile.pipeline.reshard.resharded`):
     gathered again in the backward where the backward reads them (``Edge.regather``)."""
 
     def groups(self) -> dict[str, list[str]]:

@@ -9,7 +9,7 @@ solution's estimate is the estimate of the graphs dtcompile will compile:
   ``make_fx`` down to the local aten ops and functional collectives DTensor
   issues.  Each traced node is timed by :func:`dtcompile.cost.simulate.node_time_us`
   (the roofline) and each collective read by
-  :func:`dtcompile.collectives.collective_info` and timed by the cost model;
+  :func:`dtcompile.graph.collectives.collective_info` and timed by the cost model;
   the layouts DTensor gives the inputs' gradients are read back.  The backward
   is measured rather than chosen because the applied model is an ordinary DTensor
   module: autograd runs each op's backward with DTensor's own propagation, so
@@ -36,9 +36,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtcompile.auto_parallel.placements import Layout, PlannedCollective, axis_span, is_shard, is_strided, local_numel
 from dtcompile.base.channels import GraphKind
-from dtcompile.collectives import collective_info, flattened_axes
 from dtcompile.cost import HardwareProfile
 from dtcompile.cost.simulate import node_time_us
+from dtcompile.graph.collectives import collective_info, flattened_axes
 
 __all__ = [
     "OpMeasure",
@@ -71,7 +71,7 @@ class OpMeasure:
     saved: tuple[bool, ...] = ()
     """Per tensor input: whether the backward reads it (or what the forward made of it
     alone, ``t(w)``): saved for the backward, so a gathered parameter is gathered
-    again there where dtcompile reshards after forward (:mod:`dtcompile.reshard`)."""
+    again there where dtcompile reshards after forward (:mod:`dtcompile.pipeline.reshard`)."""
     saved_outputs: tuple[bool, ...] = ()
     """Per output: whether the op's own backward reads it (``relu``'s, SDPA's)."""
     saved_bytes: int = 0

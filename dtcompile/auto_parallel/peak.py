@@ -6,7 +6,7 @@ backward is alive and no gradient is made yet (:data:`TURN`), or at the end of
 the backward, where every gradient is made and the saved tensors are freed
 (:data:`END`); between them the backward frees saved tensors as it makes
 gradients.  The plan's estimate is the larger of the two sums of what
-:mod:`dtcompile.memory` finds alive in a compiled step, by kind:
+:mod:`dtcompile.graph.memory` finds alive in a compiled step, by kind:
 
 - **parameters** and the **optimizer state** (``states`` tensors of the parameter's
   size per parameter: :data:`OPTIMIZER_STATES`), and at the end their **gradients**
@@ -18,7 +18,7 @@ gradients.  The plan's estimate is the larger of the two sums of what
   own tensor where no redistribution comes between (counted once, if the producer's
   backward reads it too), and a parameter's own storage where it is read in its
   stored layout (nothing more).  A parameter gathered for an op is kept gathered
-  unless the compile config reshards it after forward (:mod:`dtcompile.reshard`):
+  unless the compile config reshards it after forward (:mod:`dtcompile.pipeline.reshard`):
   then the backward gathers it again and the forward keeps nothing.  What an op's
   backward reads that the op made (its outputs, a norm's statistics) is measured
   with it (:attr:`~dtcompile.auto_parallel.graph.Candidate.saved_bytes`);

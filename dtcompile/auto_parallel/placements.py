@@ -46,7 +46,7 @@ Layout = tuple[Any, ...]
 class PlannedCollective:
     """One collective a choice implies: what it is, on which mesh axis, and its bytes per rank.
 
-    ``bytes`` follows :mod:`dtcompile.collectives` (the gathered output of an
+    ``bytes`` follows :mod:`dtcompile.graph.collectives` (the gathered output of an
     all-gather, the input of the others), so it compares with the compiled graphs'.
     """
 

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 _OFF = ("0", "off", "false", "")
 
 # The modules a measurement, a candidate or a transfer's price comes from.
-_SOURCES = ("auto_parallel", "cost", "collectives.py")
+_SOURCES = ("auto_parallel", "cost", "graph")
 
 KEEP_OTHER_VERSIONS_S = 30 * 24 * 3600
 """How long a file of another planner version is kept after it was last written (30 days)."""

@@ -55,7 +55,7 @@ def transfer(
     """A value of layout ``out`` (whose gradient must come back as ``want``) read in layout
     ``read`` by a node that hands its gradient back as ``grad``; ``None`` where impossible.
     ``regather``: a parameter whose reader's backward reads it, compiled to reshard after
-    forward (:mod:`dtcompile.reshard`): where the forward only gathers it, the backward
+    forward (:mod:`dtcompile.pipeline.reshard`): where the forward only gathers it, the backward
     gathers it again.
 
     Read as it is (``read == out``) when the gradient comes back as wanted; else through

@@ -7,11 +7,11 @@ it keeps that beside the cache, one JSON file per graph, in a folder of
 graph's key (its compile key, Dynamo code and inputs):
 
 - ``dtcompile_schedules/``: its collectives, which the ranks' check compares
-  (:mod:`dtcompile.rank_check`);
+  (:mod:`dtcompile.ranks.check`);
 - ``dtcompile_reports/``: its ``TORCH_TRACE`` artifacts (:mod:`dtcompile.artifacts`),
   logged again when the cache serves it, so a warm-cache trace reports what a
   cold one does.
-- ``dtcompile_spmd_types/``: its outputs' SPMD types (:mod:`dtcompile.spmd_carry`),
+- ``dtcompile_spmd_types/``: its outputs' SPMD types (:mod:`dtcompile.spmd.carry`),
   stamped on its outputs when the cache serves it, so the next graph starts typed
   on a warm run as on a cold one.
 

@@ -44,7 +44,7 @@ class Meta:
     """Keys of ``node.meta`` that dtcompile writes and reads."""
 
     COLLECTIVE = "dtcompile_collective"
-    """A functional collective's :class:`~dtcompile.collectives.CollectiveInfo` (the ``annotate`` pass)."""
+    """A functional collective's :class:`~dtcompile.graph.collectives.CollectiveInfo` (the ``annotate`` pass)."""
     COST_US = "dtcompile_cost_us"
     """Its estimated time in microseconds under the graph's cost profile (``annotate``)."""
     SOURCE = "dtcompile_source"
@@ -52,7 +52,7 @@ class Meta:
     ANNOTATION = "dtcompile_annotation"
     """The node's one-line annotation, as the reports print it (``annotate``; lowering keeps it)."""
     SPMD_TYPE = "dtcompile_spmd_type"
-    """A plain tensor's SPMD type per mesh axis name, ``{"tp": "S(0)"}`` (:mod:`dtcompile.spmd_typing`)."""
+    """A plain tensor's SPMD type per mesh axis name, ``{"tp": "S(0)"}`` (:mod:`dtcompile.spmd.inference`)."""
     BUCKET = "dtcompile_bucket"
     """The collectives a bucket's copies stand for (``bucketing``)."""
     REGION = "dtcompile_region"

@@ -4,7 +4,7 @@
   the memory model, the SPMD typing, reshard and auto-parallel name an op.
 - **Collectives**: :data:`COLLECTIVE_OPS` (each functional collective, and dtcompile's
   fused collective-matmuls, with its kind and where its group and bytes are),
-  :data:`WAIT` and :data:`ALL_GATHER`; :mod:`dtcompile.collectives` reads nodes with them.
+  :data:`WAIT` and :data:`ALL_GATHER`; :mod:`dtcompile.graph.collectives` reads nodes with them.
 - **Ordering barriers**: :func:`is_ordering_barrier`, a node that communicates, or may, in a
   way dtcompile does not know (P2P, c10d's own ops, effectful or mutating custom ops), read
   with :data:`COMMUNICATION_NAMESPACES` and :data:`LOCAL_NAMESPACES`: nothing that
@@ -71,7 +71,7 @@ def op_name(target: Any) -> str:
 
 
 # (namespace, op name) -> (kind, index of the group-name argument, whether its bytes are
-# the output's); dtcompile's fused ops (dtcompile/ops.py) count as the collective they contain.
+# the output's); dtcompile's fused ops (dtcompile/base/fused_ops.py) count as the collective they contain.
 COLLECTIVE_OPS: dict[tuple[str, str], tuple[str, int, bool]] = {
     ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 2, True),
     ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", 2, True),
@@ -212,17 +212,17 @@ SPMD_TYPE_PRESERVING = RESHAPES | UNIT_DIMS | COPIES | {
     "detach", "lift_fresh_copy", "view_as_complex", "view_as_real", "_conj",
 }
 """SPMD typing: ops whose result has its one input's type (a shard dim moves with the
-shape: :mod:`dtcompile.spmd_typing`'s shard rule follows it)."""
+shape: :mod:`dtcompile.spmd.inference`'s shard rule follows it)."""
 
 PADDING_RESHAPES = RESHAPES | TRANSPOSES | {"contiguous", "clone", "cat", "split", "split_with_sizes", "chunk", "getitem"}
 """Ops DTensor puts between a padded shard and its collective, or between a collective's
-result and the slice that takes the padding off (:func:`dtcompile.rank_dependence.padded_collective`)."""
+result and the slice that takes the padding off (:func:`dtcompile.graph.rank_dependence.padded_collective`)."""
 
 UNSHARD_OPS = RESHAPES | TRANSPOSES | UNIT_DIMS | COPIES | CUTS | {
     "cat", "convert_element_type", "_to_dtype", "all_gather_into_tensor", "wait_tensor",
 }
 """Reshard: what may stand between a parameter's shard and the gathered weight its users
-read (:mod:`dtcompile.reshard`)."""
+read (:mod:`dtcompile.pipeline.reshard`)."""
 
 NO_WORK = RESHAPES | TRANSPOSES | UNIT_DIMS | {
     "expand", "slice", "select", "split", "split_with_sizes", "alias", "as_strided", "wait_tensor",
@@ -243,7 +243,7 @@ VIEW_METHODS = frozenset({
 })
 """View and shape methods: an output only these make from an input is a view of it to
 AOTAutograd, also where DTensor moved data to make it (narrow of a sharded dim gathers
-first), so its local shard shares no storage with the input's (:mod:`dtcompile.dynamo_output`)."""
+first), so its local shard shares no storage with the input's (:mod:`dtcompile.pipeline.dynamo_output`)."""
 VIEW_FUNCTIONS = frozenset({
     torch.narrow, torch.t, torch.transpose, torch.swapaxes, torch.permute, torch.movedim, torch.unsqueeze,
     torch.squeeze, torch.select, torch.flatten, torch.split, torch.chunk, torch.unbind, torch.diagonal,

@@ -55,18 +55,18 @@ _C, _I, _T, _O, _P = Scope.CALL, Scope.INSTALL, Scope.THREAD, Scope.OBJECT, Scop
 
 CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
     # ---- the backend
-    ("dtcompile.graph_compile", "_aot_settings", _C,
+    ("dtcompile.pipeline.graph_compile", "_aot_settings", _C,
      "functorch config (AOTAutograd's settings for this graph) inside the backend call only"),
-    ("dtcompile.graph_compile", "GraphCompile._inductor_inner.lowering", _C,
+    ("dtcompile.pipeline.graph_compile", "GraphCompile._inductor_inner.lowering", _C,
      "Inductor's config: its own comm reordering off where dtcompile's passes own the schedule, "
      "for this lowering only"),
-    ("dtcompile.recompute", "partition_at", _C,
+    ("dtcompile.pipeline.recompute", "partition_at", _C,
      "functorch's activation_memory_budget while one partition runs"),
-    ("dtcompile.partition", "_install_keeping_rules", _C,
+    ("dtcompile.pipeline.partition", "_install_keeping_rules", _C,
      "the partitioner's is_not_collective and _must_be_in_forward, while a partition that keeps "
      "collectives runs (ScopedPatch: held while any thread needs it, the originals put back)"),
-    ("dtcompile.partition", "_install_keeping_rules.undo", _C, "puts the partitioner's rules back"),
-    ("dtcompile.partition", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
+    ("dtcompile.pipeline.partition", "_install_keeping_rules.undo", _C, "puts the partitioner's rules back"),
+    ("dtcompile.pipeline.partition", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
     ("dtcompile.cache_keys", "_register_mesh_reducer", _C,
      "copyreg's reducer for DeviceMesh (pickled without its per-process hash) while a compile "
      "computes its cache key (ScopedPatch)"),
@@ -84,17 +84,17 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
     ("dtcompile.auto_parallel.expansion", "_keep_expansions.undo", _C,
      "puts DTensor's functions back and removes the propagator's attribute"),
     ("dtcompile.auto_parallel.expansion", "<module>", _C, "the ScopedPatch above; nothing happens at import"),
-    ("dtcompile.lowering", "inline_regions", _O, "removes a region body from the graph module being lowered"),
+    ("dtcompile.pipeline.lowering", "inline_regions", _O, "removes a region body from the graph module being lowered"),
     ("dtcompile.step", "_make_graph", _C,
      "autograd's engine runs the backward on the calling thread while compile_step traces the step "
      "(make_fx traces what that thread runs), for the trace only"),
-    ("dtcompile.ops", "<module>", _P,
+    ("dtcompile.base.fused_ops", "<module>", _P,
      "defines dtcompile::fused_all_gather_matmul and dtcompile::fused_matmul_reduce_scatter in "
      "torch.library: new names in our own namespace, changing no existing op"),
-    ("dtcompile.ops", "_enable_symm_mem", _P,
+    ("dtcompile.base.fused_ops", "_enable_symm_mem", _P,
      "enables symmetric memory for a process group before a fused op first runs on it, as torch's "
      "own async-TP pass does; only for groups a fused op runs on"),
-    ("dtcompile.rank_check", "abort_checks", _P,
+    ("dtcompile.ranks.check", "abort_checks", _P,
      "writes the abort key in the job's store so that ranks waiting at a check stop: the job is "
      "ending with a failure"),
     ("dtcompile.base.sharding_cache", "clear_sharding_caches", _P,

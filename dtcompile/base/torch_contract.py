@@ -175,9 +175,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._subclasses.functional_tensor", "disable_functional_mode", ()),
     ("torch._functorch.partitioners", "default_partition", ("joint_module", "_joint_inputs", "num_fwd_outputs")),
     ("torch._guards", "detect_fake_mode", ("inputs",)),
-    # dtcompile.spmd_typing: the FSDP2 modules alive, for the types FSDP2 saved for their parameters
+    # dtcompile.spmd.inference: the FSDP2 modules alive, for the types FSDP2 saved for their parameters
     ("torch.distributed._composable_state", "_module_state_mapping", None),
-    # dtcompile.spmd_layouts: the frame Dynamo translates (its modules' declared input layouts)
+    # dtcompile.spmd.layouts: the frame Dynamo translates (its modules' declared input layouts)
     ("torch._dynamo.symbolic_convert", "InstructionTranslator.current_tx", ()),
     ("torch.distributed._local_tensor", "LocalTensor", None),
     ("torch.distributed._local_tensor", "LocalTensorMode", None),
@@ -231,7 +231,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._functorch.partitioners", "_must_be_in_forward", ("node",)),
     ("torch._functorch.aot_autograd", "make_boxed_func", ("f",)),
     ("torch._functorch.config", "enable_autograd_cache", None),
-    # dtcompile.rank_check: the backward compiled with the forward, the store, the cache folder
+    # dtcompile.ranks.check: the backward compiled with the forward, the store, the cache folder
     ("torch._functorch.config", "force_non_lazy_backward_lowering", None),
     ("torch.distributed.distributed_c10d", "_get_default_store", ()),
     ("torch._inductor.runtime.cache_dir_utils", "cache_dir", ()),

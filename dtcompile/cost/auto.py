@@ -12,13 +12,16 @@ threaded process groups) ``h100``, the job they simulate.  A profile that
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from dtcompile.cost.formulas import AUTO, HardwareProfile
 from dtcompile.cost.profiles import get_profile, lookup_profile
 
-__all__ = ["ProfileChoice", "choose_profile"]
+__all__ = ["ProfileChoice", "choose_profile", "devices_of", "group_backends", "profile_for_groups"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +78,30 @@ def choose_profile(
     if saved is not None:
         why += f", calibrated on this machine ({saved})"
     return ProfileChoice(profile, why)
+
+
+def devices_of(example_inputs: Sequence[Any]) -> frozenset[str]:
+    """The device types of a graph's tensor inputs."""
+    return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
+
+
+def group_backends(group_names: Sequence[str]) -> set[str]:
+    """The backends (``gloo``, ``nccl``, ``fake``, ...) of the named process groups, or of
+    the default group when none is named; empty without an initialized process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return set()
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    groups = [_resolve_process_group(name) for name in group_names] or [None]
+    return {str(dist.get_backend(group)) for group in groups}
+
+
+def profile_for_groups(choice: str | HardwareProfile, devices: Set[str], group_names: Sequence[str]) -> ProfileChoice:
+    """The cost profile for work on ``devices`` (device types) whose collectives run on the
+    named groups (the default group's when none is named): :func:`choose_profile`
+    given those groups' backends and, on CUDA, this process's GPU.  The backend reads a
+    graph so, ``auto_parallel`` a mesh, and ``calibrate`` its group."""
+    gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None
+    return choose_profile(choice, devices, group_backends(group_names), gpu)

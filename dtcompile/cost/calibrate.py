@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from dtcompile.base.progress import Progress
-from dtcompile.collectives import profile_for_groups
 from dtcompile.cost import AUTO, HardwareProfile, LinkCost, register_profile, save_profile
+from dtcompile.cost.auto import profile_for_groups
 
 __all__ = ["calibrate", "fit_link"]
 

@@ -20,9 +20,9 @@ import torch
 
 from dtcompile.base.op_facts import NO_WORK, WAIT
 from dtcompile.base.sizes import hint, nbytes_hint, numel_hint
-from dtcompile.collectives import collective_info
 from dtcompile.cost import HardwareProfile, collective_time_us
-from dtcompile.regions import is_region, region_body
+from dtcompile.graph.collectives import collective_info
+from dtcompile.graph.regions import is_region, region_body
 
 __all__ = ["Span", "Timeline", "fused_hidden_us", "node_time_us", "region_timeline", "simulate"]
 

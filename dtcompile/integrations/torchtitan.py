@@ -7,7 +7,7 @@ its config names from ``graph_trainer.registry.PASS_PIPELINE_REGISTRY``.  Import
 this module registers a pipeline named ``dtcompile``: graph_trainer's own default
 passes (``construct_default_graph_passes``) with :class:`StepPass` first.
 
-:class:`~dtcompile.step_pass.StepPass` (:mod:`dtcompile.step_pass`, the pass
+:class:`~dtcompile.pipeline.step_pass.StepPass` (:mod:`dtcompile.pipeline.step_pass`, the pass
 :func:`dtcompile.compile_step` runs too) describes, prices, rewrites and rank-checks
 the step graph.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from dtcompile.config import DTCompileConfig
 from dtcompile.pass_names import COMMUNICATION_PASSES
-from dtcompile.step_pass import StepPass, mesh_axes_of
+from dtcompile.pipeline.step_pass import StepPass, mesh_axes_of
 
 __all__ = ["PIPELINE_NAME", "REWRITES", "StepPass", "configure", "mesh_axes_of", "pipeline_passes", "register", "step_pipeline"]
 
@@ -80,7 +80,7 @@ def _meshes_of(parallel_dims: Any) -> list[Any]:
 def _input_names(traced_result: Any) -> list[str]:
     """The traced graph's inputs' names: a parameter's or buffer's FQN (as its module reads it)
     for each plain tensor its state unwraps into, the arguments by place."""
-    from dtcompile.reshard import module_fqn
+    from dtcompile.pipeline.reshard import module_fqn
 
     fqns = list(getattr(traced_result, "state_fqns", None) or ())
     layouts = getattr(traced_result, "input_subclass_layouts", None) or {}
@@ -97,8 +97,7 @@ def step_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = None)
     ``dtcompile`` pipeline; its options are :func:`configure`'s)."""
     from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
 
-    step = StepPass(_options, _meshes_of(parallel_dims))
-    step.input_names = _input_names(traced_result)
+    step = StepPass(_options, _meshes_of(parallel_dims), _input_names(traced_result))
     pipeline_passes.append(step)
     return [step, *construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)]
 

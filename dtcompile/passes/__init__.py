@@ -14,7 +14,7 @@ Where each pass lives:
 
 - ``async_tp`` (:mod:`dtcompile.passes.async_tp`): all-gather -> matmul(s) and
   matmul -> reduce-scatter become ``dtcompile::fused_all_gather_matmul`` /
-  ``fused_matmul_reduce_scatter`` (:mod:`dtcompile.ops`).
+  ``fused_matmul_reduce_scatter`` (:mod:`dtcompile.base.fused_ops`).
 - ``bucketing`` (:mod:`dtcompile.passes.bucketing`): independent all-gathers,
   reduce-scatters and all-reduces on one group become one collective, under
   ``config.bucket_cap_bytes``.
@@ -43,9 +43,10 @@ from torch import fx
 
 from dtcompile.base.channels import Artifact
 from dtcompile.base.torch_contract import require
-from dtcompile.collectives import graph_collectives, is_collective
 from dtcompile.cost.simulate import simulate
-from dtcompile.memory import estimate_memory
+from dtcompile.graph.collectives import graph_collectives, is_collective
+from dtcompile.graph.memory import estimate_memory
+from dtcompile.graph.rank_dependence import ranks_may_differ
 from dtcompile.pass_names import PASS_SPECS, PassSpec
 from dtcompile.passes.annotate import annotate
 from dtcompile.passes.async_tp import fuse_async_tp
@@ -53,7 +54,6 @@ from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.optimizer_updates import place_optimizer_updates
 from dtcompile.passes.overlap import reorder_for_overlap
-from dtcompile.rank_dependence import ranks_may_differ
 from dtcompile.records import CompiledGraph, Outcome, PassRecord
 
 __all__ = ["PASSES", "GraphPass", "PassContext", "compiled_graph", "run_passes"]
@@ -108,7 +108,7 @@ def _rank_dependent(ctx: PassContext, gm: fx.GraphModule) -> Outcome | None:
     """Why a pass that changes collectives must not run on this graph, or ``None``.
 
     Each rank runs the passes on its own AOT graph; where the ranks' graphs may
-    differ (:func:`dtcompile.rank_dependence.ranks_may_differ`: uneven shards), a
+    differ (:func:`dtcompile.graph.rank_dependence.ranks_may_differ`: uneven shards), a
     decision made from one rank's graph (what to bucket, where a collective goes,
     by its bytes and position) can differ on another, and the ranks would issue
     different collectives.  Such graphs keep the collectives DTensor chose.

@@ -17,7 +17,7 @@ AOTAutograd (as in torch's ``micro_pipeline_tp.py``):
 On CUDA a pair is fused only over an NCCL group, where the fused op takes
 torch's symmetric-memory kernel: over another group (the fake process group)
 the op would run decomposed, adding host time and overlapping nothing
-(:func:`dtcompile.ops.decomposed_on`).  Every fusion is priced under the
+(:func:`dtcompile.base.fused_ops.decomposed_on`).  Every fusion is priced under the
 graph's cost profile (:class:`~dtcompile.records.Price`): it hides part of
 the collective under the matmuls where the profile has fused kernels
 (``fused_collective_matmul``), nothing where it has not (``cpu_gloo``) or
@@ -28,7 +28,7 @@ what CPU tests exercise.  ``force_async_tp`` fuses every eligible pair whatever
 its price, for a run that must exercise the fused kernels where they save
 nothing (a 1-rank NCCL group: the CUDA tests on one GPU); each such fusion's
 record says it was forced and what the price said.  What the pass leaves, it
-records with the reason.  The fused ops are in :mod:`dtcompile.ops`
+records with the reason.  The fused ops are in :mod:`dtcompile.base.fused_ops`
 (symmetric-memory kernels on CUDA, a decomposed implementation elsewhere).
 """
 
@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from dtcompile.base.fused_ops import decomposed_on  # importing it registers the dtcompile:: ops
 from dtcompile.base.op_facts import MATMUL_RESHAPES
 from dtcompile.base.sizes import is_symbolic
-from dtcompile.collectives import collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import fused_hidden_us, node_time_us
-from dtcompile.ops import decomposed_on  # importing it registers the dtcompile:: ops
+from dtcompile.graph.collectives import collective_info
 from dtcompile.passes._graph import refresh_metadata, single_wait
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome, Price

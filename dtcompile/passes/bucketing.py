@@ -14,7 +14,7 @@ dtype, reduce op) when
 - the bucket stays under ``config.bucket_cap_bytes``, counted as
   :class:`~dtcompile.CollectiveInfo` counts bytes (an all-gather's output, the
   input of the others): the bucket's buffer is the memory bucketing adds;
-- the graph's estimated peak (:mod:`dtcompile.memory`) stays within its
+- the graph's estimated peak (:mod:`dtcompile.graph.memory`) stays within its
   memory budget (``config.memory_budget_bytes``, by default the peak as traced
   plus twice the largest module's gathered weights): a bucket is issued once its last input
   exists, so a gathered member's result is alive from there rather than from
@@ -36,7 +36,7 @@ Nothing that communicates crosses an ordering barrier
 with effects): a bucket holds only members after the same barrier, and is issued after it.
 
 What this rank priced is its own plan; the ranks of each group settle one
-(:mod:`dtcompile.rank_plans`: the first rank to compile the group's candidates
+(:mod:`dtcompile.ranks.plans`: the first rank to compile the group's candidates
 settles its plan, the others apply it), since the prices read this rank's own
 shapes (compute, activations) and ranks fed batches of other sizes would bucket
 differently.  A rank that applies another's plan builds each planned bucket from
@@ -69,10 +69,10 @@ from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import is_ordering_barrier
 from dtcompile.base.sizes import is_symbolic
 from dtcompile.cache_keys import key_fields, profile_text
-from dtcompile.collectives import CollectiveInfo, collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
-from dtcompile.memory import PeakTracker
+from dtcompile.graph.collectives import CollectiveInfo, collective_info
+from dtcompile.graph.memory import PeakTracker
 from dtcompile.passes._graph import (
     alias_roots,
     first_use_index,
@@ -81,8 +81,8 @@ from dtcompile.passes._graph import (
     written_args,
 )
 from dtcompile.passes.context import PassContext
-from dtcompile.rank_plans import GroupPlan, Plan
-from dtcompile.rank_schedule import short_digest
+from dtcompile.ranks.plans import GroupPlan, Plan
+from dtcompile.ranks.schedule import short_digest
 from dtcompile.records import Action, Outcome, Price
 
 __all__ = ["bucket_collectives", "hoistable", "written_values"]
@@ -361,7 +361,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     candidates = _candidates(graph, index, ctx)
     closed, added = _priced_buckets(candidates, index, written, pricer, tracker, ctx)
     # What this rank priced from its own shapes becomes a plan each group's ranks settle
-    # (dtcompile.rank_plans): where a peer's plan is adopted, the buckets follow it.
+    # (dtcompile.ranks.plans): where a peer's plan is adopted, the buckets follow it.
     by_group = _group_candidates(candidates)
     mine = [GroupPlan(str(group), _described(members), _plan_of(closed, members)) for group, members in by_group.items()]
     # Settled per graph kind and settings: ranks (or compiles) given other options or

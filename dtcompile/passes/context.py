@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from torch import fx
 
 from dtcompile.base.channels import GraphKind
-from dtcompile.collectives import CollectiveInfo, largest_collective
 from dtcompile.cost.simulate import Timeline
-from dtcompile.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
-from dtcompile.rank_plans import PlanMeeting
+from dtcompile.graph.collectives import CollectiveInfo, largest_collective
+from dtcompile.graph.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
+from dtcompile.ranks.plans import PlanMeeting
 from dtcompile.records import Action, Outcome, Price
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class PassContext:
     """
 
     kind: GraphKind
-    """``forward``, ``backward`` or ``inference``."""
+    """``forward``, ``backward``, ``inference``, or ``step`` for a whole-step graph."""
     config: DTCompileConfig
     info: DynamoGraphInfo
     """The Dynamo graph this AOT graph came from: placements, mesh axes, cost profile."""
@@ -53,7 +53,7 @@ class PassContext:
     which the ranks' check tells from what dtcompile's passes made of them."""
     plans: PlanMeeting = field(default_factory=PlanMeeting)
     """How a decision that changes what ranks send is settled by every rank of its group
-    (:mod:`dtcompile.rank_plans`): a pass never applies a plan priced from its rank's own
+    (:mod:`dtcompile.ranks.plans`): a pass never applies a plan priced from its rank's own
     shapes alone."""
     outcomes: list[Outcome] = field(default_factory=list)
     """The current pass's decisions (``run_passes`` takes them after each pass)."""

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from dtcompile.base.channels import Meta
-from dtcompile.memory import estimate_memory
+from dtcompile.graph.memory import estimate_memory
 from dtcompile.passes._graph import alias_roots, read_inputs
 from dtcompile.passes.context import PassContext
 

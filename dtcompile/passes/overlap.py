@@ -9,7 +9,7 @@ After AOTAutograd every functional collective is followed at once by its
    graph's communication before it if that is later (see below), unless the
    bytes of the collectives then in flight at once (issued, not yet waited on)
    would pass ``config.overlap_memory_budget_bytes``, or the graph's estimated
-   peak (:mod:`dtcompile.memory`) its memory budget
+   peak (:mod:`dtcompile.graph.memory`) its memory budget
    (``config.memory_budget_bytes``): an early collective holds its output buffer
    for longer;
 3. where the compute between a collective and its wait is estimated shorter
@@ -54,13 +54,13 @@ from torch import fx
 
 from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import WAIT, is_ordering_barrier
-from dtcompile.collectives import collective_info
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us, simulate
-from dtcompile.memory import PeakTracker, estimate_memory
+from dtcompile.graph.collectives import collective_info
+from dtcompile.graph.memory import PeakTracker, estimate_memory
+from dtcompile.graph.regions import issues_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
-from dtcompile.regions import issues_collectives
 
 __all__ = ["reorder_for_overlap"]
 

@@ -1,4 +1,4 @@
-"""Memory a step measurably holds: the counterpart of :mod:`dtcompile.memory`'s estimates.
+"""Memory a step measurably holds: the counterpart of :mod:`dtcompile.graph.memory`'s estimates.
 
 - :func:`measure_memory`: the peak of a step (forward and backward) as torch's
   allocator saw it, read from the profiler's memory events (``profile_memory``):

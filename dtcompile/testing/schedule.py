@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dtcompile.base.channels import GraphKind
-from dtcompile.collectives import CollectiveInfo
+from dtcompile.graph.collectives import CollectiveInfo
 
 __all__ = ["CollectiveSchedule", "ScheduledCollective", "collective_schedule"]
 
@@ -74,11 +74,11 @@ def collective_schedule(
     default backend is dtcompile without Inductor lowering (same graphs and
     passes, faster); pass ``backend=dtcompile.backend(...)`` for other options.
     Resets Dynamo's caches first, so compile ids start at ``0/0`` (but where ranks are
-    threads of one process, which share them: :func:`dtcompile.rank_check.reset_dynamo_of_this_rank`).
+    threads of one process, which share them: :func:`dtcompile.ranks.check.reset_dynamo_of_this_rank`).
     """
     import dtcompile
     from dtcompile.compiler import DTCompileBackend
-    from dtcompile.rank_check import reset_dynamo_of_this_rank
+    from dtcompile.ranks.check import reset_dynamo_of_this_rank
     from dtcompile.testing.asserts import backward_from_sum
 
     if backend == "dtcompile":

@@ -374,10 +374,10 @@ def _dispatch_mode_flags_kept() -> Iterator[None]:
 
 def wake_ranks_waiting_for(rank: int, exc: BaseException) -> None:
     """From a rank thread that failed: ends its peers' waits for it, in a threaded group's
-    collective and at dtcompile's ranks' check (:func:`dtcompile.rank_check.abort_checks`)."""
+    collective and at dtcompile's ranks' check (:func:`dtcompile.ranks.check.abort_checks`)."""
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
-    from dtcompile.rank_check import abort_checks
+    from dtcompile.ranks.check import abort_checks
 
     abort_checks(f"rank {rank} stopped ({type(exc).__name__}: {str(exc).strip()[:200]})")
     threaded.ProcessLocalGroup.exception_handle(exc)
@@ -401,7 +401,7 @@ def wait_for_eager_on_every_rank() -> None:
     eager code that branches on it takes the compiled branch, and an eager
     reference taken then is wrong.  Real ranks are processes and do not wait.
     """
-    from dtcompile.rank_check import ranks_are_threads
+    from dtcompile.ranks.check import ranks_are_threads
 
     if ranks_are_threads():
         dist.barrier()
@@ -442,7 +442,7 @@ def _gloo_rank_main(
         except BaseException as exc:
             # Ends the peers' waits for this rank at dtcompile's ranks' check.
             with contextlib.suppress(Exception):
-                from dtcompile.rank_check import abort_checks
+                from dtcompile.ranks.check import abort_checks
 
                 abort_checks(f"rank {rank} stopped ({type(exc).__name__}: {str(exc).strip()[:200]})")
             raise

@@ -15,24 +15,27 @@ load on first use), which :func:`test_the_package_face_imports_nothing_when_it_r
 checks here and ``tests/architecture/test_no_side_effects.py`` checks in a fresh
 interpreter.
 
-Module layers, bottom first (docs/layout.md says the same); a module may import
-modules of its own layer or below, never above:
+Module layers, bottom first, package by package (docs/layout.md says the same); a
+module may import modules of its own layer or below, never above:
 
 0. base -- ``dtcompile.base``
 1. ``dtcompile.hops``
 2. ``dynamo_vars``
-3. graph facts -- ``dtcompile.collectives``, ``dtcompile.cost`` (formulas, profiles,
-   the ``auto`` choice, ``simulate``), ``regions``, ``spmd_typing``, ``annotations``,
-   ``ops``, ``memory``
-4. ``dtcompile.records``, ``dtcompile.pass_names``
-5. passes and lowering -- ``dtcompile.passes``, ``config``, ``lowering``, ``artifacts``,
-   ``partition``, ``recompute``, ``reshard``, ``cache_keys``, ``dynamo_output``, ``rank_check``, ``rank_schedule``
-6. the backend -- ``dtcompile.compiler``, ``dtcompile.graph_compile``, ``dtcompile.registry``
-7. ``dtcompile.report`` (``explain``), ``dtcompile.auto_parallel`` (the placement solver),
-   ``dtcompile.cost.calibrate``
-8. the package face -- ``dtcompile`` (``__init__``)
-9. ``dtcompile.testing``
-10. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile.integrations``
+3. graph facts -- ``dtcompile.graph`` (collectives, regions, memory, rank-dependent sizes)
+4. ``dtcompile.cost`` (formulas, profiles, the ``auto`` choice, ``simulate``, ``calibrate``)
+5. SPMD types -- ``dtcompile.spmd``
+6. options -- ``dtcompile.pass_names`` (the pass table), ``dtcompile.config``
+7. records and keys -- ``dtcompile.annotations``, ``dtcompile.records``,
+   ``dtcompile.artifacts``, ``dtcompile.cache_keys``
+8. ranks -- ``dtcompile.ranks`` (what ranks agree on, their check, their shared plans)
+9. ``dtcompile.passes``
+10. the back half -- ``dtcompile.pipeline`` (its stages, the compile log)
+11. the front doors -- ``dtcompile.compiler`` (the Dynamo backend), ``dtcompile.step``
+    (``compile_step``), and ``dtcompile.auto_parallel`` (the placement solver)
+12. ``dtcompile.registry`` (``dtcompile.backend``), ``dtcompile.report`` (``explain``)
+13. the package face -- ``dtcompile`` (``__init__``)
+14. ``dtcompile.testing``
+15. applications -- ``dtcompile._testing``, ``dtcompile.demo``, ``dtcompile.integrations``
     (other projects' compilers: torchtitan graph_trainer's ``dtcompile`` pass pipeline), ``dtcompile_tools``
 
 Every import counts for the layers, also one inside a function or under
@@ -55,35 +58,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtcompile.base",),
     ("dtcompile.hops",),
     ("dynamo_vars",),
-    (
-        "dtcompile.collectives",
-        "dtcompile.cost",
-        "dtcompile.regions",
-        "dtcompile.spmd_typing",
-        "dtcompile.spmd_layouts",
-        "dtcompile.annotations",
-        "dtcompile.ops",
-        "dtcompile.memory",
-        "dtcompile.rank_dependence",
-    ),
-    ("dtcompile.records", "dtcompile.pass_names"),
-    (
-        "dtcompile.passes",
-        "dtcompile.config",
-        "dtcompile.lowering",
-        "dtcompile.artifacts",
-        "dtcompile.partition",
-        "dtcompile.recompute",
-        "dtcompile.reshard",
-        "dtcompile.cache_keys",
-        "dtcompile.dynamo_output",
-        "dtcompile.spmd_carry",
-        "dtcompile.rank_check",
-        "dtcompile.rank_plans",
-        "dtcompile.rank_schedule",
-    ),
-    ("dtcompile.compiler", "dtcompile.graph_compile", "dtcompile.registry", "dtcompile.step_pass"),
-    ("dtcompile.report", "dtcompile.auto_parallel", "dtcompile.cost.calibrate", "dtcompile.step"),
+    ("dtcompile.graph",),
+    ("dtcompile.cost",),
+    ("dtcompile.spmd",),
+    ("dtcompile.pass_names", "dtcompile.config"),
+    ("dtcompile.annotations", "dtcompile.records", "dtcompile.artifacts", "dtcompile.cache_keys"),
+    ("dtcompile.ranks",),
+    ("dtcompile.passes",),
+    ("dtcompile.pipeline",),
+    ("dtcompile.compiler", "dtcompile.step", "dtcompile.auto_parallel"),
+    ("dtcompile.registry", "dtcompile.report"),
     ("dtcompile",),
     ("dtcompile.testing",),
     ("dtcompile._testing", "dtcompile.demo", "dtcompile.integrations", "dtcompile_tools"),
@@ -210,21 +194,21 @@ def test_layers_only_point_down_and_there_are_no_import_circles():
     "sources, expected",
     [
         (
-            {"dtcompile.collectives": "from dtcompile.compiler import backend\n", "dtcompile.compiler": ""},
-            "dtcompile.collectives:1 imports dtcompile.compiler, a higher layer (3 -> 6)",
+            {"dtcompile.graph.collectives": "from dtcompile.compiler import backend\n", "dtcompile.compiler": ""},
+            "dtcompile.graph.collectives:1 imports dtcompile.compiler, a higher layer (3 -> 11)",
         ),
         (
             {"dtcompile.cost": "def f():\n    from dtcompile.report import explain\n", "dtcompile.report": ""},
-            "dtcompile.cost:2 imports dtcompile.report, a higher layer (3 -> 7)",
+            "dtcompile.cost:2 imports dtcompile.report, a higher layer (4 -> 12)",
         ),
         (
-            {"dtcompile.regions": "import dtcompile.cost.simulate\n", "dtcompile.cost.simulate": "from dtcompile import regions\n"},
-            "import circle: dtcompile.cost.simulate -> dtcompile.regions -> dtcompile.cost.simulate",
+            {"dtcompile.graph.regions": "import dtcompile.graph.memory\n", "dtcompile.graph.memory": "from dtcompile.graph import regions\n"},
+            "import circle: dtcompile.graph.memory -> dtcompile.graph.regions -> dtcompile.graph.memory",
         ),
         (
             # hops back on the backend: the circle the folders had, hops -> dtcompile -> hops
-            {"dtcompile.hops.spec": "from dtcompile.collectives import CollectiveInfo\n", "dtcompile.collectives": ""},
-            "dtcompile.hops.spec:1 imports dtcompile.collectives: package dtcompile.hops imports dtcompile, a higher one",
+            {"dtcompile.hops.spec": "from dtcompile.graph.collectives import CollectiveInfo\n", "dtcompile.graph.collectives": ""},
+            "dtcompile.hops.spec:1 imports dtcompile.graph.collectives: package dtcompile.hops imports dtcompile, a higher one",
         ),
         (
             {"dtcompile.base.notation": "def f():\n    from dtcompile.hops.spec import RegionSpec\n", "dtcompile.hops.spec": ""},
@@ -239,8 +223,8 @@ def test_the_check_fails_on_an_upward_import_and_on_a_circle(sources, expected):
 
 def test_type_checking_imports_are_no_circle():
     sources = {
-        "dtcompile.passes.context": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtcompile.config import C\n",
-        "dtcompile.config": "def f():\n    from dtcompile.passes.context import X\n",
+        "dtcompile.records": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtcompile.annotations import C\n",
+        "dtcompile.annotations": "def f():\n    from dtcompile.records import X\n",
     }
     assert violations(sources) == []
 

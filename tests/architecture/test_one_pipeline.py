@@ -1,10 +1,10 @@
 """One back half for the front doors: one place makes a ``CompiledGraph``, one check of ranks.
 
 The Dynamo backend (``torch.compile(backend="dtcompile")``), ``dtcompile.compile_step`` and
-graph_trainer's ``dtcompile`` pipeline (its pass is :class:`dtcompile.step_pass.StepPass`) each
+graph_trainer's ``dtcompile`` pipeline (its pass is :class:`dtcompile.pipeline.step_pass.StepPass`) each
 hand a graph to :func:`dtcompile.passes.run_passes`, describe what it made with
 :func:`dtcompile.passes.compiled_graph` and have its ranks compare it through
-:class:`dtcompile.rank_check.RankChecker`.  Read from the code here, and driven on two
+:class:`dtcompile.ranks.check.RankChecker`.  Read from the code here, and driven on two
 threaded ranks: every entry's check goes through that one class (issue #68).
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtcompile
-from dtcompile.rank_check import RankChecker
+from dtcompile.ranks.check import RankChecker
 from dtcompile.testing import run_threaded
 
 
@@ -45,13 +45,15 @@ def _calls(name: str, *, attributes: bool = True) -> dict[str, int]:
 def test_one_place_makes_a_compiled_graph():
     assert _calls("CompiledGraph") == {"dtcompile.passes": 1}
     # Both entries' back halves describe their graphs with it.
-    assert set(_calls("compiled_graph")) == {"dtcompile.graph_compile", "dtcompile.step_pass"}
+    assert set(_calls("compiled_graph")) == {"dtcompile.pipeline.graph_compile", "dtcompile.pipeline.step_pass"}
 
 
 def test_one_check_of_ranks():
-    # The exchange runs only inside RankChecker.check; the entries each own one checker.
-    assert _calls("agree", attributes=False) == {"dtcompile.rank_check": 1}
-    assert set(_calls("RankChecker")) == {"dtcompile.compiler", "dtcompile.step_pass"}
+    # The exchange runs only inside RankChecker.check; the one checker of each entry is its
+    # CompileLog's (a backend sharing another's records gets a checker of its own).
+    assert _calls("agree", attributes=False) == {"dtcompile.ranks.check": 1}
+    assert _calls("RankChecker") == {"dtcompile.pipeline.compile_log": 2}
+    assert set(_calls("CompileLog")) == {"dtcompile.compiler", "dtcompile.pipeline.step_pass"}
 
 
 _TRACING = threading.Lock()
@@ -62,7 +64,7 @@ def _each_entry_on_a_rank(rank: int) -> None:
     """One compile through each front door on this rank (``_entry.name`` says which)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dtcompile.step_pass import StepPass
+    from dtcompile.pipeline.step_pass import StepPass
     from dtcompile.testing.worlds import wait_for_eager_on_every_rank
 
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))

@@ -14,7 +14,7 @@ import torch
 import dtcompile
 from dtcompile._testing import models
 from dtcompile.auto_parallel.solver import Infeasible
-from dtcompile.rank_check import RanksDisagree
+from dtcompile.ranks.check import RanksDisagree
 from dtcompile.testing import run_gloo, run_threaded
 
 # The MLP's training step, its batch replicated, needs about 0.6 MB per rank at 4096 rows and

@@ -28,7 +28,7 @@ from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, cach
 from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
 from dtcompile.config import DTCompileConfig
 from dtcompile.cost import get_profile
-from dtcompile.partition import Partitioner
+from dtcompile.pipeline.partition import Partitioner
 from dtcompile.testing import fake_world, run_gloo
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -278,7 +278,7 @@ def test_a_graph_is_recorded_as_served_only_where_aot_autograd_counted_a_hit(mon
     neither traced nor counted is an error, never recorded as served from the cache."""
     from torch._dynamo.utils import counters
 
-    from dtcompile.graph_compile import GraphCompile
+    from dtcompile.pipeline.graph_compile import GraphCompile
 
     def served(job):
         if hit_counted:

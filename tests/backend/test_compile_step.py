@@ -292,7 +292,7 @@ def test_fsdp_stack_with_adamw_inside_on_gloo_equals_eager():
 
 
 def _options_on_rank(rank: int, options_by_rank: list[dict[str, Any]]) -> str:
-    from dtcompile.rank_check import RanksDisagree
+    from dtcompile.ranks.check import RanksDisagree
 
     _, model, _, batches, _ = _build("fsdp_stack", rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

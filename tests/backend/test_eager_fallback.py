@@ -118,7 +118,7 @@ def test_a_failure_in_dtcompiles_passes_is_never_run_eagerly(fake_world, monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("a pass broke")
 
-    monkeypatch.setattr("dtcompile.graph_compile.run_passes", broken)
+    monkeypatch.setattr("dtcompile.pipeline.graph_compile.run_passes", broken)
     backend = dtcompile.backend(inductor=False)
     x = DTensor.from_local(torch.ones(4), mesh, [Replicate()])
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a pass broke"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ from torch import fx
 import dtcompile
 from dtcompile._testing.cases import pass_context
 from dtcompile.base.channels import Artifact, GraphKind
+from dtcompile.cache_keys import key_fields
 from dtcompile.config import DTCompileConfig
 from dtcompile.pass_names import PassSpec, Stage
 from dtcompile.passes import GraphPass, run_passes
@@ -115,6 +117,23 @@ def test_config_is_really_frozen_and_hashable():
     same = DTCompileConfig(inductor_config={"max_autotune": True}, disable_passes={"overlap"})
     assert config == same and hash(config) == hash(same)
     assert len({config, same, DTCompileConfig()}) == 2
+
+
+def test_each_field_declares_its_check_and_whether_the_caches_key_on_it():
+    """The checks, the hash and the compile caches' key iterate the fields' own declarations:
+    a field added without them is an error here, not a check or a key silently missing."""
+    fields = dataclasses.fields(DTCompileConfig)
+    assert all(callable(f.metadata.get("check")) for f in fields)
+    assert all(isinstance(f.metadata.get("in_key"), bool) for f in fields)
+    shown_or_met = {"report", "trace_pass_graphs", "eager_fallback", "aot_cache", "check_ranks", "check_ranks_timeout_s"}
+    assert set(DTCompileConfig.key_field_names()) == set(DTCompileConfig.field_names()) - shown_or_met
+    assert set(key_fields(DTCompileConfig())) == set(DTCompileConfig.key_field_names())
+    # A field off the key changes no key; one on it does.
+    assert key_fields(DTCompileConfig(report=True)) == key_fields(DTCompileConfig())
+    assert key_fields(DTCompileConfig(bucket_cap_bytes=1)) != key_fields(DTCompileConfig())
+    # Every field is hashed: configs that differ in any one field (most of them) hash apart.
+    other = {"inductor": False, "bucket_cap_bytes": 1, "check_ranks_timeout_s": 1.0, "inductor_config": {"max_autotune": True}}
+    assert len({hash(DTCompileConfig(**{name: value})) for name, value in other.items()} | {hash(DTCompileConfig())}) == 5
 
 
 def _context(**options):

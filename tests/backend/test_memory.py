@@ -15,7 +15,7 @@ import dtcompile
 from dtcompile._testing import models
 from dtcompile._testing.cases import CASES
 from dtcompile.base.notation import format_bytes
-from dtcompile.memory import MemoryBudgetError
+from dtcompile.graph.memory import MemoryBudgetError
 from dtcompile.records import Action
 from dtcompile.testing import assert_matches_eager, measure_memory, saved_bytes, threaded_world
 

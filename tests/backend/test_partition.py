@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtcompile
-from dtcompile.partition import Partitioner
+from dtcompile.pipeline.partition import Partitioner
 from dtcompile.testing import fake_world
 
 

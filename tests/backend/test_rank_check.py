@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Shard
 import dtcompile
 from dtcompile._testing.cases import CASES, StepResult, assert_steps_close, reference_step, run_step
 from dtcompile.base.channels import BesideCacheFolders
-from dtcompile.collectives import CollectiveInfo
 from dtcompile.cost import get_profile
-from dtcompile.rank_check import RanksDisagree, disagreement_message
-from dtcompile.rank_schedule import Schedule, Scheduled, scheduled_collectives
+from dtcompile.graph.collectives import CollectiveInfo
+from dtcompile.ranks.check import RanksDisagree, disagreement_message
+from dtcompile.ranks.schedule import Schedule, Scheduled, scheduled_collectives
 from dtcompile.testing import run_gloo, run_threaded
 from dtcompile.testing.worlds import wait_for_eager_on_every_rank
 
@@ -207,12 +207,12 @@ def test_gloo_cache_warm_on_one_rank_and_cold_on_the_other(tmp_path):
 def _rank_falls_back(rank: int, world_size: int) -> RankRun:
     """Rank 1's AOTAutograd 'cannot trace' the graph (staged: torch raising while it traces)."""
     if rank == 1:
-        import dtcompile.graph_compile
+        import dtcompile.pipeline.graph_compile
 
         def cannot_trace(gm):
             raise RuntimeError("staged: AOTAutograd cannot trace this graph on this rank")
 
-        dtcompile.graph_compile.loss_parallel_backward = cannot_trace
+        dtcompile.pipeline.graph_compile.loss_parallel_backward = cannot_trace
     with pytest.warns(UserWarning, match="eager"):
         return _rank_steps(rank, world_size, [{}, {}])
 
@@ -405,7 +405,7 @@ def test_a_warm_rank_and_a_cold_one_compare_what_they_were_decided_from():
     ranks compare what their graphs were decided from; how each got it is not part of it."""
     import torch.distributed as dist
 
-    from dtcompile.rank_check import _compare
+    from dtcompile.ranks.check import _compare
 
     decided = {"bucket_cap_bytes": "64", "torch": torch.__version__}
     warm = Schedule("0/0", "served from the compile cache", None, decided)

@@ -7,7 +7,7 @@ activations alive at the peak), so two ranks could bucket the same parameters'
 gathers differently and their collectives would not pair: the check stopped both
 ranks (``RanksDisagree ... 8 collectives against 9``), and with the check off gloo
 aborted (``Received data size doesn't match expected size. 16512 vs 128``).  The
-ranks now settle one plan per group (:mod:`dtcompile.rank_plans`).
+ranks now settle one plan per group (:mod:`dtcompile.ranks.plans`).
 
 Each program is a SimpleFSDP stack on two gloo ranks, rank 0 fed 8 rows a step and
 rank 1 fewer, compiled and compared with the same model run eagerly on the same rank
@@ -188,8 +188,8 @@ def test_compile_step_with_adamw_ranks_fed_batches_of_their_own_sizes_equal_eage
 def _planted_on_rank(rank: int, rows: list[list[int]]) -> str:
     """The Dynamo program with bucketing's settlement planted away: each rank applies the plan
     it priced from its own batch, as a pass that reads a rank-local size into its decision."""
-    from dtcompile.rank_check import RanksDisagree
-    from dtcompile.rank_plans import Adoption, AgreedPlan, PlanMeeting
+    from dtcompile.ranks.check import RanksDisagree
+    from dtcompile.ranks.plans import Adoption, AgreedPlan, PlanMeeting
 
     def each_rank_its_own(self: PlanMeeting, what: str, plans: Any) -> list[AgreedPlan]:
         return [AgreedPlan(p.group, p.plan, Adoption.LOCAL) for p in plans]

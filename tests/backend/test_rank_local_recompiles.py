@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtcompile
-from dtcompile.rank_schedule import (
+from dtcompile.ranks.schedule import (
     CheckOutcome,
     Obtained,
     Schedule,
@@ -174,7 +174,7 @@ class _Collect(logging.Handler):
 def _rank_late(rank: int, world: int, late_s: float) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    logger = logging.getLogger("dtcompile.rank_check")
+    logger = logging.getLogger("dtcompile.ranks.check")
     handler, level = _Collect(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

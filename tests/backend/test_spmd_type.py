@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from dtcompile.spmd_typing import P, R, SpmdType, format_types
+from dtcompile.spmd.inference import P, R, SpmdType, format_types
 
 
 def test_a_shard_is_varying_with_its_dim_and_reads_as_its_text():

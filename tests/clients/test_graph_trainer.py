@@ -250,7 +250,7 @@ def _check_with_options(rank: int, options_by_rank: list[dict[str, Any]]) -> str
     from torch.distributed.device_mesh import init_device_mesh
 
     from dtcompile.integrations.torchtitan import StepPass
-    from dtcompile.rank_check import RanksDisagree
+    from dtcompile.ranks.check import RanksDisagree
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
     model = _simple_fsdp(mesh)

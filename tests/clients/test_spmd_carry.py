@@ -1,4 +1,4 @@
-"""SPMD types across compiled graphs (dtcompile.spmd_carry): stamped on outputs, re-checked on new inputs.
+"""SPMD types across compiled graphs (dtcompile.spmd.carry): stamped on outputs, re-checked on new inputs.
 
 Two ranks as threads, tensors typed with ``spmd_types.assert_type`` on the world's
 axis, collectives from ``torch.distributed._functional_collectives``, each function
@@ -23,7 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from support.pinned import require_pinned
 
 import dtcompile
-from dtcompile.spmd_typing import SpmdTypeCheckError
+from dtcompile.spmd.inference import SpmdTypeCheckError
 from dtcompile.testing import run_threaded
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

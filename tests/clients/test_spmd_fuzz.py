@@ -19,7 +19,7 @@ from support.pinned import require_pinned
 from support.spmd_fuzz import WORLD, SpmdProgram, build, generate, run_program
 
 import dtcompile
-from dtcompile.spmd_typing import SpmdTypeCheckError
+from dtcompile.spmd.inference import SpmdTypeCheckError
 from dtcompile.testing import run_threaded
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -1,4 +1,4 @@
-"""SPMD types in compiled graphs (dtcompile.spmd_typing) on small plain-tensor programs.
+"""SPMD types in compiled graphs (dtcompile.spmd.inference) on small plain-tensor programs.
 
 Two ranks as threads; tensors typed with ``spmd_types.assert_type`` on the world's
 axis, collectives from ``torch.distributed._functional_collectives``.  Each
@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from support.pinned import require_pinned
 
 import dtcompile
-from dtcompile.spmd_typing import SpmdTypeCheckError
+from dtcompile.spmd.inference import SpmdTypeCheckError
 from dtcompile.testing import run_threaded
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -256,7 +256,7 @@ def test_torchtitan_spmd_types_fsdp2_x_tp_on_4_ranks_compiled_matches_eager_and_
         check_blocks_typed(run, ("dp", "tp"), rank)
 
 
-# ---- SPMD types in the compiled graphs (dtcompile.spmd_typing)
+# ---- SPMD types in the compiled graphs (dtcompile.spmd.inference)
 
 
 def _typed_block_on_rank(rank: int, sequence_parallel: bool, plant: bool) -> dict[str, Any]:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import dtcompile
-from dtcompile import ops
 from dtcompile._testing.models import SequenceParallelMLP
+from dtcompile.base import fused_ops as ops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -113,11 +113,11 @@ def test_symmetric_memory_is_enabled_on_one_rank_or_the_reason_is_logged_once(
     group_name, fresh_enable, caplog
 ):
     probe = torch.empty(1, device="cuda")
-    with caplog.at_level(logging.INFO, logger="dtcompile.ops"):
+    with caplog.at_level(logging.INFO, logger="dtcompile.base.fused_ops"):
         first = ops.symmetric_memory_available(probe, group_name)
         second = ops.symmetric_memory_available(probe, group_name)
     assert first == second
-    reasons = [r.getMessage() for r in caplog.records if r.name == "dtcompile.ops"]
+    reasons = [r.getMessage() for r in caplog.records if r.name == "dtcompile.base.fused_ops"]
     if first:
         assert reasons == []
     else:
@@ -140,7 +140,7 @@ def test_a_failed_enable_runs_decomposed_and_logs_the_reason_once(
         _randn(2, 8, 16, dtype=torch.float32, seed=0),
         _randn(16, 24, dtype=torch.float32, seed=1),
     )
-    with caplog.at_level(logging.INFO, logger="dtcompile.ops"):
+    with caplog.at_level(logging.INFO, logger="dtcompile.base.fused_ops"):
         for _ in range(2):
             gathered, (out,) = torch.ops.dtcompile.fused_all_gather_matmul(
                 a, [b], 1, group_name
@@ -151,7 +151,7 @@ def test_a_failed_enable_runs_decomposed_and_logs_the_reason_once(
             assert torch.equal(gathered, a)
             assert _relative_error(out, a @ b) < TOLERANCE[torch.float32]
             assert _relative_error(scattered, a @ b) < TOLERANCE[torch.float32]
-    records = [r for r in caplog.records if r.name == "dtcompile.ops"]
+    records = [r for r in caplog.records if r.name == "dtcompile.base.fused_ops"]
     assert len(records) == 1, [r.getMessage() for r in records]
     assert "no symmetric memory on this test machine" in records[0].getMessage()
     assert (
@@ -210,7 +210,7 @@ def test_the_symm_mem_kernels_run_when_symmetric_memory_is_enabled(
     a = _randn(2, 32, 64, dtype=torch.bfloat16, seed=7)
     if not ops.symmetric_memory_available(a, group_name):
         pytest.skip(
-            "symmetric memory is not enabled on this machine (the reason is logged by dtcompile.ops)"
+            "symmetric memory is not enabled on this machine (the reason is logged by dtcompile.base.fused_ops)"
         )
     b = _randn(64, 48, dtype=torch.bfloat16, seed=8)
     torch.ops.dtcompile.fused_all_gather_matmul(a, [b], 1, group_name)

@@ -70,7 +70,7 @@ partitioner kept the gathers in the forward: 9 unbucketed dp gathers where ranks
 did not recompile, issue 2 buckets (800 and 512 floats).  gloo aborted rank 0 ("Received data
 size doesn't match expected size. 800 vs 16"); with the ranks' check on, ranks 0 and 1 waited
 for dp peers that never recompile.  A symbolic size known to divide is even now
-(:func:`dtcompile.rank_dependence.uneven_sharding`)."""
+(:func:`dtcompile.graph.rank_dependence.uneven_sharding`)."""
 
 
 @pytest.mark.parametrize("check_ranks", [False, True], ids=["check_off", "check_on"])
@@ -101,7 +101,7 @@ attempt to issue them module by module, as FSDP2 does, found rank 0's dependenci
 gloo aborted (check off); with the check on, rank 0 waited for rank 1, which ran its earlier graph,
 and stopped with RanksDisagree after check_ranks_timeout_s.  The first ops computing with a
 resharded weight are now saved for the backward, never recomputed
-(:func:`dtcompile.reshard.tag_reshard_after_forward`)."""
+(:func:`dtcompile.pipeline.reshard.tag_reshard_after_forward`)."""
 
 
 def test_simple_fsdp_with_one_row_on_one_rank_issues_its_peers_collectives():

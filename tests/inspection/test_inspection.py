@@ -485,11 +485,33 @@ def test_report_tool_checks_that_ranks_agree(trace_dir, tmp_path):
     diverged = tmp_path / "diverged"
     diverged.mkdir()
     shutil.copy(log, diverged / log.name)
-    # A collective's bytes (a memory entry's are not compared across ranks).
-    text = log.read_text().replace('"bytes": 256, "data_dependent"', '"bytes": 512, "data_dependent"', 1)
-    (diverged / log.name.replace("rank_0", "rank_1")).write_text(text)
+    # A collective's dtype and bytes (a memory entry's are not compared across ranks).
+    text = log.read_text()
+    differs = text.replace('"dtype": "float32", "bytes": 256, "data_dependent"', '"dtype": "bfloat16", "bytes": 128, "data_dependent"', 1)
+    assert differs != text
+    (diverged / log.name.replace("rank_0", "rank_1")).write_text(differs)
     page = report_tool.render_html(report_tool.read_trace(diverged))
-    assert "compile 0/0: rank 1&#x27;s collectives differ from rank 0&#x27;s" in page
+    assert "compile 0/0: rank 1&#x27;s collectives on tp differ from rank 0&#x27;s" in page
+
+
+def test_the_report_judges_ranks_collectives_by_the_checks_rule(trace_dir, tmp_path):
+    """An all-to-all's sizes are each rank's own (a MoE's token counts): the ranks' check
+    agrees on it, and the report, reading the same rule, shows no divergence; its op does count."""
+    (log,) = trace_dir.glob("dedicated_log_torch_trace_rank_0_*.log")
+    text = log.read_text()
+    as_all_to_all = text.replace('"op": "all_reduce", "label": "all_reduce"', '"op": "all_to_all", "label": "all_to_all"')
+    assert as_all_to_all != text
+    other_sizes = as_all_to_all.replace('"bytes": 256, "data_dependent"', '"bytes": 512, "data_dependent"', 1)
+    other_sizes = re.sub(r'("op": "all_to_all", "label": "all_to_all", "axis": "tp", "group_size": 4, "shape": )\[[^\]]*\]', r"\1[16, 8]", other_sizes, count=1)
+    assert other_sizes != as_all_to_all
+    for name, (zero, one) in {"sizes": (as_all_to_all, other_sizes), "op": (text, as_all_to_all)}.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / log.name).write_text(zero)
+        (folder / log.name.replace("rank_0", "rank_1")).write_text(one)
+        page = report_tool.render_html(report_tool.read_trace(folder))
+        agreed = "all 2 ranks issue the same collectives in the same order" in page
+        assert agreed == (name == "sizes"), name
 
 
 def test_report_tool_puts_a_depyf_dump_beside_the_report(fake_world, trace_dir, tmp_path):

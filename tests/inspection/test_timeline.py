@@ -12,8 +12,8 @@ import torch
 import dtcompile
 from dtcompile._testing.cases import CASES
 from dtcompile.artifacts import collectives_json, format_compiled_graph
-from dtcompile.collectives import collective_info
 from dtcompile.cost.simulate import simulate
+from dtcompile.graph.collectives import collective_info
 from dtcompile_tools import report as report_tool
 
 

@@ -114,7 +114,7 @@ def test_the_priced_pass_fuses_the_llama_8b_tp_sp_block_on_2_4_and_8_ranks(fake_
     """The fake process group on a cpu mesh, meta tensors.  Not a cuda mesh: without a GPU,
     AOTAutograd's trace of fake CUDA tensors asks for a CUDA context (and falls back to
     eager), and a CUDA graph on the fake group is declined before any price, as it is not
-    NCCL (:func:`dtcompile.ops.decomposed_on`).  A CPU graph is not asked about its group,
+    NCCL (:func:`dtcompile.base.fused_ops.decomposed_on`).  A CPU graph is not asked about its group,
     so the price under ``h100`` alone decides here, as it does on an NCCL group."""
     fused, decisions = _llama_block_decisions(fake_world(ranks, (ranks,), ("tp",)))
     # Every pair the pass knows; the backward's reduce-scatters of a sum of matmuls and the

@@ -16,7 +16,7 @@ from support import comm_ops  # noqa: F401 - defines the commorder ops
 from torch import fx
 
 import dtcompile
-import dtcompile.ops  # noqa: F401 - defines the dtcompile fused ops
+import dtcompile.base.fused_ops  # noqa: F401 - defines the dtcompile fused ops
 from dtcompile._testing.cases import pass_context
 from dtcompile.base.op_facts import WAIT, is_ordering_barrier
 from dtcompile.passes.overlap import reorder_for_overlap

@@ -262,10 +262,10 @@ def test_cost_model_plays_a_region_as_its_inlined_body(fake_world):
 
     from dtcompile.cost import get_profile
     from dtcompile.cost.simulate import node_time_us, simulate
+    from dtcompile.graph.regions import is_region
     from dtcompile.hops import keep_regions
     from dtcompile.hops.region_op import local_map_region
-    from dtcompile.lowering import inline_regions
-    from dtcompile.regions import is_region
+    from dtcompile.pipeline.lowering import inline_regions
 
     mesh = fake_world(4)
 
@@ -291,7 +291,7 @@ def _fused_rank(rank: int) -> tuple[float, float]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    import dtcompile.ops  # noqa: F401
+    import dtcompile.base.fused_ops  # noqa: F401
 
     group = dist.distributed_c10d._get_default_group().group_name
     gen = torch.Generator().manual_seed(rank)

@@ -180,7 +180,7 @@ def _unjoined_collective(rank: int) -> str | None:
     """
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
-    from dtcompile.rank_check import checks_waiting_for
+    from dtcompile.ranks.check import checks_waiting_for
 
     # A peer waiting at dtcompile's ranks' check for this rank, which has finished its phase.
     waiting = checks_waiting_for(rank)

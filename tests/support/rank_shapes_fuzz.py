@@ -3,7 +3,7 @@
 Ranks of a data-parallel job legitimately see batches of their own sizes (a batch
 padded to its own longest sequence, packed sequences, a short last batch), and a
 decision that changes what a rank sends must not follow them (issue #66,
-:mod:`dtcompile.rank_plans`).  A :class:`Case` is one such job, small: a family of
+:mod:`dtcompile.ranks.plans`).  A :class:`Case` is one such job, small: a family of
 the shared models (:data:`FAMILIES`) on its mesh, an entry (``dynamo``:
 ``torch.compile(model, backend=dtcompile.backend(inductor=False))``; ``step``:
 :func:`dtcompile.compile_step` with AdamW inside), 2 to 4 steps, and the input

@@ -24,7 +24,7 @@ One :func:`dtcompile.testing.run_gloo` world per world size runs a list of cases
 
 A case's :attr:`CaseResult.outcome` is, first that applies: ``invalid`` (stock
 eager raised: the generator's fault), ``error`` (dtcompile's side raised something
-other than the two below), ``disagree`` (:class:`~dtcompile.rank_check.RanksDisagree`),
+other than the two below), ``disagree`` (:class:`~dtcompile.ranks.check.RanksDisagree`),
 ``abort`` (gloo: a size that does not match, a peer gone, a rank dead),
 ``mismatch`` (values differ from eager's), ``unpaired`` (two ranks of a group
 compiled collectives that cannot pair: on a data axis, a graph whose collectives
@@ -112,7 +112,7 @@ def _error_line(exc: BaseException) -> str:
 
 
 def _status_of(exc: BaseException) -> str:
-    from dtcompile.rank_check import RanksDisagree
+    from dtcompile.ranks.check import RanksDisagree
 
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, RanksDisagree) or "RanksDisagree" in text:
@@ -304,7 +304,7 @@ def run_cases_on_rank(rank: int, cases: Sequence[Case], progress_dir: str, timeo
     from torch.distributed.distributed_c10d import _get_default_store
 
     from dtcompile.base.sharding_cache import clear_sharding_caches
-    from dtcompile.rank_check import abort_checks
+    from dtcompile.ranks.check import abort_checks
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cases[0].spec.world_size))
     base_store = _get_default_store()  # held: rank 0's process serves it

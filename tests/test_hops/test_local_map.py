@@ -17,6 +17,7 @@ import dtcompile
 from dtcompile._testing.regions import BACKENDS, REGION_CASES, reference_step, run_case
 from dtcompile.base.channels import Meta
 from dtcompile.base.torch_compat import subclass_outer_size_from_inner
+from dtcompile.graph.regions import format_with_regions
 from dtcompile.hops import (
     LocalMapError,
     PlacementCheckError,
@@ -24,7 +25,6 @@ from dtcompile.hops import (
     local_map,
     parse_placements,
 )
-from dtcompile.regions import format_with_regions
 from dtcompile.testing import simulated_world
 
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate
 import dtcompile
 from dtcompile.auto_parallel.agreement import plan_lines
 from dtcompile.auto_parallel.solver import Infeasible
-from dtcompile.rank_check import RanksDisagree
+from dtcompile.ranks.check import RanksDisagree
 from dtcompile.testing import fake_world, run_threaded
 
 pytestmark = pytest.mark.fuzz

@@ -19,7 +19,7 @@ sizes read from a tensor, as a MoE's token dispatch and combine are) is
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,6 @@ from torch.utils import _pytree as pytree
 
 from dtcompile.base.op_facts import COLLECTIVE_OPS
 from dtcompile.base.sizes import has_unbacked, nbytes_hint, shape_hint
-from dtcompile.cost import HardwareProfile, ProfileChoice, choose_profile
 
 __all__ = [
     "CollectiveInfo",
@@ -37,9 +36,7 @@ __all__ = [
     "collective_info",
     "group_names_in",
     "graph_collectives",
-    "group_backends",
     "spmd_axes",
-    "profile_for_groups",
     "collective_kind",
     "is_collective",
     "largest_collective",
@@ -266,28 +263,6 @@ def graph_collectives(
     """The collectives of ``graph`` in program order."""
     infos = (collective_info(n, axes) for n in graph.nodes)
     return [info for info in infos if info is not None]
-
-
-def group_backends(group_names: Sequence[str]) -> set[str]:
-    """The backends (``gloo``, ``nccl``, ``fake``, ...) of the named process groups, or of
-    the default group when none is named; empty without an initialized process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return set()
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    groups = [_resolve_process_group(name) for name in group_names] or [None]
-    return {str(dist.get_backend(group)) for group in groups}
-
-
-def profile_for_groups(choice: str | HardwareProfile, devices: Set[str], group_names: Sequence[str]) -> ProfileChoice:
-    """The cost profile for work on ``devices`` (device types) whose collectives run on the
-    named groups (the default group's when none is named): :func:`~dtcompile.cost.choose_profile`
-    given those groups' backends and, on CUDA, this process's GPU.  The backend reads a
-    graph so, ``auto_parallel`` a mesh, and ``calibrate`` its group."""
-    gpu = torch.cuda.get_device_name() if "cuda" in devices and torch.cuda.is_available() else None
-    return choose_profile(choice, devices, group_backends(group_names), gpu)
 
 
 def largest_collective(gm: fx.GraphModule) -> int:

@@ -13,10 +13,10 @@ from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo, charge_collective
 from dtcompile.base.channels import GraphKind, Meta
-from dtcompile.collectives import collective_info
+from dtcompile.graph.collectives import collective_info
+from dtcompile.graph.regions import RegionInfo, is_region, region_body
 from dtcompile.hops.region_op import region_call_id
 from dtcompile.hops.spec import RegionSpec
-from dtcompile.regions import RegionInfo, is_region, region_body
 
 __all__ = ["inline_regions"]
 

@@ -1,7 +1,9 @@
 """One Dynamo graph's compile: one object per backend call, one method per stage.
 
 :class:`GraphCompile` is made by :class:`~dtcompile.compiler.DTCompileBackend` for
-each graph Dynamo hands it, and holds everything that compile decides once: the
+each graph Dynamo hands it, with the backend's
+:class:`~dtcompile.pipeline.compile_log.CompileLog` (where what it makes lands), and
+holds everything that compile decides once: the
 graph's description and cost profile, its cache key, where its artifacts are kept
 beside the compile cache, the partitioner.  Its stages, in order:
 
@@ -13,7 +15,8 @@ beside the compile cache, the partitioner.  Its stages, in order:
 3. :meth:`~GraphCompile.passes`: dtcompile's passes run on each AOT graph;
 4. :meth:`~GraphCompile.lower`: the regions are inlined and the lowering settings read;
 5. :meth:`~GraphCompile.record`: the :class:`~dtcompile.records.CompiledGraph` is
-   kept, logged and its artifacts emitted (and kept beside the cache).
+   handed to the log (kept, logged, its artifacts emitted) and its artifacts kept
+   beside the cache.
 
 The cache hit is a fact, not an inference: :meth:`~GraphCompile.served_from_cache`
 is true when AOTAutograd counted a hit during :meth:`trace` and nothing was traced
@@ -26,38 +29,35 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx
 
 from dtcompile.annotations import describe_dynamo_graph
-from dtcompile.artifacts import (
-    emit_artifacts,
-    emit_cached_artifact,
-    emit_fallback_artifact,
-    emit_saved_artifacts,
-    format_compiled_graph,
-    keep_artifacts,
-)
+from dtcompile.artifacts import emit_saved_artifacts, keep_artifacts
 from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.base.channels import BesideCacheFolders, GraphKind
 from dtcompile.base.op_facts import is_ordering_barrier
 from dtcompile.base.sharding_cache import fresh_sharding_caches
 from dtcompile.base.torch_compat import INDUCTOR_SIMPLE_OVERLAP, inductor_reorders_collectives
 from dtcompile.cache_keys import compile_key, rank_position, stable_mesh_keys
-from dtcompile.collectives import is_collective, mesh_axes, profile_for_groups
 from dtcompile.config import DTCompileConfig
-from dtcompile.dynamo_output import split_constant_outputs, split_input_views
+from dtcompile.cost.auto import devices_of, profile_for_groups
+from dtcompile.graph.collectives import is_collective, mesh_axes
+from dtcompile.graph.memory import MemoryPlan, prefetch_window
+from dtcompile.graph.regions import format_with_regions, is_region
 from dtcompile.hops import keep_regions
-from dtcompile.lowering import inline_regions
-from dtcompile.memory import MemoryPlan, prefetch_window
-from dtcompile.partition import Partitioner
 from dtcompile.pass_names import SCHEDULE_OWNERS
 from dtcompile.passes import PassContext, compiled_graph, run_passes
-from dtcompile.rank_check import world_can_disagree
-from dtcompile.rank_plans import PlanMeeting
-from dtcompile.rank_schedule import (
+from dtcompile.pipeline.compile_log import CompileLog
+from dtcompile.pipeline.dynamo_output import split_constant_outputs, split_input_views
+from dtcompile.pipeline.lowering import inline_regions
+from dtcompile.pipeline.partition import Partitioner
+from dtcompile.pipeline.reshard import param_names
+from dtcompile.ranks.check import world_can_disagree
+from dtcompile.ranks.plans import PlanMeeting
+from dtcompile.ranks.schedule import (
     Obtained,
     Schedule,
     Scheduled,
@@ -70,19 +70,14 @@ from dtcompile.rank_schedule import (
     traced_digest,
 )
 from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
-from dtcompile.regions import format_with_regions, is_region
-from dtcompile.reshard import param_names
-from dtcompile.spmd_carry import SpmdCarry, outputs_from_json, outputs_to_json, traced_copy
-from dtcompile.spmd_layouts import with_declared_types
-from dtcompile.spmd_typing import axis_objects, input_types, type_graph
+from dtcompile.spmd.carry import SpmdCarry, outputs_from_json, outputs_to_json, traced_copy
+from dtcompile.spmd.inference import axis_objects, input_types, type_graph
+from dtcompile.spmd.layouts import with_declared_types
 from dynamo_vars.dtensor_state import loss_parallel_backward
-
-if TYPE_CHECKING:
-    from dtcompile.compiler import DTCompileBackend
 
 __all__ = ["GraphCompile", "NeitherTracedNorServed", "schedule_owned_by_dtcompile", "symbolic_dtensor"]
 
-log = logging.getLogger("dtcompile.compiler")  # the backend's logger, as users configure it
+logger = logging.getLogger("dtcompile.compiler")  # the backend's logger, as users configure it
 
 
 def symbolic_dtensor(gm: fx.GraphModule) -> str | None:
@@ -120,7 +115,7 @@ def _aot_settings(config: DTCompileConfig, *, backward_now: bool, cacheable: boo
     caches key on :func:`~dtcompile.cache_keys.compile_key` through the partitioner, so
     a hit is a graph compiled with these options.  ``backward_now``: the backward is
     compiled with the forward, not at its first call, so that the ranks' check
-    (:mod:`dtcompile.rank_check`) sees its collectives before either runs."""
+    (:mod:`dtcompile.ranks.check`) sees its collectives before either runs."""
     from torch._functorch import config as functorch_config
 
     settings = {}
@@ -188,11 +183,6 @@ class NeitherTracedNorServed(RuntimeError):
     """AOTAutograd returned a graph it neither traced here nor served from its cache."""
 
 
-def devices_of(example_inputs: Sequence[Any]) -> frozenset[str]:
-    """The device types of a graph's tensor inputs."""
-    return frozenset(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
-
-
 def dynamo_outputs_in_aot_forward() -> tuple[int, int]:
     """Where the Dynamo graph's outputs are among those of the AOT forward (or inference) graph
     being compiled: (after how many, how many); AOTAutograd returns the inputs it mutates first."""
@@ -209,10 +199,10 @@ def _aot_cache_hits() -> int:
 
 
 class GraphCompile:
-    """The compile of Dynamo graph ``gm`` by ``backend`` with ``config`` (see the module doc)."""
+    """The compile of Dynamo graph ``gm`` with ``config``, kept in ``log`` (see the module doc)."""
 
-    def __init__(self, backend: DTCompileBackend, gm: fx.GraphModule, example_inputs: Sequence[Any], config: DTCompileConfig) -> None:
-        self.backend, self.gm, self.example_inputs, self.config = backend, gm, example_inputs, config
+    def __init__(self, log: CompileLog, gm: fx.GraphModule, example_inputs: Sequence[Any], config: DTCompileConfig) -> None:
+        self.log, self.gm, self.example_inputs, self.config = log, gm, example_inputs, config
         compile_id = torch._guards.CompileContext.current_compile_id()
         axes = mesh_axes(gm, example_inputs)
         # Priced for its devices and its meshes' groups (the default group's when it has none).
@@ -221,7 +211,7 @@ class GraphCompile:
             gm, str(compile_id) if compile_id is not None else "?", axes, self.profile_choice.profile, self.profile_choice.why
         )
         self.info.spmd_inputs = with_declared_types(gm, example_inputs, input_types(gm, example_inputs, axes))
-        log.info("%s: cost profile %s", self.info.compile_id, self.profile_choice)
+        logger.info("%s: cost profile %s", self.info.compile_id, self.profile_choice)
         self.constants = split_constant_outputs(gm)
         self.views = split_input_views(gm)
         # Keyed on this rank's place in the graph's meshes: the trace bakes its coordinates in.
@@ -230,7 +220,7 @@ class GraphCompile:
         # (its artifacts, its schedule) is found again by this; None where none can.
         self.uncacheable = symbolic_dtensor(gm)
         if self.uncacheable is not None and config.aot_cache:
-            log.info(
+            logger.info(
                 "%s: AOTAutograd's cache is off for this graph: its %s is a DTensor of symbolic size, whose "
                 "spec torch cannot save", self.info.compile_id, self.uncacheable,
             )
@@ -374,7 +364,7 @@ class GraphCompile:
 
     def check_spmd_types(self, gm: fx.GraphModule, kind: GraphKind) -> dict[str, dict[str, str]]:
         """Types the AOT graph as traced, before any pass rewrites it, and checks them
-        (:func:`dtcompile.spmd_typing.type_graph`): node name -> types per axis; empty
+        (:func:`dtcompile.spmd.inference.type_graph`): node name -> types per axis; empty
         where no input is typed.  A forward's types carry to its backward."""
         if not self.info.spmd_inputs:
             return {}
@@ -392,7 +382,7 @@ class GraphCompile:
 
     def _keep_spmd_carry(self, outputs: list[Any], traced: fx.GraphModule | None = None,
                          kind: GraphKind = GraphKind.FORWARD, offset: int = 0) -> None:
-        """What the compiled graph's wrapper stamps and re-checks (:mod:`dtcompile.spmd_carry`):
+        """What the compiled graph's wrapper stamps and re-checks (:mod:`dtcompile.spmd.carry`):
         the Dynamo graph's ``outputs``' types, and its AOT graph as ``traced`` where it was."""
         info = self.info
         self.spmd_carry = SpmdCarry(
@@ -429,27 +419,14 @@ class GraphCompile:
 
     # ---- stage 5: record
     def record(self, record: CompiledGraph) -> None:
-        """Keeps ``record`` on the backend, logs it, emits its artifacts, and keeps them
-        beside the compile cache where one can serve this graph."""
-        self.backend.records.append(record)
+        """Hands ``record`` to the log, and keeps its artifacts beside the compile cache
+        where one can serve this graph."""
         self.graphs.append(record)
         if self.beside_cache_key is not None:
             # Made now: lowering rewrites the graph in place (Inductor's reinplacing).
             keep_artifacts(record, self._kept)
             save_beside_cache(BesideCacheFolders.REPORTS, self.beside_cache_key, list(self._kept.values()))
-        log.info(
-            "compile %s %s graph: %d nodes, %d collectives, %d local_map regions",
-            record.compile_id,
-            record.kind,
-            len(record.graph.graph.nodes),
-            len(record.collectives),
-            len(record.regions),
-        )
-        for region in record.regions:
-            log.info("compile %s %s graph: region %s", record.compile_id, record.kind, region)
-        emit_artifacts(record)
-        if self.config.report:
-            print(format_compiled_graph(record), flush=True)
+        self.log.compiled(record, report=self.config.report)
 
     # ---- the other endings: served from the cache, run eagerly
     def record_cache_hit(self) -> None:
@@ -460,10 +437,7 @@ class GraphCompile:
         outputs = outputs_from_json(kept) if kept is not None else None
         if outputs is not None:
             self._keep_spmd_carry(outputs)
-        cached = CachedCompile(compile_id=self.info.compile_id, graph=self.gm, reported=bool(saved))
-        self.backend.cached.append(cached)
-        log.info("%s", cached)
-        emit_cached_artifact(cached)
+        self.log.served(CachedCompile(compile_id=self.info.compile_id, graph=self.gm, reported=bool(saved)))
         if saved:
             emit_saved_artifacts(saved)
 
@@ -472,9 +446,7 @@ class GraphCompile:
         for a graph torch's AOTAutograd could not trace; says so (a warning,
         ``backend.fallbacks``, an eager-fallback artifact)."""
         fallback = EagerFallback(compile_id=self.info.compile_id, error=_one_line(exc), graph=self.gm)
-        self.backend.fallbacks.append(fallback)
-        log.info("%s", fallback)
-        emit_fallback_artifact(fallback)
+        self.log.fell_back(fallback)
         warnings.warn(f"dtcompile: {fallback}", stacklevel=2)  # points at the backend's call
         self.obtained, self.eager_because = Obtained.EAGER, fallback.error
         return self.gm.forward

@@ -107,11 +107,11 @@ def format_types(types: Mapping[str, SpmdType] | None) -> str:
 
 def _axis_names(group_names: Sequence[str], axes: Mapping[str, str]) -> dict[Any, str]:
     """spmd_types ``MeshAxis`` -> mesh axis name, the name the graph's collectives are annotated
-    with (:func:`dtcompile.collectives.axis_name`): spmd_types' current mesh's names, then those of
+    with (:func:`dtcompile.graph.collectives.axis_name`): spmd_types' current mesh's names, then those of
     the graph's groups (``group_names``; ``axes``: group name -> axis name)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    from dtcompile.collectives import axis_name
+    from dtcompile.graph.collectives import axis_name
 
     spmd = sys.modules["spmd_types"]
     names: dict[Any, str] = {}
@@ -132,7 +132,7 @@ def axis_objects(gm: fx.GraphModule, axes: Mapping[str, str]) -> dict[str, Any]:
     the graph's groups and ``spmd_types``' current mesh; ``{}`` without ``spmd_types``."""
     if "spmd_types" not in sys.modules:
         return {}
-    from dtcompile.collectives import group_names_in
+    from dtcompile.graph.collectives import group_names_in
 
     found: dict[str, Any] = {}
     for axis, name in _axis_names(group_names_in(gm), axes).items():
@@ -177,7 +177,7 @@ def input_types(gm: fx.GraphModule, example_inputs: Sequence[Any], axes: Mapping
         return ()
     from spmd_types.runtime import get_partition_spec
 
-    from dtcompile.collectives import group_names_in
+    from dtcompile.graph.collectives import group_names_in
 
     fsdp = _fsdp_compute_types()
     raw: list[tuple[Any, Any] | None] = []
@@ -344,7 +344,7 @@ class _Collective:
     what: str
 
 
-# A collective's contract, by kind (:func:`dtcompile.collectives.collective_kind`): the local types
+# A collective's contract, by kind (:func:`dtcompile.graph.collectives.collective_kind`): the local types
 # it takes, the type it gives on its axis, and how a message says what it does.
 _CONTRACTS = {
     "all_reduce": (("P", "V"), R, "all-reduces"),
@@ -355,7 +355,7 @@ _CONTRACTS = {
 
 
 def _collective(node: fx.Node, axes: Mapping[str, str]) -> _Collective | None:
-    from dtcompile.collectives import axis_name, collective_kind
+    from dtcompile.graph.collectives import axis_name, collective_kind
 
     found = collective_kind(node)
     if found is None or found[0] not in _CONTRACTS:

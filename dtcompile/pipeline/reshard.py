@@ -27,7 +27,7 @@ re-gather before reduce-scatters that a peer fed another batch size sends first.
 
 Every rank tags the same chains: the decision reads only the graph's structure
 and the parameters' names, which every rank's graph shares where shards are even.
-Where they are not (:class:`dtcompile.partition.Partitioner` keeps collectives in
+Where they are not (:class:`dtcompile.pipeline.partition.Partitioner` keeps collectives in
 the phase that traced them there) nothing is tagged, and the record says so.
 """
 

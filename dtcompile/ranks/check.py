@@ -34,7 +34,7 @@ The exchange goes through the store, not a collective: a check that a peer
 answers with a real collective (a rank that recompiled, or runs another graph)
 would abort gloo by itself.  A graph served by AOTAutograd's cache traced
 nothing here; its schedule is read back from what the run that compiled it
-wrote beside the cache (:func:`dtcompile.rank_schedule.save_schedule`), or, where that is gone, the
+wrote beside the cache (:func:`dtcompile.ranks.schedule.save_schedule`), or, where that is gone, the
 inputs it was decided from are compared instead.
 
 A recompile is often one rank's alone: under dynamic shapes a rank whose own
@@ -42,7 +42,7 @@ shard or sequence is 0 or 1 long specializes, a guard on a rank's own value
 fails.  Its peers run the graph they have and never come to compare the new
 one, so a check that waited for them would hang the job.  What must pair up is
 the collectives that run together, so a recompile whose collectives its
-frame's ranks already agreed on needs no exchange (:func:`dtcompile.rank_schedule.agreed_earlier`): the
+frame's ranks already agreed on needs no exchange (:func:`dtcompile.ranks.schedule.agreed_earlier`): the
 same collectives; the same ones with other sizes where the sizes are the
 program's (rank-dependent shapes) and not dtcompile's (bucketing); or, where
 the collectives are unknown here, the same settings.  Only a recompile with new
@@ -68,9 +68,9 @@ from typing import Any
 
 from torch import fx
 
-from dtcompile.collectives import axis_name, group_names_in
+from dtcompile.graph.collectives import axis_name, group_names_in
 from dtcompile.pass_names import COMMUNICATION_PASSES
-from dtcompile.rank_schedule import Obtained, Schedule, short_digest
+from dtcompile.ranks.schedule import Obtained, Schedule, short_digest
 
 __all__ = [
     "ABORT_KEY",
@@ -92,7 +92,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "dtcompile/rank_check"
+_PREFIX = "dtcompile/ranks/check"
 # Backends whose ranks are one process's simulation: they cannot compile differently.
 _SIMULATED = frozenset({"fake"})
 
@@ -146,7 +146,7 @@ def check_groups(gm: fx.GraphModule, meshes: Sequence[Any]) -> list[str]:
     collectives name; groups of one rank and simulated ones are left out."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    from dtcompile.collectives import flattened_axes
+    from dtcompile.graph.collectives import flattened_axes
 
     names: list[str] = []
     for mesh in meshes:
@@ -510,11 +510,11 @@ class RankChecker:
     A recompile is often this rank's alone (its own shapes specialized, a guard on its
     own values, a batch of another size), and its peers then never come to compare it.
     So a graph whose collectives its frame's ranks already agreed on is not exchanged
-    (:func:`dtcompile.rank_schedule.agreed_earlier`): the same collectives, or the same
+    (:func:`dtcompile.ranks.schedule.agreed_earlier`): the same collectives, or the same
     ones with other sizes where the sizes are the program's (not a bucketing decision),
     or, where this rank does not know them (served from the cache without them), the
     same settings they were decided from.  Where only some mesh axes' collectives are new,
-    only those axes' groups meet (:func:`dtcompile.rank_schedule.agreed_axes`), and the record
+    only those axes' groups meet (:func:`dtcompile.ranks.schedule.agreed_axes`), and the record
     names them."""
 
     def __init__(self, checks: MutableSequence[Any]) -> None:
@@ -529,7 +529,7 @@ class RankChecker:
 
         import torch.distributed as dist
 
-        from dtcompile.rank_schedule import CheckOutcome, agreed_axes, agreed_earlier, agreement_marks
+        from dtcompile.ranks.schedule import CheckOutcome, agreed_axes, agreed_earlier, agreement_marks
         from dtcompile.records import RankCheck
 
         agreed = self._agreed.setdefault((dist.get_rank(), schedule.frame), set())

@@ -1,4 +1,4 @@
-"""What one rank compiled for one Dynamo graph, as its peers compare it (:mod:`dtcompile.rank_check`).
+"""What one rank compiled for one Dynamo graph, as its peers compare it (:mod:`dtcompile.ranks.check`).
 
 A :class:`Schedule` is a graph's collectives in program order (:class:`Scheduled`,
 one each: graph, place, op, mesh axis, group size, dtype, shape), how the graph was
@@ -25,7 +25,8 @@ from torch import fx
 
 from dtcompile.base.beside_cache import load_beside_cache, save_beside_cache
 from dtcompile.base.channels import BesideCacheFolders
-from dtcompile.collectives import CollectiveInfo
+from dtcompile.graph.collectives import CollectiveInfo
+from dtcompile.ranks.pairing import Scheduled, shared_shape
 from dtcompile.records import CheckOutcome
 
 __all__ = [
@@ -49,40 +50,6 @@ __all__ = [
 
 DYNAMO_GRAPH = "Dynamo graph"
 """The entry of :attr:`Schedule.decided_by` for the graph itself (its code and inputs)."""
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """One collective of a compiled graph, as the ranks of its group must agree on it."""
-
-    kind: str
-    """The AOT graph it is in: ``forward``, ``backward`` or ``inference``."""
-    index: int
-    """Its place among that graph's collectives."""
-    label: str
-    """``all_gather``, or ``all_gather+matmul`` for a fused collective-matmul."""
-    axis: str
-    group_size: int
-    dtype: str
-    shape: tuple[int, ...] | None
-    """``None`` where ranks need not share it: an all-to-all's, a data-dependent collective's."""
-
-    @property
-    def where(self) -> str:
-        return f"{self.kind} collective {self.index}"
-
-    @property
-    def what(self) -> str:
-        shape = "" if self.shape is None else str(list(self.shape))
-        return f"{self.label}[{self.axis}] x{self.group_size} {self.dtype}{shape}"
-
-    @property
-    def sizeless(self) -> tuple[str, int, str, str, int, str]:
-        """What pairs it with its peers' collective whatever the sizes: graph, place, op, group, dtype."""
-        return (self.kind, self.index, self.label, self.axis, self.group_size, self.dtype)
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.what}"
 
 
 @dataclass(frozen=True)
@@ -252,8 +219,8 @@ def short_digest(text: str) -> str:
 
 def scheduled_collectives(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]) -> tuple[Scheduled, ...]:
     """Each collective of each ``(kind, collectives)`` graph, as ranks must agree on it:
-    ``forward collective 0: all_gather[dp] x2 float32[16, 8]``.  An all-to-all's and a data-dependent
-    collective's shapes may differ between ranks, so they are left out."""
+    ``forward collective 0: all_gather[dp] x2 float32[16, 8]`` (:func:`~dtcompile.ranks.pairing.shared_shape`:
+    an all-to-all's and a data-dependent collective's shapes may differ between ranks, so they are left out)."""
     return tuple(
         Scheduled(
             kind=str(kind),
@@ -262,7 +229,7 @@ def scheduled_collectives(graphs: Iterable[tuple[str, Sequence[CollectiveInfo]]]
             axis=c.axis,
             group_size=c.group_size,
             dtype=str(c.dtype).removeprefix("torch."),
-            shape=None if c.op == "all_to_all" or c.data_dependent else tuple(c.shape),
+            shape=shared_shape(c.op, c.data_dependent, c.shape),
         )
         for kind, collectives in graphs
         for i, c in enumerate(collectives)

@@ -1,10 +1,10 @@
 """The activation budget: recompute activations in the backward until a graph fits ``memory_budget_bytes``.
 
 With ``DTCompileConfig.memory_budget_bytes`` set, the partitioner
-(:class:`dtcompile.partition.Partitioner`) first splits the joint graph as
+(:class:`dtcompile.pipeline.partition.Partitioner`) first splits the joint graph as
 Inductor's min-cut partitioner does by default: it saves for the backward what
 makes the backward cheapest.  When the forward or the backward then peaks over
-the budget (:mod:`dtcompile.memory`; the backward counting what the caller holds
+the budget (:mod:`dtcompile.graph.memory`; the backward counting what the caller holds
 meanwhile), :func:`fit_activation_budget` splits it again under torch's
 ``activation_memory_budget`` (``torch._functorch.config``: the share of the
 saved activations' bytes, between saving only the graph's inputs, ``0``, and
@@ -17,7 +17,7 @@ holds them to their gradients), so shares are tried from the top down in
 eighths, and the first that fits is refined upwards.  Each split is of a copy
 of the joint graph.
 
-When no share fits, it is a :class:`dtcompile.memory.MemoryBudgetError`
+When no share fits, it is a :class:`dtcompile.graph.memory.MemoryBudgetError`
 naming the least peak found and what is alive there.  What was recomputed is the forward's
 ``activation_budget`` record (:meth:`ActivationChoice.record`).
 """
@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from dtcompile.base.channels import GraphKind
 from dtcompile.base.notation import format_bytes
-from dtcompile.memory import MemoryEstimate, budget_below_peak, estimate_memory, held_during_backward
+from dtcompile.graph.memory import MemoryEstimate, budget_below_peak, estimate_memory, held_during_backward
 from dtcompile.records import Action, Outcome, PassRecord
 
 __all__ = ["ActivationChoice", "fit_activation_budget"]

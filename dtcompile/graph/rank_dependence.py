@@ -16,8 +16,8 @@ ranks would issue different collectives and wait for each other forever.
   over 2 ranks reduce-scatters it), which the Dynamo graph's DTensors do not show;
 - :func:`ranks_may_differ`: both, what the communication passes
   (:func:`dtcompile.passes.run_passes`) and the partitioner
-  (:class:`dtcompile.partition.Partitioner`) ask before deciding anything from
-  one rank's graph.  The ranks' check (:mod:`dtcompile.rank_check`) compares what
+  (:class:`dtcompile.pipeline.partition.Partitioner`) ask before deciding anything from
+  one rank's graph.  The ranks' check (:mod:`dtcompile.ranks.check`) compares what
   ranks compiled and lets sizes the program itself decided differ.
 """
 
@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dtcompile.base.notation import real_object
 from dtcompile.base.op_facts import PADDING_RESHAPES, WAIT, op_name
 from dtcompile.base.sizes import hint
-from dtcompile.collectives import is_collective
+from dtcompile.graph.collectives import is_collective
 
 __all__ = ["padded_collective", "ranks_may_differ", "uneven_sharding"]
 

@@ -1,6 +1,6 @@
 """SPMD types across compiled graphs: stamped on their outputs, re-checked when their inputs' change.
 
-:mod:`dtcompile.spmd_typing` types and checks a graph when it is compiled, from
+:mod:`dtcompile.spmd.inference` types and checks a graph when it is compiled, from
 its inputs' types then.  Two things happen at run time that the compile did not see:
 
 - **The outputs leave untyped.**  A compiled graph's outputs are new tensors with no
@@ -14,7 +14,7 @@ its inputs' types then.  Two things happen at run time that the compile did not 
   for a ``P`` one.  Each call compares its inputs' ``spmd_types`` annotations with
   those of the calls already checked; inputs typed otherwise are typed again, and
   the graph as traced (kept from the compile, before the passes) is checked again
-  for them: a contradiction is the same :class:`~dtcompile.spmd_typing.SpmdTypeCheckError`
+  for them: a contradiction is the same :class:`~dtcompile.spmd.inference.SpmdTypeCheckError`
   the compile would have raised, before the graph runs.  The code itself does not
   depend on the types, so a graph that checks runs as compiled (its outputs typed
   for the new inputs).  Each typing of the inputs is checked once.
@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from dtcompile.base.channels import GraphKind
-from dtcompile.spmd_typing import AxisTypes, SpmdType, input_types, type_graph
+from dtcompile.spmd.inference import AxisTypes, SpmdType, input_types, type_graph
 
 __all__ = ["SpmdCarry", "carry_spmd_types", "outputs_from_json", "outputs_to_json", "traced_copy"]
 

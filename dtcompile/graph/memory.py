@@ -41,7 +41,7 @@ from dtcompile.base.channels import GraphKind
 from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import WAIT
 from dtcompile.base.sizes import hint
-from dtcompile.collectives import is_collective
+from dtcompile.graph.collectives import is_collective
 
 __all__ = [
     "LiveTensor",
@@ -87,7 +87,7 @@ class MemoryEstimate:
     """Live bytes of one graph along its schedule, and its peak."""
 
     kind: str
-    """``forward``, ``backward`` or ``inference``."""
+    """The graph's :class:`~dtcompile.base.channels.GraphKind`: ``forward``, ``backward``, ``inference`` or ``step``."""
     nodes: tuple[str, ...]
     """The graph's nodes, in schedule order."""
     curve: tuple[int, ...]

@@ -16,7 +16,7 @@ about settle on one (:meth:`PlanMeeting.agree`):
   op and bytes); its topic is a digest of those, so ranks that settle it are
   deciding about the same collectives;
 - the first rank of the group to compile that topic settles it with its own
-  plan, through the job's store (:func:`dtcompile.rank_check.settle`), and goes
+  plan, through the job's store (:func:`dtcompile.ranks.check.settle`), and goes
   on; every other rank adopts what was settled, waiting only for that rank,
   which waits for nobody.  So ranks compiling at once (processes), one after
   another (ranks as threads compile under Dynamo's one lock) or alone (a
@@ -28,7 +28,7 @@ about settle on one (:meth:`PlanMeeting.agree`):
 Nothing is exchanged where the ranks cannot differ: no process group, the fake
 group, a group of one rank.  A rank that waits ``check_ranks_timeout_s`` for the
 settled plan (the rank that claimed it stopped) ends with
-:class:`~dtcompile.rank_check.RanksDisagree`.
+:class:`~dtcompile.ranks.check.RanksDisagree`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dtcompile.rank_check import is_simulated, settle, settled, world_can_disagree
-from dtcompile.rank_schedule import short_digest
+from dtcompile.ranks.check import is_simulated, settle, settled, world_can_disagree
+from dtcompile.ranks.schedule import short_digest
 
 __all__ = ["Adoption", "AgreedPlan", "GroupPlan", "PlanMeeting"]
 

@@ -15,7 +15,7 @@ symmetric memory is found out there).  Elsewhere (CPU, gloo, the fake process
 group), or when enabling fails, they run decomposed: all-gather then matmul,
 matmul then reduce-scatter, with the functional collectives.  Same values, runs
 everywhere, overlaps nothing.  Why a group runs decomposed is logged once per
-group (``logging.getLogger("dtcompile.ops")``).
+group (``logging.getLogger("dtcompile.base.fused_ops")``).
 """
 
 from __future__ import annotations

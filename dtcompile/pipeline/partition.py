@@ -8,13 +8,13 @@ that traced it (:func:`partition_keeping_collectives`): min-cut decides what to
 recompute from each rank's own graph, and a rank that recomputes a collective
 the others saved waits for them forever (found by the fuzzer).
 
-Before either partitions, :func:`dtcompile.reshard.tag_reshard_after_forward`
+Before either partitions, :func:`dtcompile.pipeline.reshard.tag_reshard_after_forward`
 marks the gathers of sharded parameters to be done again in the backward
 (``reshard_after_forward``); :attr:`Partitioner.resharding` says what it did, and
 :attr:`Partitioner.held_during_backward` what the caller holds while the backward
-runs (:mod:`dtcompile.memory`).  With ``memory_budget_bytes`` set, the min-cut
+runs (:mod:`dtcompile.graph.memory`).  With ``memory_budget_bytes`` set, the min-cut
 split recomputes activations until the forward and backward fit it
-(:mod:`dtcompile.recompute`; :attr:`Partitioner.activations` says what).
+(:mod:`dtcompile.pipeline.recompute`; :attr:`Partitioner.activations` says what).
 
 A :class:`Partitioner` is a module-level object whose pickled state is its
 settings, so Inductor's FX graph cache and AOTAutograd's cache can key on it
@@ -37,12 +37,12 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dtcompile.base.op_facts import WAIT
 from dtcompile.base.scoped_patch import ScopedPatch
-from dtcompile.collectives import is_collective
-from dtcompile.memory import held_during_backward
-from dtcompile.rank_dependence import ranks_may_differ
-from dtcompile.recompute import ActivationChoice, fit_activation_budget
+from dtcompile.graph.collectives import is_collective
+from dtcompile.graph.memory import held_during_backward
+from dtcompile.graph.rank_dependence import ranks_may_differ
+from dtcompile.pipeline.recompute import ActivationChoice, fit_activation_budget
+from dtcompile.pipeline.reshard import ParamNames, Resharding, tag_reshard_after_forward
 from dtcompile.records import PassRecord
-from dtcompile.reshard import ParamNames, Resharding, tag_reshard_after_forward
 
 __all__ = ["Partitioner", "partition_keeping_collectives"]
 
@@ -53,10 +53,10 @@ class Partitioner(CustomPartitionerFn):
     ``uneven``: the Dynamo graph's unevenly sharded DTensors
     (:attr:`~dtcompile.annotations.DynamoGraphInfo.uneven`); where there are any, or
     DTensor padded a collective of the joint graph, ranks' graphs may differ
-    (:func:`~dtcompile.rank_dependence.ranks_may_differ`) and collectives are kept.  ``key``: what else decides the graphs of
+    (:func:`~dtcompile.graph.rank_dependence.ranks_may_differ`) and collectives are kept.  ``key``: what else decides the graphs of
     this compile (:func:`dtcompile.cache_keys.compile_key`, which carries the
     ``reshard_after_forward`` and ``keep_gathered`` options); with ``uneven`` and
-    ``params`` (the Dynamo graph's parameter inputs, :func:`dtcompile.reshard.param_names`)
+    ``params`` (the Dynamo graph's parameter inputs, :func:`dtcompile.pipeline.reshard.param_names`)
     it is :meth:`uuid`, which torch's compile caches key on, and all that pickles.
     ``on_start`` (neither keyed nor pickled) is called when partitioning starts:
     AOTAutograd's trace has finished by then.  :attr:`resharding` and
@@ -135,7 +135,7 @@ class Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> str:
         params = ", ".join(f"{i}:{name}" for i, name in sorted(self.params.items()))
-        return f"dtcompile.partition(uneven={bool(self.uneven)}, params=[{params}], {self.key})"
+        return f"dtcompile.pipeline.partition(uneven={bool(self.uneven)}, params=[{params}], {self.key})"
 
     def __getstate__(self) -> dict[str, Any]:
         # What a cache key sees: the settings, never this compile's callback or findings.

@@ -3,7 +3,7 @@
 While dtcompile's AOTAutograd traces, :func:`dtcompile.hops.keep_regions` is on, so each
 ``local_map`` region stays one ``local_map_region(body, spec, *operands)`` node
 in the forward graph and one (``spec.backward``) in the backward graph.  The
-passes see the region as one op; :func:`dtcompile.lowering.inline_regions`,
+passes see the region as one op; :func:`dtcompile.pipeline.lowering.inline_regions`,
 the first step of lowering, splices each body into its graph.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from dtcompile.collectives import collective_info
+from dtcompile.graph.collectives import collective_info
 from dtcompile.hops.region_op import local_map_region
 from dtcompile.hops.spec import RegionSpec
 

@@ -7,48 +7,46 @@ dtcompile describes an AOT graph (graph kind
 :attr:`~dtcompile.base.channels.GraphKind.STEP`): every collective, its mesh axis
 (from the meshes it is given, else the group's own name), its time under the cost
 profile, the graph's memory estimate and simulated timeline, kept as a
-:class:`~dtcompile.records.CompiledGraph` in :attr:`StepPass.records` and logged as
-dtcompile's ``TORCH_TRACE`` artifacts (``dtcompile_step_graph``,
+:class:`~dtcompile.records.CompiledGraph` in its
+:class:`~dtcompile.pipeline.compile_log.CompileLog` (:attr:`StepPass.records`) and
+logged as dtcompile's ``TORCH_TRACE`` artifacts (``dtcompile_step_graph``,
 ``dtcompile_step_collectives``), which ``dtcompile-report`` reads.  It runs
 dtcompile's pass list (:func:`dtcompile.passes.run_passes`) on the step graph, the
 same passes the Dynamo path runs; ``async_tp``, ``bucketing`` and ``overlap``
 rewrite it unless switched off by ``disable_passes``.
 
-Where ranks can compile differently (:func:`dtcompile.rank_check.world_can_disagree`,
+Where ranks can compile differently (:func:`dtcompile.ranks.check.world_can_disagree`,
 ``check_ranks``), the pass compares the step graph's collectives with its peers'
 before it returns (every rank traces and applies the pass at the same point, before
 the first step runs): ranks whose step graphs would not pair up raise
-:class:`~dtcompile.rank_check.RanksDisagree` there, not in a hung collective.
+:class:`~dtcompile.ranks.check.RanksDisagree` there, not in a hung collective.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
 
 from dtcompile.annotations import DynamoGraphInfo
-from dtcompile.artifacts import emit_artifacts, format_compiled_graph
 from dtcompile.base.channels import GraphKind
-from dtcompile.collectives import flattened_axes, graph_collectives, group_names_in, profile_for_groups, spmd_axes
 from dtcompile.config import DTCompileConfig
-from dtcompile.graph_compile import devices_of
-from dtcompile.memory import MemoryPlan, prefetch_window
+from dtcompile.cost.auto import devices_of, profile_for_groups
+from dtcompile.graph.collectives import flattened_axes, graph_collectives, group_names_in, spmd_axes
+from dtcompile.graph.memory import MemoryPlan, prefetch_window
 from dtcompile.passes import PassContext, compiled_graph, run_passes
 from dtcompile.passes._graph import alias_roots, read_inputs, written_args
 from dtcompile.passes.optimizer_updates import optimizer_of
-from dtcompile.rank_check import RankChecker, check_groups, world_can_disagree
-from dtcompile.rank_plans import PlanMeeting
-from dtcompile.rank_schedule import Obtained, Schedule, bucketed, decided_from, scheduled_collectives, traced_digest
+from dtcompile.pipeline.compile_log import CompileLog
+from dtcompile.pipeline.reshard import reshard_step_graph
+from dtcompile.ranks.check import check_groups, world_can_disagree
+from dtcompile.ranks.plans import PlanMeeting
+from dtcompile.ranks.schedule import Obtained, Schedule, bucketed, decided_from, scheduled_collectives, traced_digest
 from dtcompile.records import CompiledGraph, PassRecord, RankCheck
-from dtcompile.reshard import reshard_step_graph
 
-__all__ = ["StepPass", "check_mutations_kept", "forward_nodes", "input_mutations", "mesh_axes_of", "step_parts"]
-
-log = logging.getLogger(__name__)
-
+__all__ = ["StepPass", "TracedStep", "check_mutations_kept", "forward_nodes", "input_mutations", "mesh_axes_of", "step_parts"]
 
 def mesh_axes_of(meshes: Iterable[Any]) -> dict[str, str]:
     """Process group name -> mesh axis name for every axis (and flattened axis) of ``meshes``."""
@@ -147,32 +145,63 @@ def check_mutations_kept(before: dict[str, tuple[str, list[str]]], graph: fx.Gra
             )
 
 
+@dataclass(frozen=True)
+class TracedStep:
+    """What a step front door hands the back half, shaped like graph_trainer's ``TracedResult``:
+    the whole-step graph, its example inputs, its inputs' names (a parameter's FQN for
+    each input its state unwraps into; placeholder names where empty) and the device
+    meshes whose groups name its collectives' mesh axes.  :func:`dtcompile.compile_step`
+    makes one per trace, the ``dtcompile`` pipeline of graph_trainer one per traced step
+    (:mod:`dtcompile.integrations.torchtitan`)."""
+
+    gm: fx.GraphModule
+    example_inputs: Sequence[Any]
+    input_names: Sequence[str] = ()
+    meshes: Sequence[Any] = ()
+
+
 class StepPass:
     """dtcompile's pass on a whole-step graph: ``(gm, example_inputs) -> gm``, graph_trainer's
     pass contract (see the module doc).  ``options``: :class:`~dtcompile.config.DTCompileConfig`
     fields, as for ``dtcompile.backend(**options)`` (an unknown one is a ``ValueError``);
-    ``meshes``: the device meshes whose group names name the collectives' mesh axes."""
+    ``meshes``: the device meshes whose group names name the collectives' mesh axes;
+    ``input_names``: the graph's inputs' names (parameters' FQNs, for the decisions; a call
+    may give its graph's own), placeholder names where empty."""
 
     __name__ = "dtcompile_step_pass"
     """What graph_trainer names the pass by (its logs, ``--compile.disable_passes``)."""
 
-    def __init__(self, options: Mapping[str, Any] | None = None, meshes: Sequence[Any] = ()) -> None:
+    def __init__(
+        self, options: Mapping[str, Any] | None = None, meshes: Sequence[Any] = (), input_names: Sequence[str] = ()
+    ) -> None:
         self.config = DTCompileConfig.from_options(dict(options or {}))
         self.meshes = tuple(meshes)
-        self.input_names: Sequence[str] = ()
-        """The next graph's inputs' names (parameters' FQNs), for the decisions; placeholder names where empty."""
-        self.records: list[CompiledGraph] = []
-        """One :class:`~dtcompile.records.CompiledGraph` per step graph this pass saw."""
-        self.checks: list[RankCheck] = []
+        self.input_names = tuple(input_names)
+        self.log = CompileLog()
+        """Where the step graphs this pass saw land (:class:`~dtcompile.pipeline.compile_log.CompileLog`)."""
+
+    @property
+    def records(self) -> Sequence[CompiledGraph]:
+        """One :class:`~dtcompile.records.CompiledGraph` per step graph this pass saw, oldest first."""
+        return self.log.records
+
+    @property
+    def checks(self) -> Sequence[RankCheck]:
         """The ranks' check of each step graph, where one ran."""
-        self._checker = RankChecker(self.checks)
+        return self.log.checks
 
     def __repr__(self) -> str:
         return f"StepPass({self.config})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+        """graph_trainer's pass contract: the step graph after dtcompile's pass."""
+        return self.compile(TracedStep(gm, example_inputs, self.input_names, self.meshes)).graph
+
+    def compile(self, traced: TracedStep) -> CompiledGraph:
+        """dtcompile's pass on ``traced`` (see the module doc): its record, also kept in :attr:`records`."""
+        gm, example_inputs = traced.gm, traced.example_inputs
         compile_id = f"step/{len(self.records)}"
-        axes = mesh_axes_of(self.meshes)
+        axes = mesh_axes_of(traced.meshes)
         for group, name in spmd_axes(group_names_in(gm)).items():
             axes.setdefault(group, name)
         priced = profile_for_groups(self.config.cost_profile, devices_of(example_inputs), list(axes) or group_names_in(gm))
@@ -183,7 +212,7 @@ class StepPass:
         # FSDP's gathered weights gathered again in the backward, as the Dynamo path's partitioner does.
         nodes, collectives = len(gm.graph.nodes), len(graph_collectives(gm.graph, axes))
         resharding = reshard_step_graph(
-            gm, self.input_names, forward,
+            gm, traced.input_names, forward,
             enabled=self.config.reshard_after_forward, keep=self.config.keep_gathered,
         )
         resharded = PassRecord(
@@ -202,32 +231,25 @@ class StepPass:
         gm.recompile()
         check_mutations_kept(before, gm.graph, compile_id)
         record = compiled_graph(gm, ctx, passes)
-        self.records.append(record)
-        log.info(
-            "%s step graph: %d nodes, %d collectives, cost profile %s",
-            compile_id, len(gm.graph.nodes), len(record.collectives), priced,
-        )
-        emit_artifacts(record)
-        if self.config.report:
-            print(format_compiled_graph(record), flush=True)
-        self._check_ranks(record, gm, example_inputs, priced)
-        return gm
+        self.log.compiled(record, report=self.config.report, profile=priced)
+        self._check_ranks(record, traced, priced)
+        return record
 
-    def _check_ranks(self, record: CompiledGraph, gm: fx.GraphModule, example_inputs: Sequence[Any], priced: Any) -> None:
+    def _check_ranks(self, record: CompiledGraph, traced: TracedStep, priced: Any) -> None:
         """The ranks compare the step graph's collectives, as the Dynamo path's graphs
-        (:class:`dtcompile.rank_check.RankChecker`): a re-trace on this rank alone (a batch
+        (:class:`dtcompile.ranks.check.RankChecker`): a re-trace on this rank alone (a batch
         of another size) whose collectives the ranks already agreed on is not exchanged."""
         if not (self.config.check_ranks and world_can_disagree()) or not record.collectives:
             return
-        groups = check_groups(gm, self.meshes)
+        groups = check_groups(traced.gm, traced.meshes)
         if not groups:
             return
         schedule = Schedule(
             record.compile_id,
             Obtained.COMPILED,
             scheduled_collectives([(record.kind, record.collectives)]),
-            decided_from(self.config, priced, gm, example_inputs),
+            decided_from(self.config, priced, traced.gm, traced.example_inputs),
             bucketed=bucketed([record]),
             traced_digest=traced_digest([record]),
         )
-        self._checker.check(schedule, groups, self.config.check_ranks_timeout_s, record.info.axes)
+        self.log.checker.check(schedule, groups, self.config.check_ranks_timeout_s, record.info.axes)

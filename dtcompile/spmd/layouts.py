@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from dtcompile.spmd_typing import AxisTypes, SpmdType
+from dtcompile.spmd.inference import AxisTypes, SpmdType
 
 __all__ = ["declared_input_types", "with_declared_types"]
 
@@ -132,7 +132,7 @@ def declared_input_types(gm: fx.GraphModule, example_inputs: Sequence[Any], unty
 
 def with_declared_types(gm: fx.GraphModule, example_inputs: Sequence[Any],
                         types: tuple[AxisTypes | None, ...]) -> tuple[AxisTypes | None, ...]:
-    """``types`` (:func:`dtcompile.spmd_typing.input_types`) with the untyped inputs its modules
+    """``types`` (:func:`dtcompile.spmd.inference.input_types`) with the untyped inputs its modules
     declare typed (:func:`declared_input_types`), on the axes the typed inputs have."""
     axes = {axis for t in types if t for axis in t}
     untyped = [i for i, t in enumerate(types) if t is None]

@@ -1,0 +1,93 @@
+"""torchtitan 0.3.0's own trainer (``torchtitan.train``) on CPU, with gloo, for one rank of ``torchrun``.
+
+Run as ``torchrun --nproc-per-node 2 -m tests.clients.titan_trainer.cpu_launch`` followed by
+torchtitan's own flags (``--module graph_trainer.llama3 --config
+graph_trainer_llama3_debugmodel_sdpa ...``), from the repository root.  Everything after the
+launcher's name goes to torchtitan's ``ConfigManager``: its CLI, its config registry, its
+dataloader, tokenizer, metrics and graph_trainer's pass pipeline are used unchanged.
+
+What is adapted, before anything of torchtitan's but ``torchtitan.tools.utils`` is imported (the
+others copy ``device_type``/``device_module`` at their import):
+
+- torchtitan takes ``"cuda"`` when torch finds no accelerator (``tools/utils.get_device_info``);
+  here it is ``"cpu"``, so ``init_distributed`` picks gloo
+  (``torch.distributed.Backend.default_device_backend_map["cpu"]``) and the model is built on CPU.
+- ``torch.cpu`` has no memory statistics; torchtitan's ``DeviceMemoryMonitor`` reads
+  ``get_device_name``, ``get_device_properties(...).total_memory``, ``memory_stats`` and
+  ``reset_peak_memory_stats``/``empty_cache``: :data:`CPU_DEVICE_MODULE` adds them (no statistics:
+  the monitor reports -1 bytes, as it does for a device without them).  Its ``current_device``
+  is ``0``, not ``torch.cpu``'s ``"cpu"``: ``set_pg_timeouts`` passes it to ``barrier(device_ids=...)``,
+  which takes integers.
+
+``DTCOMPILE_OPTIONS``, when set, is a JSON object: :mod:`dtcompile.integrations.torchtitan` is
+imported (registering the ``dtcompile`` pass pipeline, selected with ``--compile.pass_pipeline
+dtcompile``) and configured with it (list values become sets: ``{"disable_passes": []}`` switches
+dtcompile's rewrites on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["CPU_DEVICE_MODULE", "configure_dtcompile", "main", "point_torchtitan_at_cpu"]
+
+
+class _CpuDeviceProperties:
+    """What torchtitan reads of ``get_device_properties``: the host's memory as the capacity."""
+
+    name = "CPU"
+
+    def __init__(self) -> None:
+        self.total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+CPU_DEVICE_MODULE = types.ModuleType("torch_cpu_for_torchtitan", "torch.cpu with the memory calls torchtitan makes.")
+CPU_DEVICE_MODULE.__dict__.update({name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("__")})
+CPU_DEVICE_MODULE.__dict__.update(
+    current_device=lambda: 0,
+    get_device_name=lambda device=None: "CPU",
+    get_device_properties=lambda device=None: _CpuDeviceProperties(),
+    memory_stats=lambda device=None: {},
+    reset_peak_memory_stats=_no_op,
+    empty_cache=_no_op,
+)
+
+
+def point_torchtitan_at_cpu() -> None:
+    """Makes ``torchtitan.tools.utils`` say CPU; must run before the rest of torchtitan is imported."""
+    from torchtitan.tools import utils
+
+    utils.device_type, utils.device_module = "cpu", CPU_DEVICE_MODULE
+
+
+def configure_dtcompile(options_json: str | None) -> None:
+    """Imports and configures dtcompile's torchtitan pipeline when ``DTCOMPILE_OPTIONS`` is set."""
+    if options_json is None:
+        return
+    options = json.loads(options_json)
+    if not isinstance(options, dict):
+        raise ValueError(f"DTCOMPILE_OPTIONS: expected a JSON object, found {options_json!r}")
+    from dtcompile.integrations import torchtitan as dtcompile_titan
+
+    dtcompile_titan.configure(**{key: set(value) if isinstance(value, list) else value for key, value in options.items()})
+
+
+def main() -> None:
+    point_torchtitan_at_cpu()
+    configure_dtcompile(os.environ.get("DTCOMPILE_OPTIONS"))
+    from torchtitan.train import main as torchtitan_main
+
+    torchtitan_main()
+
+
+if __name__ == "__main__":
+    main()
