@@ -106,9 +106,9 @@ COMPAT = _compat_older_torch()
 
 import dtcompile
 from dtcompile._testing.models import BlockArgs, SequenceParallelMLP, build_block
+from dtcompile.base import fused_ops as ops
 from dtcompile.cost import get_profile
 from dtcompile.cost.simulate import node_time_us, simulate
-from dtcompile.base import fused_ops as ops
 
 LLAMA_8B = BlockArgs(dim=4096, n_heads=32, hidden=14336)
 WORLD = 8

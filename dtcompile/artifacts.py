@@ -112,7 +112,7 @@ def memory_json(record: CompiledGraph) -> dict[str, Any] | None:
     step = max(1, len(points) // _CURVE_POINTS)
     kept = sorted(set(range(0, len(points), step)) | {peak_index, len(points) - 1} if points else set())
     traced = record.memory_traced
-    budget, why = record.memory_budget
+    budget, why = record.memory_budget.num_bytes, record.memory_budget.why
     return {
         "peak_bytes": estimate.peak_bytes,
         "peak_node": estimate.peak_node,
@@ -166,7 +166,7 @@ def memory_lines(record: CompiledGraph) -> list[str]:
     estimate, traced = record.memory, record.memory_traced
     if estimate is None:
         return []
-    budget, why = record.memory_budget
+    budget, why = record.memory_budget.num_bytes, record.memory_budget.why
     before = f"; {format_bytes(traced.peak_bytes)} before the passes" if traced is not None else ""
     kept = f"; budget {format_bytes(budget)} ({why})" if budget else ""
     return [

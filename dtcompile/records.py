@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import fx
 
@@ -23,7 +23,15 @@ from dtcompile.graph.collectives import CollectiveInfo
 from dtcompile.graph.memory import MemoryEstimate
 from dtcompile.graph.regions import RegionInfo
 
-__all__ = ["Action", "CachedCompile", "CheckOutcome", "CompiledGraph", "EagerFallback", "Outcome", "PassRecord", "Price", "RankCheck"]
+__all__ = ["Action", "CachedCompile", "CheckOutcome", "CompiledGraph", "EagerFallback", "MemoryBudget", "Outcome", "PassRecord", "Price", "RankCheck"]
+
+
+class MemoryBudget(NamedTuple):
+    """The peak a graph's passes kept to, and where that budget comes from (``memory_budget_bytes``,
+    or the graph's peak as traced plus the prefetch window); ``0`` where none was set."""
+
+    num_bytes: int
+    why: str
 
 
 class Action(enum.Enum):
@@ -155,8 +163,8 @@ class CompiledGraph:
     """Its live bytes along the schedule and its peak, as lowered (:mod:`dtcompile.graph.memory`)."""
     memory_traced: MemoryEstimate | None = None
     """The same before any pass: what the passes added is the difference."""
-    memory_budget: tuple[int, str] = (0, "")
-    """The budget the passes kept to, and where it comes from (``memory_budget_bytes``)."""
+    memory_budget: MemoryBudget = MemoryBudget(0, "")
+    """The budget the passes kept to, and where it comes from."""
     timeline: Timeline | None = None
     """Its schedule played on its cost profile, as lowered (:func:`dtcompile.cost.simulate.simulate`)."""
     timeline_traced: Timeline | None = None

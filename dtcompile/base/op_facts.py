@@ -24,6 +24,7 @@ or its own ``_op_name``.
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,7 @@ from torch import fx
 
 __all__ = [
     "ALL_GATHER",
+    "CollectiveKind",
     "COLLECTIVE_OPS",
     "COMMUNICATION_NAMESPACES",
     "COPIES",
@@ -70,19 +72,40 @@ def op_name(target: Any) -> str:
     return "getitem" if target is operator.getitem else ""
 
 
+class CollectiveKind(str, enum.Enum):
+    """What a collective does, whatever op issues it (a functional collective, its coalesced
+    form, a fused collective-matmul).  A ``str``: it compares, prints, formats, serializes and
+    reprs as its value (``all_gather``), so the records and keys that hold one read as text."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 # (namespace, op name) -> (kind, index of the group-name argument, whether its bytes are
 # the output's); dtcompile's fused ops (dtcompile/base/fused_ops.py) count as the collective they contain.
-COLLECTIVE_OPS: dict[tuple[str, str], tuple[str, int, bool]] = {
-    ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 2, True),
-    ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", 2, True),
-    ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 3, False),
-    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 3, False),
-    ("_c10d_functional", "all_reduce"): ("all_reduce", 2, False),
-    ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", 2, False),
-    ("_c10d_functional", "all_to_all_single"): ("all_to_all", 3, False),
-    ("_c10d_functional", "broadcast"): ("broadcast", 2, False),
-    ("dtcompile", "fused_all_gather_matmul"): ("all_gather", 3, True),
-    ("dtcompile", "fused_matmul_reduce_scatter"): ("reduce_scatter", 5, False),
+COLLECTIVE_OPS: dict[tuple[str, str], tuple[CollectiveKind, int, bool]] = {
+    ("_c10d_functional", "all_gather_into_tensor"): (CollectiveKind.ALL_GATHER, 2, True),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): (CollectiveKind.ALL_GATHER, 2, True),
+    ("_c10d_functional", "reduce_scatter_tensor"): (CollectiveKind.REDUCE_SCATTER, 3, False),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): (CollectiveKind.REDUCE_SCATTER, 3, False),
+    ("_c10d_functional", "all_reduce"): (CollectiveKind.ALL_REDUCE, 2, False),
+    ("_c10d_functional", "all_reduce_coalesced"): (CollectiveKind.ALL_REDUCE, 2, False),
+    ("_c10d_functional", "all_to_all_single"): (CollectiveKind.ALL_TO_ALL, 3, False),
+    ("_c10d_functional", "broadcast"): (CollectiveKind.BROADCAST, 2, False),
+    ("dtcompile", "fused_all_gather_matmul"): (CollectiveKind.ALL_GATHER, 3, True),
+    ("dtcompile", "fused_matmul_reduce_scatter"): (CollectiveKind.REDUCE_SCATTER, 5, False),
 }
 
 COMMUNICATION_NAMESPACES = frozenset({

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from dtcompile.base.op_facts import COLLECTIVE_OPS
+from dtcompile.base.op_facts import COLLECTIVE_OPS, CollectiveKind
 from dtcompile.base.sizes import has_unbacked, nbytes_hint, shape_hint
 
 __all__ = [
@@ -50,7 +50,7 @@ class CollectiveInfo:
 
     node: str
     """Name of the FX node that issues it."""
-    op: str
+    op: CollectiveKind
     """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or ``broadcast``."""
     axis: str
     """The mesh axis (dimension name) of its group, or the group's name."""
@@ -187,7 +187,7 @@ def group_names_in(gm: fx.GraphModule) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def collective_kind(node: fx.Node) -> tuple[str, Any] | None:
+def collective_kind(node: fx.Node) -> tuple[CollectiveKind, Any] | None:
     """``(kind, group name)`` of a collective node (kind as :attr:`CollectiveInfo.op`: ``all_gather``,
     ``reduce_scatter``...; a fused collective-matmul counts as its collective), else None."""
     entry = COLLECTIVE_OPS.get(_functional_op_name(node))

@@ -54,7 +54,7 @@ from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.optimizer_updates import place_optimizer_updates
 from dtcompile.passes.overlap import reorder_for_overlap
-from dtcompile.records import CompiledGraph, Outcome, PassRecord
+from dtcompile.records import CompiledGraph, MemoryBudget, Outcome, PassRecord
 
 __all__ = ["PASSES", "GraphPass", "PassContext", "compiled_graph", "run_passes"]
 
@@ -234,7 +234,7 @@ def compiled_graph(
         with_regions=with_regions,
         memory=estimate_memory(gm, ctx.kind, held_bytes),
         memory_traced=ctx.traced_memory,
-        memory_budget=(ctx.budget_bytes or 0, ctx.budget_why),
+        memory_budget=MemoryBudget(ctx.budget_bytes or 0, ctx.budget_why),
         timeline=simulate(gm.graph, info.profile),
         timeline_traced=ctx.traced_timeline,
         collectives_traced=ctx.traced_collectives,

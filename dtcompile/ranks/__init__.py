@@ -1,5 +1,8 @@
 """What the ranks of a job must agree on, and where they meet to agree.
 
+- :mod:`~dtcompile.ranks.pairing`: one collective as the ranks of its group must agree on
+  it (:class:`~dtcompile.ranks.pairing.Scheduled`) and which of its sizes they share; the
+  report reads ranks' logs by this rule too (it imports no torch);
 - :mod:`~dtcompile.ranks.schedule`: what a rank compiled, as its peers compare it (a
   :class:`~dtcompile.ranks.schedule.Schedule`: its collectives, size for size, and what
   they were decided from), saved beside the compile cache;

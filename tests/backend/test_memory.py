@@ -166,7 +166,7 @@ def test_the_estimated_peak_is_within_10_percent_of_the_measured_one(fake_world,
 
 
 def _peaks(backend):
-    return {r.kind: (r.memory_traced.peak_bytes, r.memory.peak_bytes, r.memory_budget[0]) for r in backend.records}
+    return {r.kind: (r.memory_traced.peak_bytes, r.memory.peak_bytes, r.memory_budget.num_bytes) for r in backend.records}
 
 
 @pytest.mark.models
