@@ -38,12 +38,17 @@ def _lines(num_lines: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     lines = []
     for _ in range(num_lines):
-        sentences = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 14))).capitalize() + "." for _ in range(rng.randint(2, 6))]
+        sentences = [
+            " ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 14))).capitalize() + "."
+            for _ in range(rng.randint(2, 6))
+        ]
         lines.append(" ".join(sentences))
     return lines
 
 
-def make_assets(folder: str | Path, *, num_lines: int = 2000, vocab_size: int = 512, seed: int = 0) -> tuple[Path, Path]:
+def make_assets(
+    folder: str | Path, *, num_lines: int = 2000, vocab_size: int = 512, seed: int = 0
+) -> tuple[Path, Path]:
     """Writes the tokenizer and the data set into ``folder``; returns (``--hf_assets_path``, ``--dataloader.dataset_path``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -61,7 +66,10 @@ def make_assets(folder: str | Path, *, num_lines: int = 2000, vocab_size: int = 
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tokenizer.train_from_iterator(lines, trainer)
     tokenizer.save(str(tokenizer_dir / "tokenizer.json"))

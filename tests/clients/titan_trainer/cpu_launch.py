@@ -1,7 +1,7 @@
 """torchtitan 0.3.0's own trainer (``torchtitan.train``) on CPU, with gloo, for one rank of ``torchrun``.
 
-Run as ``torchrun --nproc-per-node 2 -m tests.clients.titan_trainer.cpu_launch`` followed by
-torchtitan's own flags (``--module graph_trainer.llama3 --config
+Run as ``PYTHONPATH=. torchrun --nproc-per-node 2 tests/clients/titan_trainer/cpu_launch.py``
+followed by torchtitan's own flags (``--module graph_trainer.llama3 --config
 graph_trainer_llama3_debugmodel_sdpa ...``), from the repository root.  Everything after the
 launcher's name goes to torchtitan's ``ConfigManager``: its CLI, its config registry, its
 dataloader, tokenizer, metrics and graph_trainer's pass pipeline are used unchanged.
@@ -51,7 +51,9 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
 
 
 CPU_DEVICE_MODULE = types.ModuleType("torch_cpu_for_torchtitan", "torch.cpu with the memory calls torchtitan makes.")
-CPU_DEVICE_MODULE.__dict__.update({name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("__")})
+CPU_DEVICE_MODULE.__dict__.update(
+    {name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("__")}
+)
 CPU_DEVICE_MODULE.__dict__.update(
     current_device=lambda: 0,
     get_device_name=lambda device=None: "CPU",
@@ -78,7 +80,9 @@ def configure_dtcompile(options_json: str | None) -> None:
         raise ValueError(f"DTCOMPILE_OPTIONS: expected a JSON object, found {options_json!r}")
     from dtcompile.integrations import torchtitan as dtcompile_titan
 
-    dtcompile_titan.configure(**{key: set(value) if isinstance(value, list) else value for key, value in options.items()})
+    dtcompile_titan.configure(
+        **{key: set(value) if isinstance(value, list) else value for key, value in options.items()}
+    )
 
 
 def main() -> None:
