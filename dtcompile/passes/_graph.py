@@ -10,7 +10,25 @@ from torch import fx
 
 from dtcompile.base.op_facts import WAIT
 
-__all__ = ["alias_roots", "first_use_index", "read_inputs", "refresh_metadata", "single_wait", "written_args"]
+__all__ = [
+    "PROVENANCE", "alias_roots", "first_use_index", "provenance", "read_inputs", "refresh_metadata", "single_wait", "written_args",
+]
+
+
+PROVENANCE = ("from_node", "seq_nr", "autograd_backward", "custom", "stack_trace", "nn_module_stack", "fwd_nn_module_stack")
+"""The node-meta fields a node a pass makes takes from the node it stands for: where the
+value comes from (``from_node``, autograd's ``seq_nr``, whether it is backward work:
+``autograd_backward``), the user's annotations (``custom``: graph_trainer's memory policy,
+regional Inductor) and the user code (``stack_trace``, ``nn_module_stack``), as torch's own
+bucketing gives its merged nodes (``_inductor/fx_passes/bucketing.py``). Passes after
+dtcompile's (graph_trainer's remat, offload, regional Inductor; Inductor's own) read them."""
+
+
+def provenance(node: fx.Node) -> dict[str, Any]:
+    """The :data:`PROVENANCE` fields ``node`` has (a mutable one copied: the new nodes do not
+    share it), for the nodes a pass makes in its place."""
+    return {key: (dict(value) if isinstance(value, dict) else value)
+            for key in PROVENANCE if (value := node.meta.get(key))}
 
 
 def single_wait(collective: fx.Node) -> fx.Node | None:

@@ -47,7 +47,7 @@ from dtcompile.base.sizes import is_symbolic
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import fused_hidden_us, node_time_us
 from dtcompile.graph.collectives import collective_info
-from dtcompile.passes._graph import refresh_metadata, single_wait
+from dtcompile.passes._graph import provenance, refresh_metadata, single_wait
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome, Price
 
@@ -208,16 +208,21 @@ def _fuse_all_gather(gm: fx.GraphModule, ag: fx.Node, order: dict[fx.Node, int],
     graph = gm.graph
     with graph.inserting_before(wait):
         fused = graph.call_function(torch.ops.dtcompile.fused_all_gather_matmul.default, (shard, [b for _, b in consumers], gather_dim, group))
-        fused.meta.update({k: ag.meta[k] for k in ("from_node", "seq_nr") if ag.meta.get(k)})
         a_gathered = graph.call_function(operator.getitem, (fused, 0))
         outs = graph.call_function(operator.getitem, (fused, 1))
+    for node in (fused, a_gathered, outs):
+        node.meta.update(provenance(ag))
     gathered.replace_all_uses_with(a_gathered)
     for i, (mm, _) in enumerate(consumers):
         with graph.inserting_before(mm):
             product = graph.call_function(operator.getitem, (outs, i))
             flat = graph.call_function(aten.reshape.default, (product, list(mm.meta["val"].shape)))
+            made = [product, flat]
             if mm.target is aten.addmm.default:
                 flat = graph.call_function(aten.add.Tensor, (flat, mm.args[0]))
+                made.append(flat)
+        for node in made:
+            node.meta.update(provenance(mm))
         mm.replace_all_uses_with(flat)
         graph.erase_node(mm)
     _erase_unused([gathered, *_between(wait, gathered), wait, ag])
@@ -265,8 +270,9 @@ def _fuse_reduce_scatter(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> O
             torch.ops.dtcompile.fused_matmul_reduce_scatter.default,
             (mm.args[0], mm.args[1], out_shape, reduce_op, scatter_dim, group),
         )
-        fused.meta.update({k: rs.meta[k] for k in ("from_node", "seq_nr") if rs.meta.get(k)})
         result = graph.call_function(aten.reshape.default, (fused, list(wait.meta["val"].shape)))
+    for node in (fused, result):
+        node.meta.update(provenance(rs))
     wait.replace_all_uses_with(result)
     _erase_unused([wait, rs, source, *(source.all_input_nodes if source is not produced else ()), produced, view, mm])
     return Outcome(Action.FUSED, f"fused matmul + reduce_scatter(dim {scatter_dim}): {mm.name} -> {rs.name}{forced}", price=price)

@@ -76,6 +76,7 @@ from dtcompile.graph.memory import PeakTracker
 from dtcompile.passes._graph import (
     alias_roots,
     first_use_index,
+    provenance,
     refresh_metadata,
     single_wait,
     written_args,
@@ -525,9 +526,8 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
     # New nodes go in order, right after the last input; for the annotations each
     # stands for the bucket's first member (its DTensor op) and names the bucket.
     first = bucket.members[0].node
-    provenance = {key: first.meta[key] for key in ("from_node", "seq_nr") if first.meta.get(key)}
-    provenance[Meta.BUCKET] = tuple(m.node.name for m in bucket.members)
-    cursor = _Cursor(graph, after, provenance)
+    meta = {**provenance(first), Meta.BUCKET: tuple(m.node.name for m in bucket.members)}
+    cursor = _Cursor(graph, after, meta)
     if kind == "reduce_scatter":
         # [n, numel / n] per input, concatenated on dim 1: rank r's chunk holds its piece of each.
         rows = [cursor(aten.reshape.default, (m.node.args[0], [group_size, -1])) for m in bucket.members]

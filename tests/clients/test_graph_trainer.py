@@ -299,12 +299,13 @@ def test_registered_pipeline_puts_dtcompile_first(titan, monkeypatch):
     assert PASS_PIPELINE_REGISTRY["dtcompile"] is integration.step_pipeline
 
     passes = PASS_PIPELINE_REGISTRY["dtcompile"]("traced", "config", parallel_dims=None)
-    # By default dtcompile describes and checks the step; graph_trainer's passes after it bucket.
-    assert passes[0].config.disable_passes == {"async_tp", "bucketing", "overlap"}, passes[0].config
-    assert passes[0].config.reshard_after_forward is False
-    integration.configure(inductor=False, bucket_cap_bytes=1 << 20, disable_passes=set())
-    passes = PASS_PIPELINE_REGISTRY["dtcompile"]("traced", "config", parallel_dims=None)
+    # By default dtcompile rewrites (graph_trainer's memory policy decides the re-gathers); a
+    # list without graph_trainer's bucketing pass or memory policy gets dtcompile's pass first.
     assert passes[0].config.disable_passes == set(), passes[0].config
+    assert passes[0].config.reshard_after_forward is False
+    integration.configure(inductor=False, bucket_cap_bytes=1 << 20, disable_passes=integration.REWRITES)
+    passes = PASS_PIPELINE_REGISTRY["dtcompile"]("traced", "config", parallel_dims=None)
+    assert passes[0].config.disable_passes == {"async_tp", "bucketing", "overlap"}, passes[0].config
     assert len(passes) == 2 and passes[1] == "default", passes
     assert isinstance(passes[0], integration.StepPass) and passes[0].config.bucket_cap_bytes == 1 << 20
     assert passes[0].__name__ == "dtcompile_step_pass"  # graph_trainer names passes by it
@@ -312,6 +313,44 @@ def test_registered_pipeline_puts_dtcompile_first(titan, monkeypatch):
     with pytest.raises(ValueError, match="not_an_option"):
         integration.configure(not_an_option=1)
     integration.configure()  # the defaults back, for whoever imports it next in this process
+
+
+def test_the_pipeline_puts_dtcompile_in_the_place_of_graph_trainers_bucketing(titan, monkeypatch, caplog):
+    """graph_trainer's default passes keep their order; dtcompile's pass stands where the
+    transformer-block bucketing stood (after the memory policy), and the dense-region
+    scheduling of the same collectives goes; one INFO line says so."""
+    import functools
+    import logging
+
+    def named(name: str) -> Any:
+        def graph_pass(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+            return gm
+
+        graph_pass.__name__ = name
+        return graph_pass
+
+    order = ["eliminate_dead_code_pass", "tag_with_memory_policy_pass", "apply_cpu_offload_pass",
+             "selective_activation_remat_pass", "joint_transformer_block_bucketing_reordering_pass",
+             "schedule_fsdp_comms_to_dense_regions_pass", "regional_inductor_pass", "cudagraph_pass"]
+    # graph_trainer hands some as functools.partial (it names those by their function).
+    defaults = [functools.partial(named(n), setting=1) if "bucketing" in n else named(n) for n in order]
+    stand_in = types.ModuleType("torchtitan.experiments.graph_trainer.passes")
+    stand_in.construct_default_graph_passes = lambda traced_result, config, *, parallel_dims=None: list(defaults)
+    monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
+    import dtcompile.integrations.torchtitan as integration
+
+    with caplog.at_level(logging.INFO, logger="dtcompile.integrations.torchtitan"):
+        passes = integration.step_pipeline("traced", types.SimpleNamespace(compile=types.SimpleNamespace()))
+    names = [integration._pass_name(p) for p in passes]
+    assert names == ["eliminate_dead_code_pass", "tag_with_memory_policy_pass", "apply_cpu_offload_pass",
+                     "selective_activation_remat_pass", "dtcompile_step_pass", "regional_inductor_pass", "cudagraph_pass"]
+    assert passes[4].config.disable_passes == set() and passes[4].config.reshard_after_forward is False
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "dtcompile.integrations.torchtitan"]
+    assert "dtcompile_step_pass at pass 5 of 7, in place of joint_transformer_block_bucketing_reordering_pass, " \
+        "schedule_fsdp_comms_to_dense_regions_pass" in line, line
+    # A run that loads a precompiled artifact keeps its passes: its graph was rewritten when precompiled.
+    precompiled = types.SimpleNamespace(compile=types.SimpleNamespace(precompile_artifact_dir="/artifact"))
+    assert integration.step_pipeline("traced", precompiled) == defaults
 
 
 # ---------------------------------------------------------------------------
@@ -353,13 +392,14 @@ def _llama_step_on_rank(rank: int, world_size: int, tp: int, rewrite: bool, weig
             return [loss, *torch.autograd.grad(loss, params)]
 
         traced = minimal_fx_tracer(step, module=model)(*local(batches[0]))
-        rewrites = {"disable_passes": set(), "reshard_after_forward": True} if rewrite else {}
+        # Described only: dtcompile's rewrites off (by default the pipeline rewrites).
+        rewrites = {"disable_passes": set(), "reshard_after_forward": True} if rewrite else {"disable_passes": integration.REWRITES}
         integration.configure(inductor=False, **rewrites)
         passes = integration.step_pipeline(traced, None, parallel_dims=parallel_dims)
         traced.gm = _apply_graph_passes(traced.gm, traced.example_inputs, passes)
         integration.configure()
         run = run_traced(traced, module=model)
-        step_pass = passes[0]
+        (step_pass,) = (p for p in passes if isinstance(p, integration.StepPass))
         equal, losses = [], []
         for batch in batches:
             tokens, labels, valid = local(batch)
