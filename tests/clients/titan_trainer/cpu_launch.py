@@ -23,12 +23,19 @@ others copy ``device_type``/``device_module`` at their import):
 imported (registering the ``dtcompile`` pass pipeline, selected with ``--compile.pass_pipeline
 dtcompile``) and configured with it (list values become sets: ``{"disable_passes": []}`` switches
 dtcompile's rewrites on).
+
+``TITAN_CPU_LAUNCH_MEASURE=1`` (``benchmarks/titan_trainer.py``) makes each rank print, as
+``[cpu_launch] rank R ...`` lines, the functional collectives of the step graph after the
+pipeline's passes (graph_trainer's ``apply_graph_passes`` wrapped) and, at exit, its peak
+resident memory (``ru_maxrss``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import resource
 import types
 from typing import Any
 
@@ -85,9 +92,32 @@ def configure_dtcompile(options_json: str | None) -> None:
     )
 
 
+def measure() -> None:
+    """The ``TITAN_CPU_LAUNCH_MEASURE`` lines (see the module doc)."""
+    from torchtitan.experiments.graph_trainer import trainer
+
+    from dtcompile.graph.collectives import is_collective
+
+    rank = os.environ.get("RANK", "?")
+    apply = trainer.apply_graph_passes
+
+    def counted(gm: Any, *args: Any, **kwargs: Any) -> Any:
+        gm = apply(gm, *args, **kwargs)
+        count = sum(1 for node in gm.graph.nodes if is_collective(node))
+        print(f"[cpu_launch] rank {rank} collectives after the passes: {count}", flush=True)
+        return gm
+
+    trainer.apply_graph_passes = counted
+    atexit.register(
+        lambda: print(f"[cpu_launch] rank {rank} peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB", flush=True)
+    )
+
+
 def main() -> None:
     point_torchtitan_at_cpu()
     configure_dtcompile(os.environ.get("DTCOMPILE_OPTIONS"))
+    if os.environ.get("TITAN_CPU_LAUNCH_MEASURE") == "1":
+        measure()
     from torchtitan.train import main as torchtitan_main
 
     torchtitan_main()
