@@ -71,7 +71,7 @@ from dtcompile.base.sizes import is_symbolic
 from dtcompile.cache_keys import key_fields, profile_text
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
-from dtcompile.graph.collectives import CollectiveInfo, collective_info
+from dtcompile.graph.collectives import CollectiveInfo, axis_name, collective_info
 from dtcompile.graph.memory import PeakTracker
 from dtcompile.passes._graph import (
     alias_roots,
@@ -364,7 +364,10 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     # What this rank priced from its own shapes becomes a plan each group's ranks settle
     # (dtcompile.ranks.plans): where a peer's plan is adopted, the buckets follow it.
     by_group = _group_candidates(candidates)
-    mine = [GroupPlan(str(group), _described(members), _plan_of(closed, members)) for group, members in by_group.items()]
+    mine = [
+        GroupPlan(str(group), _described(members), _plan_of(closed, members), axis_name(str(group), ctx.info.axes))
+        for group, members in by_group.items()
+    ]
     # Settled per graph kind and settings: ranks (or compiles) given other options or
     # another profile decide for themselves, and the ranks' check names what differs.
     settings = short_digest(f"{key_fields(ctx.config)}\n{profile_text(ctx.profile)}")

@@ -498,6 +498,8 @@ def _first_difference(a: Schedule, b: Schedule, rank_a: int, rank_b: int, axis: 
     ours, theirs = a.on_axis(axis) or (), b.on_axis(axis) or ()
     for x, y in zip(ours, theirs):
         if x != y:
+            if x.where != y.where:  # the same collective at another place among the graph's collectives
+                return f"{x} on rank {rank_a}, {y} on rank {rank_b}"
             return f"{x.where}: {x.what} on rank {rank_a}, {y.what} on rank {rank_b}"
     longer, rank = (ours, rank_a) if len(ours) > len(theirs) else (theirs, rank_b)
     return f"{longer[min(len(ours), len(theirs))]} on rank {rank} only"

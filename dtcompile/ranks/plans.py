@@ -15,7 +15,12 @@ about settle on one (:meth:`PlanMeeting.agree`):
   candidate collectives in program order (their op, group size, dtype, reduce
   op and bytes); its topic is a digest of those, so ranks that settle it are
   deciding about the same collectives;
-- the first rank of the group to compile that topic settles it with its own
+- one plan serves every group of the mesh axis (the dp groups of an FSDP x TP mesh
+  alike): ranks of one tensor-parallel group sit in different dp groups, and must
+  issue the same graph, dp buckets included, so each dp group settling its own (one
+  from a rank fed 3 rows, the other from a rank fed 1) made tensor-parallel peers
+  compile different graphs (the 1,000-program run's FSDP x TP finds);
+- the first rank of the axis's groups to compile that topic settles it with its own
   plan, through the job's store (:func:`dtcompile.ranks.check.settle`), and goes
   on; every other rank adopts what was settled, waiting only for that rank,
   which waits for nobody.  So ranks compiling at once (processes), one after
@@ -60,6 +65,8 @@ class GroupPlan:
     candidates: str
     """What the plan is over, as every rank of the group describes it alike."""
     plan: Plan
+    axis: str = ""
+    """The group's mesh axis: every group of it applies one plan (the group's name where empty)."""
 
 
 class Adoption(enum.Enum):
@@ -127,16 +134,19 @@ class PlanMeeting:
             if ranks is None:
                 found.append(AgreedPlan(mine.group, mine.plan, Adoption.LOCAL))
                 continue
-            topic = f"plans/{what}/{short_digest(mine.candidates)}"
-            if settle(topic, ranks, json.dumps({"rank": rank, "plan": [list(b) for b in mine.plan]})):
+            # One topic for every group of the axis: the store's keys are the world's.
+            topic = f"plans/{what}/{mine.axis or mine.group}/{short_digest(mine.candidates)}"
+            world = list(range(dist.get_world_size()))
+            if settle(topic, world, json.dumps({"rank": rank, "plan": [list(b) for b in mine.plan]})):
                 found.append(AgreedPlan(mine.group, mine.plan, Adoption.SETTLED, rank, rank))
                 continue
             settled_by = json.loads(settled(
-                topic, ranks, self.timeout_s,
+                topic, world, self.timeout_s,
                 waiting=f"rank {rank} waits for the {what} plan of group {mine.group} {ranks}",
                 late=(
                     f"dtcompile: rank {rank} waited check_ranks_timeout_s={self.timeout_s:g} s for the {what} plan "
-                    f"of group {mine.group} {ranks}, which the first rank to compile these collectives settles: "
+                    f"of group {mine.group} {ranks}, which the first rank of its axis's groups to compile these "
+                    "collectives settles: "
                     "it has stopped, or is still compiling (raise check_ranks_timeout_s where compiles take longer)"
                 ),
             ))

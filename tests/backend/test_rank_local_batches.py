@@ -240,3 +240,41 @@ def test_the_backward_re_gathers_issue_one_order_whatever_a_ranks_rows():
     recomputed the LayerNorm's output at 1 row only, re-gathering its weight before a
     reduce-scatter (tests/fuzz/test_rank_shapes.py, SIMPLE_FSDP_ONE_ROW_ON_ONE_RANK)."""
     assert _backward_collectives([3, 2, 1]) == _backward_collectives([4, 3, 2])
+
+
+def _dp_plan_on_rank(rank: int, claim_order: list[int]) -> tuple[tuple[int, ...], ...]:
+    """FSDP x TP on 2 x 2 (ranks 0 and 1 are one dp coordinate, a tensor-parallel group; 2
+    and 3 the other): each rank's own bucket plan for its dp group's gathers is priced from its
+    dp coordinate's batch (coordinate 0 merges all four, coordinate 1 two pairs); the ranks
+    reach the meeting in ``claim_order``.  What each rank applies."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtcompile.ranks.plans import GroupPlan, PlanMeeting
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    own = ((0, 1, 2, 3),) if rank in (0, 1) else ((0, 1), (2, 3))
+    mine = GroupPlan(mesh["dp"].get_group().group_name, "4 all_gather float32 x2 [64, 64, 64, 64]", own, "dp")
+    for turn in claim_order:  # ranks as threads: the earlier ones reach the meeting first
+        if turn == rank:
+            break
+        time.sleep(0.3)
+    (agreed,) = PlanMeeting(timeout_s=60.0).agree("bucketing/step/test", [mine])
+    dist.barrier()
+    return agreed.plan
+
+
+def test_every_dp_group_applies_one_plan_so_tensor_parallel_peers_compile_alike():
+    """The 1,000-program run's FSDP x TP finds (programs 107, 164, 451, ...: RanksDisagree on the
+    tp group): each dp group settled its own bucket plan, the first of its ranks to compile it
+    deciding; where dp group {0, 2} took rank 2's plan and {1, 3} rank 1's, the tensor-parallel
+    peers 0 and 1 compiled different graphs.  One plan now serves every group of the axis."""
+    from dtcompile.testing import run_threaded
+
+    for order in ([2, 1, 0, 3], [1, 2, 3, 0], [0, 3, 1, 2]):
+        plans = run_threaded(4, _dp_plan_on_rank, order)
+        assert len(set(plans)) == 1, f"claim order {order}: {plans}"
+        first = order[0]
+        assert plans[0] == (((0, 1, 2, 3),) if first in (0, 1) else ((0, 1), (2, 3))), (order, plans)
