@@ -40,7 +40,7 @@ def main() -> None:
             for name, flags in (("default", DEFAULT), ("dtcompile", DTCOMPILE)):
                 run = train(args.python, assets, Path(tmp) / f"{name}{round_}", flags, steps=args.steps, measure=True)
                 reference = reference or run.losses
-                collectives = run.measured("collectives after the passes")
+                collectives = run.measured("collectives")
                 rss = run.measured("peak RSS")
                 bucketed = f"{run.bucketed[0]} -> {run.bucketed[1]}" if run.bucketed else "-"
                 rows.append([

@@ -189,8 +189,10 @@ def run_passes(
             tuple(ctx.outcomes),
             seconds,
         )
+        # One INFO line a pass; its decisions (one a collective, hundreds on a real model's step)
+        # at DEBUG: they are in the record, explain() and the report.
         for outcome in record.decisions:
-            log.info("%s: %s: %s", ctx.kind, graph_pass.name, outcome)
+            log.debug("%s: %s: %s", ctx.kind, graph_pass.name, outcome)
         log.info(
             "%s: pass %s: nodes %d -> %d, collectives %d -> %d, %.1f ms",
             ctx.kind,

@@ -24,9 +24,12 @@ imported (registering the ``dtcompile`` pass pipeline, selected with ``--compile
 dtcompile``) and configured with it (list values become sets: ``{"disable_passes": []}`` switches
 dtcompile's rewrites on).
 
-``TITAN_CPU_LAUNCH_MEASURE=1`` (``benchmarks/titan_trainer.py``) makes each rank print, as
-``[cpu_launch] rank R ...`` lines, the functional collectives of the step graph after the
-pipeline's passes (graph_trainer's ``apply_graph_passes`` wrapped) and, at exit, its peak
+``TITAN_CPU_LAUNCH_MEASURE=1`` (``benchmarks/titan_trainer.py``, the client test) makes each
+rank print, as ``[cpu_launch] rank R ...`` lines, what the step graph holds after the
+pipeline's passes (graph_trainer's ``apply_graph_passes`` wrapped): its functional
+collectives, and what the memory policy left in it (the nodes graph_trainer's remat pass
+duplicated for the backward, ``*_recomputed``, that compute rather than gather a weight; the
+offload policy's ``ao.offload``/``ao.reload``/``ao.wait_tensor``), and, at exit, its peak
 resident memory (``ru_maxrss``).
 """
 
@@ -96,6 +99,7 @@ def measure() -> None:
     """The ``TITAN_CPU_LAUNCH_MEASURE`` lines (see the module doc)."""
     from torchtitan.experiments.graph_trainer import trainer
 
+    from dtcompile.base.op_facts import UNSHARD_OPS, op_name
     from dtcompile.graph.collectives import is_collective
 
     rank = os.environ.get("RANK", "?")
@@ -103,8 +107,21 @@ def measure() -> None:
 
     def counted(gm: Any, *args: Any, **kwargs: Any) -> Any:
         gm = apply(gm, *args, **kwargs)
-        count = sum(1 for node in gm.graph.nodes if is_collective(node))
+        nodes = list(gm.graph.nodes)
+        count = sum(1 for node in nodes if is_collective(node))
         print(f"[cpu_launch] rank {rank} collectives after the passes: {count}", flush=True)
+        # Compute, not the gathers' plumbing (their views, copies and casts, which each
+        # pipeline's bucketing rewrites in its own way).
+        recomputed = sum(
+            1 for node in nodes
+            if node.op == "call_function" and node.name.endswith("_recomputed")
+            and op_name(node.target) not in UNSHARD_OPS | {"getitem"} and not is_collective(node)
+        )
+        print(f"[cpu_launch] rank {rank} recomputed nodes after the passes: {recomputed}", flush=True)
+        for op in ("offload", "reload", "wait_tensor"):
+            target = getattr(getattr(torch.ops, "ao", None), op, None)
+            found = sum(1 for node in nodes if target is not None and node.target == target.default)
+            print(f"[cpu_launch] rank {rank} ao.{op} after the passes: {found}", flush=True)
         return gm
 
     trainer.apply_graph_passes = counted
