@@ -20,8 +20,8 @@ torchtitan client tests' trainings, and torchtitan's Llama3 block with
 ``spmd_types`` types on its input (the types must reach the warm run too), and
 ``compile_step``'s whole-step graph with AdamW inside (Inductor's cache serves
 the restart).  CI
-runs five of the zoo's models, one of the HF zoo's, two of the clients and the
-typed block; the ``soak`` tier (``pytest -m soak``) the others.
+runs five of the zoo's models, one of the HF zoo's and the typed block; the
+``soak`` tier (``pytest -m soak``) the others and the clients' trainings.
 """
 
 from __future__ import annotations
@@ -346,10 +346,13 @@ CLIENTS = {
     "spmd_types_qwen3": ("spmd_types", "qwen3", dict(rtol=1e-5, atol=1e-6)),
     "qwen3_moe_ep": ("moe", None, dict(rtol=1e-3, atol=1e-4)),
 }
-# CI runs torchtitan's default path, spmd_types, warm (and the DTensor path warm through the
-# shared models, the zoo and the HF zoo above); the soak tier the other four (1.5 to 3 min each
-# of Inductor compiles on 2 cores).
-CLIENTS_IN_CI = ("spmd_types_llama3",)
+# CI runs torchtitan's default path, spmd_types, warm through its Llama3 block with its types
+# (test_spmd_typed_torchtitan_block_cold_and_warm_equal_eager_with_its_types, below) and the
+# carried types (test_compiled_outputs_carry_their_types_on_a_warm_cache_too), and the DTensor
+# path warm through the shared models, the zoo and the HF zoo above; the soak tier these five
+# clients' trainings (1.5 to 3.5 min each of Inductor compiles on 2 cores: spmd_types_llama3
+# left CI for the trainer's memory-policy tests, issue #69, to keep CI's time).
+CLIENTS_IN_CI: tuple[str, ...] = ()
 
 
 @pytest.mark.models
