@@ -113,7 +113,7 @@ class Timeline:
         return self.total_us - self.compute_us
 
 
-def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
+def simulate(graph: Any, profile: HardwareProfile, times: dict[Any, float] | None = None) -> Timeline:
     """Play ``graph`` on one compute and one communication stream, in graph order.
 
     A collective is issued when the compute stream reaches it and runs after the
@@ -127,7 +127,13 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
     min(C, M) / n`` where communication overlaps fully).  A ``local_map`` region
     takes its body's time (:func:`region_timeline`); one that issues collectives
     starts once the communication stream is free and holds both streams.
+
+    ``times``, where given, holds compute nodes' :func:`node_time_us` under ``profile``
+    and gets those it lacks: a caller that plays one graph's nodes in several orders
+    prices each node once (a node's time does not depend on where it runs).
     """
+    if times is None:
+        times = {}
     clock = comm_free = compute = comm = 0.0
     done: dict[Any, float] = {}
     bars = _Bars()
@@ -172,7 +178,9 @@ def simulate(graph: Any, profile: HardwareProfile) -> Timeline:
                 bars.add("comm", node.name, start, clock)
                 comm_free = clock
         else:
-            cost = node_time_us(node, profile)
+            cost = times.get(node)
+            if cost is None:
+                cost = times[node] = node_time_us(node, profile)
             compute += cost
             if cost:
                 bars.add("compute", node.name, clock, clock + cost)

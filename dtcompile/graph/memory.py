@@ -233,6 +233,149 @@ def held_during_backward(forward: fx.GraphModule, backward: fx.GraphModule) -> i
     return sum(held.values())
 
 
+class LiveBytes:
+    """Live bytes at each position of a schedule, under range additions and point writes,
+    with their maximum: a segment tree with lazy additions.
+
+    ``add`` (bytes over a range of positions), ``get`` (one position) and ``max_over`` (a
+    range) cost ``O(log n)``, ``values`` and ``assign`` (a run of positions) ``O(log n)``
+    and one step per position, and :attr:`peak` ``O(1)``: a pass that
+    prices many rewrites of a window each reads and changes only that window, where
+    summing a difference array over the whole schedule would cost ``O(n)`` each.  Exact:
+    the bytes are integers.
+    """
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.length = len(values)
+        size = 1
+        while size < max(self.length, 1):
+            size *= 2
+        self._size = size
+        self._height = size.bit_length() - 1
+        # _tree[p]: the max of p's leaves counting the additions at p and below it;
+        # _lazy[p]: what was added to all of p's leaves, not yet in its children.
+        self._tree: list[float] = [_NONE] * (2 * size)
+        self._lazy: list[int] = [0] * size
+        self._tree[size : size + self.length] = values
+        for p in range(size - 1, 0, -1):
+            self._tree[p] = max(self._tree[2 * p], self._tree[2 * p + 1])
+
+    @property
+    def peak(self) -> int:
+        """The most bytes live at any position (0 for an empty schedule)."""
+        return int(self._tree[1]) if self.length else 0
+
+    def _apply(self, p: int, num: int) -> None:
+        self._tree[p] += num
+        if p < self._size:
+            self._lazy[p] += num
+
+    def _pull(self, p: int) -> None:
+        while p > 1:
+            p >>= 1
+            self._tree[p] = max(self._tree[2 * p], self._tree[2 * p + 1]) + self._lazy[p]
+
+    def _push(self, p: int) -> None:
+        for shift in range(self._height, 0, -1):
+            i = p >> shift
+            if self._lazy[i]:
+                self._apply(2 * i, self._lazy[i])
+                self._apply(2 * i + 1, self._lazy[i])
+                self._lazy[i] = 0
+
+    def add(self, start: int, end: int, num: int) -> None:
+        """Adds ``num`` bytes at positions ``start`` to ``end`` inclusive."""
+        if not num or start > end:
+            return
+        lo, hi = start + self._size, end + 1 + self._size
+        first, last = lo, hi - 1
+        while lo < hi:
+            if lo & 1:
+                self._apply(lo, num)
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                self._apply(hi, num)
+            lo >>= 1
+            hi >>= 1
+        self._pull(first)
+        self._pull(last)
+
+    def max_over(self, start: int, end: int) -> int:
+        """The most bytes live at positions ``start`` to ``end`` inclusive (``start <= end``)."""
+        lo, hi = start + self._size, end + 1 + self._size
+        self._push(lo)
+        self._push(hi - 1)
+        best = _NONE
+        while lo < hi:
+            if lo & 1:
+                best = max(best, self._tree[lo])
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                best = max(best, self._tree[hi])
+            lo >>= 1
+            hi >>= 1
+        return int(best)
+
+    def get(self, position: int) -> int:
+        p = position + self._size
+        self._push(p)
+        return int(self._tree[p])
+
+    def set(self, position: int, num: int) -> None:
+        p = position + self._size
+        self._push(p)
+        self._tree[p] = num
+        self._pull(p)
+
+    def _push_over(self, lo: int, hi: int) -> None:
+        """Pushes every addition above the leaves ``lo`` to ``hi`` (tree indices, ``hi``
+        excluded) down to them: ``O(hi - lo + log n)``."""
+        for shift in range(self._height, 0, -1):
+            for i in range(lo >> shift, ((hi - 1) >> shift) + 1):
+                if self._lazy[i]:
+                    self._apply(2 * i, self._lazy[i])
+                    self._apply(2 * i + 1, self._lazy[i])
+                    self._lazy[i] = 0
+
+    def values(self, start: int, end: int) -> list[int]:
+        """The bytes at positions ``start`` to ``end`` inclusive: ``O(end - start + log n)``."""
+        lo, hi = start + self._size, end + 1 + self._size
+        if lo >= hi:
+            return []
+        self._push_over(lo, hi)
+        return [int(v) for v in self._tree[lo:hi]]
+
+    def assign(self, start: int, values: Sequence[int]) -> None:
+        """Sets the bytes at positions ``start`` on to ``values``: ``O(len(values) + log n)``."""
+        lo, hi = start + self._size, start + len(values) + self._size
+        if lo >= hi:
+            return
+        self._push_over(lo, hi)
+        self._tree[lo:hi] = values
+        while lo > 1:
+            lo, hi = lo >> 1, ((hi - 1) >> 1) + 1
+            for p in range(lo, hi):
+                self._tree[p] = max(self._tree[2 * p], self._tree[2 * p + 1]) + self._lazy[p]
+
+    def copy(self) -> LiveBytes:
+        other = LiveBytes.__new__(LiveBytes)
+        other.__dict__.update(self.__dict__)
+        other._tree, other._lazy = list(self._tree), list(self._lazy)
+        return other
+
+
+_NONE = float("-inf")
+"""The padding positions of :class:`LiveBytes` (past the schedule's end): never the peak."""
+
+
+def clipped(spans: Iterable[tuple[int, int, int]], length: int) -> list[tuple[int, int, int]]:
+    """``spans`` that add bytes, cut to the positions of a schedule of ``length`` nodes."""
+    cut = ((max(start, 0), min(end, length - 1), num) for start, end, num in spans if num)
+    return [(start, end, num) for start, end, num in cut if start <= end]
+
+
 class PeakTracker:
     """The peak of a graph's schedule as a pass plans rewrites, before it makes them.
 
@@ -240,13 +383,15 @@ class PeakTracker:
     is a set of ``(start, end, bytes)`` spans (bytes alive from ``start`` to ``end``
     inclusive, beyond what the graph holds now; negative frees them).  ``peak_with``
     answers the peak if the planned rewrites and these spans were made;
-    ``commit`` plans them.
+    ``commit`` plans them.  The live bytes are a :class:`LiveBytes`: the peak is read
+    in ``O(1)``, a span is committed in ``O(log n)``, a hoist's window read in ``O(log n)``
+    and moved in one step per position it crosses.
     """
 
     def __init__(self, estimate: MemoryEstimate, budget: int) -> None:
         self.estimate = estimate
         self.budget = budget
-        self._curve = list(estimate.curve)
+        self.live = LiveBytes(estimate.curve)
 
     def span(self, node: fx.Node) -> tuple[int, int, int]:
         """``(first, last position alive, bytes)`` of the storage of ``node``'s value."""
@@ -254,40 +399,35 @@ class PeakTracker:
 
     @property
     def peak(self) -> int:
-        return max(self._curve, default=0)
+        return self.live.peak
 
     def peak_with(self, spans: Iterable[tuple[int, int, int]]) -> int:
-        extra = [0] * (len(self._curve) + 1)
-        touched = False
-        for start, end, num in spans:
-            if num and start <= end:
-                extra[max(start, 0)] += num
-                extra[min(end, len(self._curve) - 1) + 1] -= num
-                touched = True
-        if not touched:
+        """The peak with ``spans`` added too; nothing changes.  ``O(k log n)`` for ``k``
+        spans (added, read, taken back)."""
+        added = clipped(spans, self.live.length)
+        if not added:
             return self.peak
-        peak, running = 0, 0
-        for live, step in zip(self._curve, extra):
-            running += step
-            peak = max(peak, live + running)
+        for start, end, num in added:
+            self.live.add(start, end, num)
+        peak = max(self.live.peak, 0)
+        for start, end, num in added:
+            self.live.add(start, end, -num)
         return peak
 
     def hoist(self, position: int, anchor: int, num: int) -> int:
         """The peak if the node at ``position`` ran right after the one at ``anchor``
         (earlier), allocating ``num`` bytes there instead; nothing changes."""
-        window = self._curve[anchor : position]
-        return max(self.peak, max(window, default=0) + num)
+        window = self.live.max_over(anchor, position - 1) if anchor < position else 0
+        return max(self.peak, window + num)
 
     def commit_hoist(self, position: int, anchor: int, num: int) -> None:
         """Moves the node at ``position`` to right after ``anchor``: the nodes between
         shift one later and run with its ``num`` bytes alive."""
-        moved = [self._curve[anchor] + num] + [live + num for live in self._curve[anchor + 1 : position]]
-        self._curve[anchor + 1 : position + 1] = moved
+        self.live.assign(anchor + 1, [live + num for live in self.live.values(anchor, position - 1)])
 
     def commit(self, spans: Sequence[tuple[int, int, int]]) -> None:
-        for start, end, num in spans:
-            for i in range(max(start, 0), min(end, len(self._curve) - 1) + 1):
-                self._curve[i] += num
+        for start, end, num in clipped(spans, self.live.length):
+            self.live.add(start, end, num)
 
 
 class MemoryBudgetError(ValueError):

@@ -72,7 +72,7 @@ from dtcompile.cache_keys import key_fields, profile_text
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
 from dtcompile.graph.collectives import CollectiveInfo, axis_name, collective_info
-from dtcompile.graph.memory import PeakTracker
+from dtcompile.graph.memory import LiveBytes, PeakTracker, clipped
 from dtcompile.passes._graph import (
     alias_roots,
     first_use_index,
@@ -290,6 +290,28 @@ def _memory_spans(members: Sequence[_Member], index: dict[fx.Node, int], tracker
     return spans
 
 
+def _difference(old: Sequence[Span], new: Sequence[Span], length: int) -> list[Span]:
+    """The range additions that take the live bytes with ``old`` added to the live bytes
+    with ``new`` added, on a schedule of ``length`` positions: one per stretch of positions
+    where the two differ (what they share cancels).  Linear in the spans."""
+    steps: dict[int, int] = {}
+    for sign, spans in ((-1, old), (1, new)):
+        for start, end, num in clipped(spans, length):
+            steps[start] = steps.get(start, 0) + sign * num
+            steps[end + 1] = steps.get(end + 1, 0) - sign * num
+    change, running, at = [], 0, 0
+    for position in sorted(p for p, step in steps.items() if step):
+        if running:
+            change.append((at, position - 1, running))
+        running, at = running + steps[position], position
+    return change
+
+
+def _add(live: LiveBytes, spans: Sequence[Span], sign: int = 1) -> None:
+    for start, end, num in spans:
+        live.add(start, end, sign * num)
+
+
 def _candidates(graph: fx.Graph, index: dict[fx.Node, int], ctx: PassContext | None) -> list[_Member]:
     """The collectives that may join a bucket, in graph order; each one left out is recorded
     (where ``ctx`` is given) with why."""
@@ -456,15 +478,18 @@ def _priced_buckets(
     open_buckets: dict[tuple[Any, ...], _Bucket] = {}
     closed: list[_Bucket] = []
     added: dict[int, int] = {}
-
-    def peak_if(key: tuple[Any, ...], members: Sequence[_Member]) -> int:
-        """The estimated peak with the open buckets as they are, but ``key``'s made of ``members``."""
-        others = [span for k, b in open_buckets.items() if k != key for span in _memory_spans(b.members, index, tracker)]
-        return tracker.peak_with(others + _memory_spans(members, index, tracker))
+    # The live bytes with every bucket's spans added, the open ones' too (``tracker`` holds
+    # the closed ones'), and each open bucket's spans as added there.  Pricing a join then
+    # changes only what the join changes, over the positions it changes (the difference of
+    # the bucket's spans before and after): the peak with the open buckets as they are, but
+    # the joining key's made of other members, exactly as a whole walk of the schedule
+    # would find it (what ``tracker.peak_with`` of every open bucket's spans answers).
+    pending = tracker.live.copy()
+    spans_of: dict[tuple[Any, ...], list[Span]] = {}
 
     def close(bucket: _Bucket) -> None:
         before = tracker.peak
-        tracker.commit(_memory_spans(bucket.members, index, tracker))
+        tracker.commit(spans_of.pop(bucket.key))  # already in ``pending``: it stays there
         added[id(bucket)] = tracker.peak - before
         closed.append(bucket)
 
@@ -477,12 +502,18 @@ def _priced_buckets(
             independent = _independent(bucket, member, index, written)
             price = pricer.join(bucket, member) if fits and independent else None
             if price is not None:
-                now, then = peak_if(key, bucket.members), peak_if(key, [*bucket.members, member])
+                joined = _memory_spans([*bucket.members, member], index, tracker)
+                change = _difference(spans_of[key], joined, pending.length)
+                now = max(pending.peak, 0)
+                _add(pending, change)
+                then = max(pending.peak, 0)
                 price = dataclasses.replace(price, adds_bytes=then - now)
                 if price.pays and then <= tracker.budget:
                     bucket.members.append(member)
                     bucket.prices.append(price)
+                    spans_of[key] = joined
                     continue
+                _add(pending, change, -1)
             if price is not None and price.pays:
                 ctx.skipped(
                     node.name,
@@ -500,6 +531,7 @@ def _priced_buckets(
             del open_buckets[key]
             close(bucket)
         open_buckets[key] = _Bucket(key, [member])
+        spans_of[key] = _memory_spans([member], index, tracker)  # none: one member adds nothing
     for bucket in list(open_buckets.values()):
         close(bucket)
     return closed, added
@@ -571,11 +603,23 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
         graph.erase_node(member.node)
 
 
-def _reshape_is_contiguous(rows: int, total: int, offset: int, piece: int, shape: list[int]) -> bool:
+def _reshape_is_contiguous(rows: int, total: int, offset: int, piece: int, shape: Sequence[int]) -> bool:
     """Whether ``reshape(result[:, offset:offset + piece], shape)`` of a ``[rows, total]``
-    result is contiguous (a copy, or the whole result)."""
-    columns = torch.empty(rows, total, device="meta")[:, offset : offset + piece]
-    return columns.reshape(shape).is_contiguous()
+    result is contiguous (a copy, or the whole result).
+
+    Read off the sizes as torch's ``reshape`` decides (``computeStride``), without running
+    it (inside a compile a meta reshape takes milliseconds): the columns are contiguous when
+    they are one row, the whole result or empty, and so is any view of them.  Otherwise
+    ``reshape`` makes a view where the shape's trailing sizes multiply to ``piece`` (its
+    rows stay rows, ``total`` apart: not contiguous), and a copy, which is, where none do."""
+    if rows == 1 or piece == total or rows * piece == 0:
+        return True
+    trailing = 1
+    for size in reversed(shape):
+        if trailing == piece:
+            return False
+        trailing *= size
+    return trailing != piece
 
 
 class _Cursor:

@@ -71,17 +71,31 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
+def _shift(order: dict[fx.Node, int], first: fx.Node, stop: fx.Node, by: int) -> None:
+    """Moves the positions in ``order`` of the nodes from ``first`` up to ``stop`` (not
+    included, later in the graph) by ``by``: what moving one node across them does."""
+    node = first
+    while node is not stop:
+        order[node] += by
+        node = node.next
+
+
 def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Moves each wait down to just before its first user.  The graph's order is read once
+    and kept as waits move: a move shifts the positions of only the nodes it crosses, so
+    the pass costs the graph plus the distances it records."""
     moved = 0
+    order = _order(gm.graph)
     for wait in [n for n in gm.graph.nodes if n.target is WAIT]:
-        order = _order(gm.graph)
         users = [u for u in wait.users if u.op != "output"]
         if not users:
             continue
         first = min(users, key=order.__getitem__)
         distance = order[first] - order[wait] - 1
         if distance > 0:
+            _shift(order, wait.next, first, -1)
             first.prepend(wait)
+            order[wait] = order[first] - 1
             moved += 1
             ctx.moved(wait.name, f"waits {distance} node(s) later, before {first.name}")
     return moved
@@ -95,72 +109,107 @@ def _hoist_collectives(
     tracker: PeakTracker,
     ctx: PassContext,
 ) -> int:
+    """Moves each collective up to just after its last input, or the communication before
+    it (see the module docstring).  The graph's order is read once and kept as collectives
+    move (a move shifts only the positions it crosses); the bytes in flight are read off
+    the collectives issued so far that may still be in flight (:class:`_InFlight`)."""
     moved = 0
+    order = _order(gm.graph)
+    issued = _InFlight(order)
     previous: fx.Node | None = None  # the communication before this node, in the traced order
     for node in list(gm.graph.nodes):
         info = infos.get(node)
         earlier, previous = previous, (node if node in communication else previous)
         if info is None or info.fused:
             continue
-        if info.data_dependent:
-            ctx.skipped(node.name, f"not issued earlier: {_DATA_DEPENDENT}, so the bytes in flight are unknown")
-            continue
-        order = _order(gm.graph)
-        # Never before the communication issued before it: the ranks' order stays the traced one.
-        after = [*node.all_input_nodes, *([earlier] if earlier is not None else [])]
-        anchor = max(after, key=order.__getitem__) if after else next(iter(gm.graph.nodes))
-        distance = order[node] - order[anchor] - 1
-        if distance <= 0:
-            continue
-        in_flight = _bytes_in_flight(gm.graph, infos, order, order[anchor]) + info.bytes
-        if in_flight > budget:
-            ctx.skipped(node.name, f"not issued earlier: {in_flight} B in flight would pass overlap_memory_budget_bytes")
-            continue
-        buffer = tracker.span(node)[2]
-        peak = tracker.hoist(order[node], order[anchor], buffer)
-        if peak > tracker.budget:
-            ctx.skipped(
-                node.name,
-                f"not issued earlier: its {format_bytes(buffer)} buffer alive from {anchor.name} on would take the "
-                f"estimated peak to {format_bytes(peak)}, over the memory budget {format_bytes(tracker.budget)} "
-                f"({ctx.budget_why})",
-            )
-            continue
-        tracker.commit_hoist(order[node], order[anchor], buffer)
-        anchor.append(node)
-        moved += 1
-        ctx.moved(node.name, f"issued {distance} node(s) earlier, after {anchor.name}")
+        try:
+            if info.data_dependent:
+                ctx.skipped(node.name, f"not issued earlier: {_DATA_DEPENDENT}, so the bytes in flight are unknown")
+                continue
+            # Never before the communication issued before it: the ranks' order stays the traced one.
+            after = [*node.all_input_nodes, *([earlier] if earlier is not None else [])]
+            anchor = max(after, key=order.__getitem__) if after else next(iter(gm.graph.nodes))
+            distance = order[node] - order[anchor] - 1
+            if distance <= 0:
+                continue
+            in_flight = issued.bytes_after(order[anchor]) + info.bytes
+            if in_flight > budget:
+                ctx.skipped(node.name, f"not issued earlier: {in_flight} B in flight would pass overlap_memory_budget_bytes")
+                continue
+            buffer = tracker.span(node)[2]
+            peak = tracker.hoist(order[node], order[anchor], buffer)
+            if peak > tracker.budget:
+                ctx.skipped(
+                    node.name,
+                    f"not issued earlier: its {format_bytes(buffer)} buffer alive from {anchor.name} on would take the "
+                    f"estimated peak to {format_bytes(peak)}, over the memory budget {format_bytes(tracker.budget)} "
+                    f"({ctx.budget_why})",
+                )
+                continue
+            tracker.commit_hoist(order[node], order[anchor], buffer)
+            _shift(order, anchor.next, node, 1)
+            anchor.append(node)
+            order[node] = order[anchor] + 1
+            moved += 1
+            ctx.moved(node.name, f"issued {distance} node(s) earlier, after {anchor.name}")
+        finally:  # moved or not, it is issued before whatever the collectives after it ask about
+            issued.add(node, info)
     return moved
 
 
-def _bytes_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any], order: dict[fx.Node, int], position: int) -> int:
-    """Bytes of the collectives issued before ``position`` and waited on after it."""
-    total = 0
-    for node in graph.nodes:
-        if order[node] > position:
-            break
-        info = infos.get(node)
-        if info is None or info.fused:
-            continue
+class _InFlight:
+    """The bytes of the collectives issued at or before a position and waited on after it,
+    for :func:`_hoist_collectives`, which asks in the graph's order.
+
+    Asked at a position, it counts what a walk of the graph up to there would: the
+    collectives (not fused) that :func:`_hoist_collectives` has passed are the ones at or
+    before any position it asks about (a collective never moves above the communication
+    before it), the others are after it.  The positions it is asked about come later and
+    later (each is at or after the communication before the collective asking, which the
+    previous asking collective is at or after), and a wait never moves: a collective whose
+    waits all run by a position asked about is never in flight again, and is dropped.  So
+    each collective is read while in flight, and once after."""
+
+    def __init__(self, order: dict[fx.Node, int]) -> None:
+        self.order = order
+        self.issued: list[tuple[fx.Node, list[fx.Node], int]] = []
+
+    def add(self, node: fx.Node, info: Any) -> None:
         waits = [u for u in node.users if u.target is WAIT]
-        if any(order[w] > position for w in waits):
-            total += info.bytes
-    return total
+        if waits:  # one with no wait is never in flight
+            self.issued.append((node, waits, info.bytes))
+
+    def bytes_after(self, position: int) -> int:
+        order, total, kept = self.order, 0, []
+        for held in self.issued:
+            node, waits, num = held
+            if any(order[w] > position for w in waits):
+                kept.append(held)
+                if order[node] <= position:
+                    total += num
+        self.issued = kept
+        return total
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack += current.all_input_nodes
-    return seen
+def _fill_windows(
+    gm: fx.GraphModule, infos: dict[fx.Node, Any], communication: set[fx.Node], ctx: PassContext, times: dict[fx.Node, float]
+) -> int:
+    """Moves independent compute from before each collective to right after it, until the
+    compute between the collective and its wait covers its time.
 
-
-def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], communication: set[fx.Node], ctx: PassContext) -> int:
+    Each collective reads only its own stretch of the graph: its window, up to where the
+    compute there covers it, and the nodes before it that it could move, back to the
+    communication, wait or barrier before it (or until they cover it); each node's time is
+    priced once (``times``, shared with the pass's simulations).  The collective's ancestors
+    among those nodes are found on the same walk back: a node is an ancestor when a node
+    already seen to be one (or the collective) reads it, and the walk meets every reader of
+    a node before the node itself, so it decides as the whole set of ancestors would."""
     profile = ctx.profile
+
+    def time_us(n: fx.Node) -> float:
+        if n not in times:
+            times[n] = node_time_us(n, profile)
+        return times[n]
 
     moved = 0
     for node in list(gm.graph.nodes):
@@ -171,24 +220,30 @@ def _fill_windows(gm: fx.GraphModule, infos: dict[fx.Node, Any], communication: 
         if info.data_dependent:
             ctx.skipped(node.name, f"no compute moved under it: {_DATA_DEPENDENT}, so its time is unknown")
             continue
-        order = _order(gm.graph)
         wait = waits[0]
         need = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
-        window = [n for n in gm.graph.nodes if order[node] < order[n] < order[wait]]
-        have = sum(node_time_us(n, profile) for n in window)
+        have, current = 0.0, node.next
+        while current is not wait and have < need:  # the window, up to where it covers the collective
+            have += time_us(current)
+            current = current.next
         if have >= need:
             continue
-        ancestors = _ancestors(node)
+        # Walking back from the collective, its ancestors are the nodes some already-seen
+        # ancestor (or the collective) reads: the walk visits every user before what it uses.
+        ancestors = set(node.all_input_nodes)
         candidates = []
-        for before in reversed([n for n in gm.graph.nodes if order[n] < order[node]]):
+        before = node.prev
+        while before.op != "root":
             if before.op != "call_function" or before.target is WAIT or before in communication:
                 break  # do not move compute across another collective or wait, a barrier, or a region issuing one
             if before in ancestors:
-                continue
-            candidates.append(before)
-            have += node_time_us(before, profile)
-            if have >= need:
-                break
+                ancestors.update(before.all_input_nodes)
+            else:
+                candidates.append(before)
+                have += time_us(before)
+                if have >= need:
+                    break
+            before = before.prev
         # Keep the moved nodes' own order: they go right after the collective, first first.
         anchor = node
         for candidate in reversed(candidates):
@@ -239,7 +294,8 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     }
     communication |= {user for node in communication for user in node.users if user.target is operator.getitem}
     original = list(gm.graph.nodes)
-    before = simulate(gm.graph, ctx.profile).total_us
+    times: dict[fx.Node, float] = {}  # each node's compute time, priced once for the pass
+    before = simulate(gm.graph, ctx.profile, times).total_us
     held = _peak_in_flight(gm.graph, infos)
     outcomes = len(ctx.outcomes)
     moved = _sink_waits(gm, ctx)
@@ -248,7 +304,7 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     peak_before = tracker.estimate.peak_bytes
     moved += _hoist_collectives(gm, infos, communication, ctx.config.overlap_memory_budget_bytes, tracker, ctx)
     hoisted, recorded = list(gm.graph.nodes), len(ctx.outcomes)
-    filled = _fill_windows(gm, infos, communication, ctx)
+    filled = _fill_windows(gm, infos, communication, ctx, times)
     peak = None
     if filled:
         peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
@@ -268,7 +324,7 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
         peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
     adds = peak - peak_before
     # Rounded: moving nodes whose estimates sum alike leaves float noise, not a gain.
-    price = ctx.price(round(before - simulate(gm.graph, ctx.profile).total_us, 6), 0.0, adds_bytes=adds)
+    price = ctx.price(round(before - simulate(gm.graph, ctx.profile, times).total_us, 6), 0.0, adds_bytes=adds)
     more = _peak_in_flight(gm.graph, infos) - held
     if not price.pays:
         _put_back(original)
