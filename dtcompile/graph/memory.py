@@ -359,6 +359,11 @@ class LiveBytes:
             for p in range(lo, hi):
                 self._tree[p] = max(self._tree[2 * p], self._tree[2 * p + 1]) + self._lazy[p]
 
+    def add_spans(self, spans: Iterable[tuple[int, int, int]], sign: int = 1) -> None:
+        """Adds each ``(start, end, bytes)`` span (``sign=-1``: takes them back)."""
+        for start, end, num in spans:
+            self.add(start, end, sign * num)
+
     def copy(self) -> LiveBytes:
         other = LiveBytes.__new__(LiveBytes)
         other.__dict__.update(self.__dict__)
@@ -374,6 +379,25 @@ def clipped(spans: Iterable[tuple[int, int, int]], length: int) -> list[tuple[in
     """``spans`` that add bytes, cut to the positions of a schedule of ``length`` nodes."""
     cut = ((max(start, 0), min(end, length - 1), num) for start, end, num in spans if num)
     return [(start, end, num) for start, end, num in cut if start <= end]
+
+
+def span_difference(
+    old: Sequence[tuple[int, int, int]], new: Sequence[tuple[int, int, int]], length: int
+) -> list[tuple[int, int, int]]:
+    """The range additions that take the live bytes with ``old`` added to the live bytes
+    with ``new`` added, on a schedule of ``length`` positions: one per stretch of positions
+    where the two differ (what they share cancels).  Linear in the spans."""
+    steps: dict[int, int] = {}
+    for sign, spans in ((-1, old), (1, new)):
+        for start, end, num in clipped(spans, length):
+            steps[start] = steps.get(start, 0) + sign * num
+            steps[end + 1] = steps.get(end + 1, 0) - sign * num
+    change, running, at = [], 0, 0
+    for position in sorted(p for p, step in steps.items() if step):
+        if running:
+            change.append((at, position - 1, running))
+        running, at = running + steps[position], position
+    return change
 
 
 class PeakTracker:

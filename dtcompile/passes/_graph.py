@@ -110,3 +110,21 @@ def read_inputs(node: fx.Node) -> list[fx.Node]:
             inputs.extend(collective.all_input_nodes)
     return inputs
 
+
+def reshape_is_contiguous(rows: int, total: int, offset: int, piece: int, shape: Sequence[int]) -> bool:
+    """Whether ``reshape(result[:, offset:offset + piece], shape)`` of a ``[rows, total]``
+    result is contiguous (a copy, or the whole result).
+
+    Read off the sizes as torch's ``reshape`` decides (``computeStride``), without running
+    it (inside a compile a meta reshape takes milliseconds): the columns are contiguous when
+    they are one row, the whole result or empty, and so is any view of them.  Otherwise
+    ``reshape`` makes a view where the shape's trailing sizes multiply to ``piece`` (its
+    rows stay rows, ``total`` apart: not contiguous), and a copy, which is, where none do."""
+    if rows == 1 or piece == total or rows * piece == 0:
+        return True
+    trailing = 1
+    for size in reversed(shape):
+        if trailing == piece:
+            return False
+        trailing *= size
+    return trailing != piece

@@ -72,12 +72,13 @@ from dtcompile.cache_keys import key_fields, profile_text
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
 from dtcompile.graph.collectives import CollectiveInfo, axis_name, collective_info
-from dtcompile.graph.memory import LiveBytes, PeakTracker, clipped
+from dtcompile.graph.memory import PeakTracker, span_difference
 from dtcompile.passes._graph import (
     alias_roots,
     first_use_index,
     provenance,
     refresh_metadata,
+    reshape_is_contiguous,
     single_wait,
     written_args,
 )
@@ -290,28 +291,6 @@ def _memory_spans(members: Sequence[_Member], index: dict[fx.Node, int], tracker
     return spans
 
 
-def _difference(old: Sequence[Span], new: Sequence[Span], length: int) -> list[Span]:
-    """The range additions that take the live bytes with ``old`` added to the live bytes
-    with ``new`` added, on a schedule of ``length`` positions: one per stretch of positions
-    where the two differ (what they share cancels).  Linear in the spans."""
-    steps: dict[int, int] = {}
-    for sign, spans in ((-1, old), (1, new)):
-        for start, end, num in clipped(spans, length):
-            steps[start] = steps.get(start, 0) + sign * num
-            steps[end + 1] = steps.get(end + 1, 0) - sign * num
-    change, running, at = [], 0, 0
-    for position in sorted(p for p, step in steps.items() if step):
-        if running:
-            change.append((at, position - 1, running))
-        running, at = running + steps[position], position
-    return change
-
-
-def _add(live: LiveBytes, spans: Sequence[Span], sign: int = 1) -> None:
-    for start, end, num in spans:
-        live.add(start, end, sign * num)
-
-
 def _candidates(graph: fx.Graph, index: dict[fx.Node, int], ctx: PassContext | None) -> list[_Member]:
     """The collectives that may join a bucket, in graph order; each one left out is recorded
     (where ``ctx`` is given) with why."""
@@ -503,9 +482,9 @@ def _priced_buckets(
             price = pricer.join(bucket, member) if fits and independent else None
             if price is not None:
                 joined = _memory_spans([*bucket.members, member], index, tracker)
-                change = _difference(spans_of[key], joined, pending.length)
+                change = span_difference(spans_of[key], joined, pending.length)
                 now = max(pending.peak, 0)
-                _add(pending, change)
+                pending.add_spans(change)
                 then = max(pending.peak, 0)
                 price = dataclasses.replace(price, adds_bytes=then - now)
                 if price.pays and then <= tracker.budget:
@@ -513,7 +492,7 @@ def _priced_buckets(
                     bucket.prices.append(price)
                     spans_of[key] = joined
                     continue
-                _add(pending, change, -1)
+                pending.add_spans(change, -1)
             if price is not None and price.pays:
                 ctx.skipped(
                     node.name,
@@ -591,7 +570,7 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
         elif kind == "reduce_scatter":
             shape[0] //= group_size
         result = cursor(aten.reshape.default, (part, shape))
-        if kind == "all_gather" and not _reshape_is_contiguous(group_size, sum(pieces), offset - piece, piece, shape):
+        if kind == "all_gather" and not reshape_is_contiguous(group_size, sum(pieces), offset - piece, piece, shape):
             # A gathered member is a column of the [group_size, total] result; reshaped, it
             # is a copy (contiguous) unless its rows stay rows (a leading dim of 1): then a
             # strided view, where the collective's own output was contiguous, and a view
@@ -601,25 +580,6 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
     for member in bucket.members:
         graph.erase_node(member.wait)
         graph.erase_node(member.node)
-
-
-def _reshape_is_contiguous(rows: int, total: int, offset: int, piece: int, shape: Sequence[int]) -> bool:
-    """Whether ``reshape(result[:, offset:offset + piece], shape)`` of a ``[rows, total]``
-    result is contiguous (a copy, or the whole result).
-
-    Read off the sizes as torch's ``reshape`` decides (``computeStride``), without running
-    it (inside a compile a meta reshape takes milliseconds): the columns are contiguous when
-    they are one row, the whole result or empty, and so is any view of them.  Otherwise
-    ``reshape`` makes a view where the shape's trailing sizes multiply to ``piece`` (its
-    rows stay rows, ``total`` apart: not contiguous), and a copy, which is, where none do."""
-    if rows == 1 or piece == total or rows * piece == 0:
-        return True
-    trailing = 1
-    for size in reversed(shape):
-        if trailing == piece:
-            return False
-        trailing *= size
-    return trailing != piece
 
 
 class _Cursor:
@@ -635,4 +595,3 @@ class _Cursor:
             self.last = self.graph.call_function(target, args, kwargs)
         self.last.meta.update(self.meta)
         return self.last
-

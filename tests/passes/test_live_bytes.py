@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import random
 
-from dtcompile.graph.memory import LiveBytes, clipped
-from dtcompile.passes.bucketing import _add, _difference
+from dtcompile.graph.memory import LiveBytes, clipped, span_difference
 
 
 def _walk(curve: list[int], spans: list[tuple[int, int, int]]) -> list[int]:
@@ -59,10 +58,10 @@ def test_a_span_difference_takes_the_old_spans_live_bytes_to_the_new_ones() -> N
     for _ in range(300):
         old, new = spans(), spans()
         live = LiveBytes(_walk(curve, old))
-        change = _difference(old, new, length)
-        _add(live, change)
+        change = span_difference(old, new, length)
+        live.add_spans(change)
         assert [live.get(i) for i in range(length)] == _walk(curve, new)
-        _add(live, change, -1)
+        live.add_spans(change, -1)
         assert [live.get(i) for i in range(length)] == _walk(curve, old)
 
 
@@ -73,7 +72,7 @@ def test_a_gathered_members_reshape_is_contiguous_as_torch_says() -> None:
 
     import torch
 
-    from dtcompile.passes.bucketing import _reshape_is_contiguous
+    from dtcompile.passes._graph import reshape_is_contiguous
 
     rng = random.Random(2)
     for _ in range(3000):
@@ -96,5 +95,5 @@ def test_a_gathered_members_reshape_is_contiguous_as_torch_says() -> None:
             rng.shuffle(shape)
             flat = shape or [1]
         columns = torch.empty(rows, total, device="meta")[:, offset : offset + piece]
-        assert _reshape_is_contiguous(rows, total, offset, piece, flat) == columns.reshape(flat).is_contiguous(), (
+        assert reshape_is_contiguous(rows, total, offset, piece, flat) == columns.reshape(flat).is_contiguous(), (
             rows, total, offset, piece, flat)
