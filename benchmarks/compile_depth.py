@@ -1,0 +1,155 @@
+"""Compile time over depth: dtcompile's entries beside stock torch's, torchtitan's Llama3 at 2 to 64 layers.
+
+torchtitan 0.3.0's Llama3 from its own builders (dim 256, 8 heads, hidden 768, vocabulary
+2048, SDPA; 2 x 128 tokens per rank) under graph_trainer's SimpleFSDP on 2 gloo ranks of
+this machine, issue #70's setup.  For each depth, each way runs in fresh rank processes (its
+own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
+
+- ``aot_eager``: stock ``torch.compile(model, backend="aot_eager")``, the first forward and
+  backward (Dynamo, AOTAutograd, its default partitioner; no code generation);
+- ``dtcompile``: ``torch.compile(model, backend=dtcompile.backend(inductor=False))``, the same
+  first forward and backward (dtcompile's partitioner and passes; no code generation);
+- ``gt tracer``: graph_trainer's tracer (``minimal_fx_tracer``) over forward, loss and
+  backward as one graph, no pass run;
+- ``compile_step``: ``dtcompile.compile_step`` with AdamW inside, the call that traces and
+  compiles (its second: the first runs eagerly to make AdamW's state).
+
+Also per way: the seconds dtcompile's passes took (the records' ``PassRecord.seconds``,
+summed over the graphs), the graph's nodes, and the rank's peak RSS.  Every way's loss is
+checked against the eager loss of the same model (1e-5).  The table's ratios are measured
+side by side in one run.
+
+    python benchmarks/compile_depth.py --layers 2 8 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/support: torchtitan's harness (CPU device, SDPA)
+
+import dtcompile  # noqa: E402
+from dtcompile.testing import run_gloo  # noqa: E402
+
+WAYS = ("aot_eager", "dtcompile", "gt tracer", "compile_step")
+WORLD = 2
+LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
+BATCH = 2
+
+
+def _build(rank: int, layers: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    import support.titan as titan
+
+    model, parallel_dims, _ = titan.llama3_on_meta(titan.llama3_config(n_layers=layers, **LLAMA), WORLD, 1)
+    model = titan.simple_fsdp(model, parallel_dims)
+    torch.manual_seed(0)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).normal_(0, 0.02)
+    generator = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randint(0, LLAMA["vocab_size"], (BATCH, LLAMA["seq_len"] + 1), generator=generator)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return model, (inputs, labels, torch.tensor(labels.numel() * WORLD))
+
+
+def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    loss, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(model(tokens), labels, count)
+    return loss
+
+
+def _passes_s(records: Any) -> float:
+    return sum(p.seconds for r in records for p in r.passes)
+
+
+def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
+    import support.titan as titan
+
+    with titan.torchtitan_on_cpu():
+        model, x = _build(rank, layers)
+        reference = _loss(model, *x).item()
+        records: Any = ()
+        nodes = 0
+        if way in ("aot_eager", "dtcompile"):
+            backend = dtcompile.backend(inductor=False) if way == "dtcompile" else "aot_eager"
+            compiled = torch.compile(model, backend=backend)
+            start = time.perf_counter()
+            loss = _loss(compiled, *x)
+            loss.backward()
+            seconds = time.perf_counter() - start
+            if way == "dtcompile":
+                records = backend.records
+                nodes = sum(len(r.graph.graph.nodes) for r in records)
+        elif way == "gt tracer":
+            from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer, run_traced
+
+            def step(*inputs: torch.Tensor) -> list[torch.Tensor]:
+                loss = _loss(model, *inputs)
+                return [loss, *torch.autograd.grad(loss, [p for _, p in model.named_parameters(remove_duplicate=False)])]
+
+            start = time.perf_counter()
+            traced = minimal_fx_tracer(step, module=model)(*x)
+            seconds = time.perf_counter() - start
+            nodes = len(traced.gm.graph.nodes)
+            loss = run_traced(traced, module=model)(*x)[0]
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=False)
+            compiled = dtcompile.compile_step(lambda *inputs: _loss(model, *inputs), model=model, optimizer=optimizer,
+                                              inductor=False)
+            compiled(*x)  # eager: AdamW's state
+            start = time.perf_counter()
+            loss = compiled(*x)
+            seconds = time.perf_counter() - start
+            records = compiled.records
+            nodes = sum(len(r.graph.graph.nodes) for r in records)
+        got = float(loss.detach())
+        if abs(got - reference) > 1e-5 * max(1.0, abs(reference)):
+            raise AssertionError(f"{way} at {layers} layers: loss {got} against eager's {reference}")
+    return {
+        "seconds": seconds,
+        "passes_s": _passes_s(records) if records else None,
+        "nodes": nodes,
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32, 64])
+    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
+    parser.add_argument("--rounds", type=int, default=1, help="the ways in turn this many times; each row its fastest")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
+    print("| layers | way | seconds | vs aot_eager | vs gt tracer | passes s | nodes | peak RSS MiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for layers in args.layers:
+        rows: dict[str, dict[str, Any]] = {}
+        for _ in range(args.rounds):
+            for way in args.ways:
+                row = run_gloo(WORLD, _way, layers, way, timeout=3600)[0]
+                if way not in rows or row["seconds"] < rows[way]["seconds"]:
+                    rows[way] = row
+        for way, row in rows.items():
+            stock = rows.get("aot_eager", {}).get("seconds")
+            tracer = rows.get("gt tracer", {}).get("seconds")
+            vs_stock = f"{row['seconds'] / stock:.2f}x" if stock and way in ("dtcompile",) else "-"
+            vs_tracer = f"{row['seconds'] / tracer:.2f}x" if tracer and way == "compile_step" else "-"
+            passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
+            print(f"| {layers} | {way} | {row['seconds']:.1f} | {vs_stock} | {vs_tracer} | {passes} | "
+                  f"{row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
