@@ -144,7 +144,7 @@ def main() -> None:
         for way, row in rows.items():
             stock = rows.get("aot_eager", {}).get("seconds")
             tracer = rows.get("gt tracer", {}).get("seconds")
-            vs_stock = f"{row['seconds'] / stock:.2f}x" if stock and way in ("dtcompile",) else "-"
+            vs_stock = f"{row['seconds'] / stock:.2f}x" if stock and way == "dtcompile" else "-"
             vs_tracer = f"{row['seconds'] / tracer:.2f}x" if tracer and way == "compile_step" else "-"
             passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
             print(f"| {layers} | {way} | {row['seconds']:.1f} | {vs_stock} | {vs_tracer} | {passes} | "

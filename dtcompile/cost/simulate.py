@@ -24,7 +24,7 @@ from dtcompile.cost import HardwareProfile, collective_time_us
 from dtcompile.graph.collectives import collective_info
 from dtcompile.graph.regions import is_region, region_body
 
-__all__ = ["Span", "Timeline", "fused_hidden_us", "node_time_us", "region_timeline", "simulate"]
+__all__ = ["Span", "Timeline", "fused_hidden_us", "node_time_us", "priced_once", "region_timeline", "simulate"]
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -113,6 +113,14 @@ class Timeline:
         return self.total_us - self.compute_us
 
 
+def priced_once(node: Any, profile: HardwareProfile, times: dict[Any, float]) -> float:
+    """:func:`node_time_us`, kept in ``times`` (a node's time does not depend on where it runs)."""
+    cost = times.get(node)
+    if cost is None:
+        cost = times[node] = node_time_us(node, profile)
+    return cost
+
+
 def simulate(graph: Any, profile: HardwareProfile, times: dict[Any, float] | None = None) -> Timeline:
     """Play ``graph`` on one compute and one communication stream, in graph order.
 
@@ -178,9 +186,7 @@ def simulate(graph: Any, profile: HardwareProfile, times: dict[Any, float] | Non
                 bars.add("comm", node.name, start, clock)
                 comm_free = clock
         else:
-            cost = times.get(node)
-            if cost is None:
-                cost = times[node] = node_time_us(node, profile)
+            cost = priced_once(node, profile, times)
             compute += cost
             if cost:
                 bars.add("compute", node.name, clock, clock + cost)

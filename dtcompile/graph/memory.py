@@ -234,8 +234,8 @@ def held_during_backward(forward: fx.GraphModule, backward: fx.GraphModule) -> i
 
 
 class LiveBytes:
-    """Live bytes at each position of a schedule, under range additions and point writes,
-    with their maximum: a segment tree with lazy additions.
+    """Live bytes at each position of a schedule, under range additions and writes of a run
+    of positions, with their maximum: a segment tree with lazy additions.
 
     ``add`` (bytes over a range of positions), ``get`` (one position) and ``max_over`` (a
     range) cost ``O(log n)``, ``values`` and ``assign`` (a run of positions) ``O(log n)``
@@ -323,12 +323,6 @@ class LiveBytes:
         self._push(p)
         return int(self._tree[p])
 
-    def set(self, position: int, num: int) -> None:
-        p = position + self._size
-        self._push(p)
-        self._tree[p] = num
-        self._pull(p)
-
     def _push_over(self, lo: int, hi: int) -> None:
         """Pushes every addition above the leaves ``lo`` to ``hi`` (tree indices, ``hi``
         excluded) down to them: ``O(hi - lo + log n)``."""
@@ -405,9 +399,9 @@ class PeakTracker:
 
     Positions are those of the graph's nodes when the tracker was made; a rewrite
     is a set of ``(start, end, bytes)`` spans (bytes alive from ``start`` to ``end``
-    inclusive, beyond what the graph holds now; negative frees them).  ``peak_with``
-    answers the peak if the planned rewrites and these spans were made;
-    ``commit`` plans them.  The live bytes are a :class:`LiveBytes`: the peak is read
+    inclusive, beyond what the graph holds now; negative frees them); ``commit`` plans
+    them, and a pass pricing rewrites before it plans them adds their spans to a copy of
+    :attr:`live` (bucketing does).  The live bytes are a :class:`LiveBytes`: the peak is read
     in ``O(1)``, a span is committed in ``O(log n)``, a hoist's window read in ``O(log n)``
     and moved in one step per position it crosses.
     """
@@ -424,19 +418,6 @@ class PeakTracker:
     @property
     def peak(self) -> int:
         return self.live.peak
-
-    def peak_with(self, spans: Iterable[tuple[int, int, int]]) -> int:
-        """The peak with ``spans`` added too; nothing changes.  ``O(k log n)`` for ``k``
-        spans (added, read, taken back)."""
-        added = clipped(spans, self.live.length)
-        if not added:
-            return self.peak
-        for start, end, num in added:
-            self.live.add(start, end, num)
-        peak = max(self.live.peak, 0)
-        for start, end, num in added:
-            self.live.add(start, end, -num)
-        return peak
 
     def hoist(self, position: int, anchor: int, num: int) -> int:
         """The peak if the node at ``position`` ran right after the one at ``anchor``

@@ -462,7 +462,7 @@ def _priced_buckets(
     # changes only what the join changes, over the positions it changes (the difference of
     # the bucket's spans before and after): the peak with the open buckets as they are, but
     # the joining key's made of other members, exactly as a whole walk of the schedule
-    # would find it (what ``tracker.peak_with`` of every open bucket's spans answers).
+    # would find it.
     pending = tracker.live.copy()
     spans_of: dict[tuple[Any, ...], list[Span]] = {}
 

@@ -55,7 +55,7 @@ from torch import fx
 from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import WAIT, is_ordering_barrier
 from dtcompile.cost import collective_time_us
-from dtcompile.cost.simulate import node_time_us, simulate
+from dtcompile.cost.simulate import priced_once, simulate
 from dtcompile.graph.collectives import collective_info
 from dtcompile.graph.memory import PeakTracker, estimate_memory
 from dtcompile.graph.regions import issues_collectives
@@ -206,11 +206,6 @@ def _fill_windows(
     a node before the node itself, so it decides as the whole set of ancestors would."""
     profile = ctx.profile
 
-    def time_us(n: fx.Node) -> float:
-        if n not in times:
-            times[n] = node_time_us(n, profile)
-        return times[n]
-
     moved = 0
     for node in list(gm.graph.nodes):
         info = infos.get(node)
@@ -224,7 +219,7 @@ def _fill_windows(
         need = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
         have, current = 0.0, node.next
         while current is not wait and have < need:  # the window, up to where it covers the collective
-            have += time_us(current)
+            have += priced_once(current, profile, times)
             current = current.next
         if have >= need:
             continue
@@ -240,7 +235,7 @@ def _fill_windows(
                 ancestors.update(before.all_input_nodes)
             else:
                 candidates.append(before)
-                have += time_us(before)
+                have += priced_once(before, profile, times)
                 if have >= need:
                     break
             before = before.prev

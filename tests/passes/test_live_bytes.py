@@ -32,7 +32,7 @@ def test_live_bytes_answers_what_a_walk_of_the_schedule_answers() -> None:
                 values[start : end + 1] = [v + num for v in values[start : end + 1]]
             elif what < 0.5:
                 values[start] = rng.randint(0, 1000)
-                live.set(start, values[start])
+                live.assign(start, [values[start]])
             elif what < 0.6:
                 values[start : end + 1] = [rng.randint(0, 1000) for _ in range(end + 1 - start)]
                 live.assign(start, values[start : end + 1])
