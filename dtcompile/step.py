@@ -368,7 +368,7 @@ class CompiledStep:
                 if self.optimizer is not None:
                     for param, grad in zip(params, grads):
                         param.grad = grad
-                    with fx_traceback.annotate({Meta.OPTIMIZER: type(self.optimizer).__name__}):
+                    with fx_traceback.annotate({Meta.OPTIMIZER: type(self.optimizer).__name__}), _no_stack_traces():
                         self.optimizer.step()
                     for param in params:
                         param.grad = None
@@ -492,6 +492,25 @@ def _make_graph(make_fx: Any, step: Callable[..., Any], flat: list[Any], loss_fn
             "the value-dependent part (an .item(), a branch on a tensor, a data-dependent shape) out of "
             "loss_fn, use torch.cond for the branch, or torch.compile the model with backend='dtcompile'."
         ) from exc
+
+
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Inside: make_fx records no stack trace for the nodes it traces.  For the optimizer's
+    step, whose nodes it would record none for anyway (it keeps the frames from the first
+    ``forward`` on, and an optimizer's update runs in none), while extracting and
+    filtering the Python stack once per node is about a tenth of a deep model's trace."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    tracer = getattr(get_proxy_mode(), "tracer", None)
+    if tracer is None or not tracer.record_stack_traces:
+        yield
+        return
+    tracer.record_stack_traces = False
+    try:
+        yield
+    finally:
+        tracer.record_stack_traces = True
 
 
 def _state_ready(optimizer: torch.optim.Optimizer) -> bool:

@@ -8,7 +8,10 @@ unique name by which ``DTCompileConfig.disable_passes`` switches it off;
 :func:`run_passes` times it, checks that it returned a ``GraphModule``, logs
 its decisions, and with ``trace_pass_graphs`` logs the graph before and after
 it to ``TORCH_TRACE``.  They run on the forward and backward graphs after
-AOTAutograd's partitioner and before lowering.
+AOTAutograd's partitioner and before lowering.  A pass rewrites ``gm.graph`` and
+leaves ``gm.code`` as it was: the front door recompiles the graph once, after the
+last pass (Dynamo's lowering, :class:`~dtcompile.pipeline.step_pass.StepPass`), since
+generating a whole-step graph's Python takes about a second at 16 layers.
 
 Where each pass lives:
 

@@ -324,5 +324,4 @@ def fuse_async_tp(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: PassCo
     if changed:
         graph.eliminate_dead_code()
         graph.lint()
-        gm.recompile()
     return gm

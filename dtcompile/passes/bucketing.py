@@ -407,7 +407,6 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", price)
     graph.eliminate_dead_code()
     graph.lint()
-    gm.recompile()
     refresh_metadata(gm, example_inputs)
     return gm
 

@@ -87,7 +87,6 @@ def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], c
             previous.append(node)
         previous = node
     graph.lint()
-    gm.recompile()
     peak_after = estimate_memory(gm, ctx.kind).peak_bytes
     foreach = [n.name for n in updates if _updates_many(n)]
     text = (

@@ -334,5 +334,4 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     # The pass's verdict first, then each move.
     ctx.outcomes.insert(outcomes, Outcome(Action.MOVED, f"{moved} move(s), {more} B more in flight at the peak", "graph", price))
     gm.graph.lint()
-    gm.recompile()
     return gm

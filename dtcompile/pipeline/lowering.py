@@ -32,6 +32,7 @@ def inline_regions(
     (charged to the region's Dynamo node), then which region it is in.  The
     region's outputs (``getitem`` users) become the body's outputs.  ``kind`` is
     the graph's (``forward``, ``backward``, ``inference``), for the collectives' charges.
+    ``gm.code`` is left as it was: the caller recompiles.
     """
     axes = info.axes if info is not None else None
     inlined = []
@@ -92,5 +93,4 @@ def inline_regions(
         inlined.append(RegionInfo(node.name, spec, ops, tuple(collectives), region_call_id(node)))
     if inlined:
         gm.graph.lint()
-        gm.recompile()
     return inlined

@@ -301,5 +301,4 @@ def reshard_step_graph(
                 user.replace_input_with(node, copies[node])
     if outcomes:
         gm.graph.lint()
-        gm.recompile()
     return Resharding(tuple(outcomes), gathered_bytes)
