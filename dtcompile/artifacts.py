@@ -4,9 +4,10 @@ Every compile logs, through ``torch._logging.trace_structured``, the artifacts
 ``dtcompile_placements``, ``dtcompile_<kind>_graph``,
 ``dtcompile_<kind>_collectives`` (JSON) and ``dtcompile_<kind>_regions``,
 which ``tlparse`` shows under the compile id and ``dtcompile-report``
-(:mod:`dtcompile_tools.report`) turns into HTML; ``report=True`` prints
-:func:`format_compiled_graph` as each graph compiles.  :mod:`dtcompile.report`
-builds the whole-program report on the same pieces.
+(:mod:`dtcompile_tools.report`) turns into HTML, then, once the graph's stages are
+done, ``dtcompile_<kind>_compile_seconds`` (JSON: :func:`compile_seconds_json`);
+``report=True`` prints :func:`format_compiled_graph` as each graph compiles.
+:mod:`dtcompile.report` builds the whole-program report on the same pieces.
 """
 
 from __future__ import annotations
@@ -20,9 +21,27 @@ import torch
 
 from dtcompile.base.channels import Artifact, GraphKind, Meta
 from dtcompile.base.notation import format_bytes
-from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback
+from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, Stage
 
-__all__ = ["collective_table", "collectives_json", "emit_artifacts", "emit_cached_artifact", "emit_fallback_artifact", "emit_saved_artifacts", "format_compiled_graph", "keep_artifacts", "memory_json", "memory_lines", "pass_lines", "region_lines", "timeline_json", "timeline_lines"]
+__all__ = [
+    "collective_table",
+    "collectives_json",
+    "compile_seconds_json",
+    "compile_seconds_table",
+    "emit_artifacts",
+    "emit_cached_artifact",
+    "emit_compile_seconds",
+    "emit_fallback_artifact",
+    "emit_saved_artifacts",
+    "format_compiled_graph",
+    "keep_artifacts",
+    "memory_json",
+    "memory_lines",
+    "pass_lines",
+    "region_lines",
+    "timeline_json",
+    "timeline_lines",
+]
 
 
 def collectives_json(record: CompiledGraph) -> dict[str, Any]:
@@ -220,6 +239,37 @@ def keep_artifacts(record: CompiledGraph, kept: dict[str, list[str]]) -> None:
             kept[name] = [name, encoding, payload()]
 
 
+def compile_seconds_json(record: CompiledGraph) -> dict[str, Any]:
+    """One graph's compile seconds per stage (:attr:`~dtcompile.records.CompiledGraph.stages`)
+    as JSON data: ``{"compile_id", "kind", "stages": {stage: seconds}, "total"}``, the
+    stages in their order, those it did not go through left out."""
+    return {
+        "compile_id": record.compile_id,
+        "kind": record.kind,
+        "stages": {stage.value: round(seconds, 6) for stage, seconds in record.stages.items()},
+        "total": round(record.stages.total, 6),
+    }
+
+
+def emit_compile_seconds(record: CompiledGraph) -> None:
+    """Log one graph's compile seconds as they stand (``dtcompile_<kind>_compile_seconds``)."""
+    _artifact(Artifact.compile_seconds(record.kind), "json", lambda: json.dumps(compile_seconds_json(record)))
+
+
+def compile_seconds_table(records: Sequence[CompiledGraph]) -> list[str]:
+    """The text report's compile seconds: one row per graph (its compile id and kind, the
+    seconds of each stage, ``-`` where it did not go through it, and their total), a
+    column per stage some graph went through, in the stages' order."""
+    stages = [stage for stage in Stage if any(stage in record.stages for record in records)]
+    columns = [(str(stage), max(len(str(stage)), 7)) for stage in stages] + [("total", 7)]
+    lines = [f"{'graph':<14} " + " ".join(f"{name:>{width}}" for name, width in columns)]
+    for record in records:
+        seconds = [record.stages.get(stage) for stage in stages] + [record.stages.total]
+        cells = ["-" if s is None else f"{s:.3f}" for s in seconds]
+        lines.append(f"{f'{record.compile_id} {record.kind}':<14} " + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, columns)))
+    return lines
+
+
 def emit_saved_artifacts(saved: Sequence[Sequence[str]]) -> None:
     """Log again what :func:`keep_artifacts` kept, for a graph the compile cache served."""
     for name, encoding, payload in saved:
@@ -291,9 +341,12 @@ def region_lines(record: CompiledGraph, title: str) -> list[str]:
 
 
 def pass_lines(record: CompiledGraph) -> list[str]:
+    """The text report's lines of one graph's passes: per pass what it did to the nodes and
+    collectives and how long it took, then its decisions."""
     lines = []
     for p in record.passes:
         summary = f"nodes {p.nodes_before} -> {p.nodes_after}, collectives {p.collectives_before} -> {p.collectives_after}"
-        lines.append(f"{p.name}: " + (summary if p.ran else "switched off"))
+        took = f", {p.seconds * 1e3:.2f} ms" if p.seconds else ""
+        lines.append(f"{p.name}: " + (summary + took if p.ran else "switched off"))
         lines += [f"  {decision}" for decision in p.decisions]
     return lines

@@ -31,6 +31,11 @@ backend call (a method per stage):
    then compiled with the forward, not at its first call, so that the check
    covers both.
 
+Each AOT graph's record says how long each stage of its compile took
+(:class:`~dtcompile.records.StageSeconds`), from Dynamo's tracing of the frame,
+which the backend reads when Dynamo calls it (:func:`_dynamo_seconds`), to the
+ranks' check, charged to the compile's last graph.
+
 Where step 1 fails in torch on a program eager DTensor runs (stock AOTAutograd
 refuses some DTensor programs), the Dynamo graph runs eagerly instead, with a
 warning and a ``backend.fallbacks`` record (``eager_fallback``, see
@@ -43,6 +48,8 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -51,6 +58,7 @@ from torch import fx
 
 import dynamo_vars
 from dtcompile.annotations import DynamoGraphInfo
+from dtcompile.base.torch_compat import frame_compile_started_ns
 from dtcompile.cache_keys import meshes_held
 from dtcompile.config import DTCompileConfig, config_for
 from dtcompile.cost.auto import devices_of
@@ -72,6 +80,30 @@ _MAX_RECORDS = 256
 # The packages whose own exceptions are deliberate errors (bad input, a region
 # the user declared wrongly), never a reason to run eagerly.
 _OWN_PACKAGES = ("dtcompile", "dynamo_vars")
+
+
+_returned = threading.local()
+"""Per thread (a rank run as a thread compiles on its own): ``(the start of the frame's
+compile, when the backend last returned in it)``, read by :func:`_dynamo_seconds`."""
+
+
+def _dynamo_seconds() -> float | None:
+    """How long Dynamo traced before this call of the backend: since it began compiling the
+    frame (:func:`~dtcompile.base.torch_compat.frame_compile_started_ns`), or since the
+    backend's last return where this frame's compile called it before; ``None`` outside a
+    frame's compile, or where torch does not say when it began."""
+    started = frame_compile_started_ns()
+    if started is None:
+        return None
+    last = getattr(_returned, "at", None)
+    since = last[1] if last is not None and last[0] == started else started
+    return max(0.0, (time.time_ns() - since) / 1e9)
+
+
+def _note_return() -> None:
+    """Marks the backend's return in the frame's compile (:data:`_returned`)."""
+    started = frame_compile_started_ns()
+    _returned.at = (started, time.time_ns()) if started is not None else None
 
 
 def _raised_on_purpose(exc: BaseException) -> bool:
@@ -136,6 +168,21 @@ class DTCompileBackend:
         mode: str | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> Callable[..., Any]:
+        dynamo_seconds = _dynamo_seconds()
+        try:
+            return self._compile(gm, example_inputs, mode, options, dynamo_seconds)
+        finally:
+            _note_return()
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        mode: str | None,
+        options: Mapping[str, Any] | None,
+        dynamo_seconds: float | None,
+    ) -> Callable[..., Any]:
+        """The compiled function for Dynamo graph ``gm`` (see the module doc)."""
         config = self.config
         if not dynamo_vars.is_installed():
             warnings.warn(f"dtcompile: this graph was traced with dynamo_vars uninstalled: {_STOCK_TRACING}", stacklevel=2)
@@ -143,7 +190,7 @@ class DTCompileBackend:
             config, ignored = config_for(config, mode, options, devices_of(example_inputs))
             if ignored:
                 warnings.warn(f"dtcompile: ignored {'; '.join(ignored)}", stacklevel=2)
-        job = GraphCompile(self.log, gm, example_inputs, config)
+        job = GraphCompile(self.log, gm, example_inputs, config, dynamo_seconds)
         try:
             compiled = job.trace()
         except Exception as exc:
@@ -166,7 +213,11 @@ class DTCompileBackend:
         return CheckedOnFirstCall(
             run,
             with_outputs_put_back(gm.forward, job.constants, job.views),
-            functools.partial(self.log.checker.check, schedule, groups, config.check_ranks_timeout_s, job.info.axes),
+            functools.partial(
+                self.log.checker.check, schedule, groups, config.check_ranks_timeout_s, job.info.axes,
+                # The check is one for every graph of the compile: charged to its last.
+                charge=functools.partial(self.log.checked, job.graphs[-1]) if job.graphs else None,
+            ),
             functools.partial(self._run_eagerly_on_every_rank, gm, job.info),
         )
 

@@ -3,13 +3,14 @@
 The passes report each decision as an :class:`Outcome` (what kind of change,
 which node, why); :func:`dtcompile.passes.run_passes` gathers them into one
 :class:`PassRecord` per pass; the backend keeps one :class:`CompiledGraph` per
-AOT graph it compiled (``backend.records``), which the reports read.
+AOT graph it compiled (``backend.records``), which the reports read, with the
+seconds its compile spent in each :class:`Stage` (:class:`StageSeconds`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -23,7 +24,20 @@ from dtcompile.graph.collectives import CollectiveInfo
 from dtcompile.graph.memory import MemoryEstimate
 from dtcompile.graph.regions import RegionInfo
 
-__all__ = ["Action", "CachedCompile", "CheckOutcome", "CompiledGraph", "EagerFallback", "MemoryBudget", "Outcome", "PassRecord", "Price", "RankCheck"]
+__all__ = [
+    "Action",
+    "CachedCompile",
+    "CheckOutcome",
+    "CompiledGraph",
+    "EagerFallback",
+    "MemoryBudget",
+    "Outcome",
+    "PassRecord",
+    "Price",
+    "RankCheck",
+    "Stage",
+    "StageSeconds",
+]
 
 
 class MemoryBudget(NamedTuple):
@@ -139,6 +153,119 @@ class PassRecord:
     """Wall time the pass took."""
 
 
+class Stage(str, enum.Enum):
+    """A stage of one graph's compile, as :class:`StageSeconds` times it, in the order a
+    compile goes through them.  A ``str``: it prints and serializes as its value (``AOTAutograd``)."""
+
+    DYNAMO = "Dynamo"
+    """Dynamo's tracing of the frame: from when it began compiling the frame (or, where one
+    frame's compile calls the backend again, from the backend's last return) to its call of
+    the backend; charged to the Dynamo graph's first AOT graph.  Absent where torch does not
+    say when it began (:func:`dtcompile.base.torch_compat.frame_compile_started_ns`)."""
+    AOT_AUTOGRAD = "AOTAutograd"
+    """AOTAutograd's trace of the joint graph (with Inductor, also ``compile_fx``'s own work
+    around it): the time inside the backend's trace that no other stage took, charged to
+    the graph it led to (the forward or inference graph first; a backward gets what
+    elapsed since its forward was done; one compiled lazily at the first backward, outside
+    the trace, gets none).  For a whole-step graph: the front door's trace of the step
+    (``compile_step``'s ``make_fx``); absent where the front door did not measure it
+    (graph_trainer's own tracer)."""
+    PARTITIONER = "partitioner"
+    """dtcompile's :class:`~dtcompile.pipeline.partition.Partitioner` (torch's min-cut
+    included), charged to the forward graph it made with the backward."""
+    SPMD_TYPES = "SPMD types"
+    """The check of the AOT graph's SPMD types as traced (:func:`dtcompile.spmd.inference.type_graph`),
+    where its inputs are typed."""
+    PASSES = "passes"
+    """dtcompile's passes: the sum of the graph's :attr:`PassRecord.seconds`."""
+    SIMULATIONS = "simulations"
+    """The memory estimates and simulated timelines of the graph as traced and as lowered
+    (:func:`dtcompile.graph.memory.estimate_memory`, :func:`dtcompile.cost.simulate.simulate`)."""
+    ARTIFACTS = "artifacts"
+    """Logging the graph and emitting its ``TORCH_TRACE`` artifacts (printing it with
+    ``report=True``), and keeping them beside the compile cache."""
+    INDUCTOR = "Inductor"
+    """Inductor's ``compile_fx_inner`` on the graph (``inductor=True``; ``compile_step``'s
+    ``compile_fx`` of the step graph)."""
+    RANKS_CHECK = "ranks' check"
+    """The exchange of the ranks' check (:attr:`RankCheck.seconds`), where its ranks exchanged:
+    charged to the compile's last graph, the check being one for all its graphs."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+def _seconds_text(seconds: float) -> str:
+    """A stage's seconds as a reader wants them: ``1.20 s``, ``0.05 s``, ``4.2 ms``, ``0.028 ms``."""
+    return f"{seconds:.2f} s" if seconds >= 0.01 else f"{seconds * 1e3:.2g} ms"
+
+
+class StageSeconds:
+    """The seconds one graph's compile spent in each :class:`Stage` it went through, in the
+    stages' order; a stage it did not go through is absent (no Inductor with ``inductor=False``).
+
+    Filled as the stages end.  The :class:`CompiledGraph` holding it is made after the
+    passes, and the stages after that add to it (:meth:`add`): its artifacts, Inductor,
+    the ranks' check at the compiled function's first call.  So this is the one part of
+    the frozen record that changes, and it is complete once that first call returned.
+    The :attr:`Stage.PASSES` seconds are not kept here: they are the sum of the
+    :attr:`PassRecord.seconds` of ``passes``, the graph's own records.
+    """
+
+    def __init__(self, measured: Mapping[Stage, float] | None = None, passes: Sequence[PassRecord] = ()) -> None:
+        self._measured: dict[Stage, float] = {}
+        self._passes = tuple(passes)
+        for stage, seconds in (measured or {}).items():
+            self.add(stage, seconds)
+
+    def add(self, stage: Stage, seconds: float) -> None:
+        """Adds ``seconds`` to ``stage`` (a stage may end more than once: the artifacts)."""
+        stage = Stage(stage)
+        if stage is Stage.PASSES:
+            raise ValueError("StageSeconds.add: the passes' seconds are their records' (PassRecord.seconds), not added")
+        if seconds < 0:
+            raise ValueError(f"StageSeconds.add: {stage} took {seconds} s; a stage's seconds are 0 or more")
+        self._measured[stage] = self._measured.get(stage, 0.0) + seconds
+
+    def add_check(self, check: RankCheck) -> None:
+        """Charges the ranks' check ``check`` (:attr:`Stage.RANKS_CHECK`), where its ranks exchanged."""
+        if check.seconds > 0:
+            self.add(Stage.RANKS_CHECK, check.seconds)
+
+    def items(self) -> list[tuple[Stage, float]]:
+        """``(stage, seconds)`` for each stage gone through, in :class:`Stage` order."""
+        passes = sum(p.seconds for p in self._passes)
+        found = {**self._measured, **({Stage.PASSES: passes} if passes > 0 else {})}
+        return [(stage, found[stage]) for stage in Stage if stage in found]
+
+    def get(self, stage: Stage) -> float | None:
+        """The seconds of ``stage``, ``None`` where the compile did not go through it."""
+        return dict(self.items()).get(Stage(stage))
+
+    def __contains__(self, stage: object) -> bool:
+        return stage in dict(self.items())
+
+    def __iter__(self) -> Iterator[Stage]:
+        return (stage for stage, _ in self.items())
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    @property
+    def total(self) -> float:
+        """The seconds of every stage together."""
+        return sum(seconds for _, seconds in self.items())
+
+    def __str__(self) -> str:
+        stages = ", ".join(f"{stage} {_seconds_text(seconds)}" for stage, seconds in self.items())
+        return f"{stages}; total {_seconds_text(self.total)}" if stages else "no stage timed"
+
+    def __repr__(self) -> str:
+        return f"StageSeconds({', '.join(f'{stage.name}={seconds:.6f}' for stage, seconds in self.items())})"
+
+
 @dataclass(frozen=True)
 class CompiledGraph:
     """What dtcompile did with one graph: an AOT graph (forward, backward or inference) of the
@@ -179,6 +306,10 @@ class CompiledGraph:
     """How it was lowered: ``{}`` without Inductor, else the Inductor settings this
     backend asked for (from ``inductor_config``, ``options=`` and ``mode=``) as
     ``torch._inductor.config`` read them while Inductor compiled this graph."""
+    stages: StageSeconds = field(default_factory=StageSeconds, compare=False)
+    """The seconds its compile spent in each stage (:class:`StageSeconds`: filled as the
+    stages end, complete once the compiled function's first call returned); none measured
+    for a record made otherwise than by a front door."""
 
     def annotated(self) -> str:
         """The graph one line per call node with its annotation (see :mod:`dtcompile.annotations`)."""

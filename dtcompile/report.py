@@ -7,6 +7,10 @@ backward), and returns a :class:`Report`; ``str(report)`` is, per compile id:
   collectives it causes in forward and backward and their estimated time;
 - the forward and backward AOT graphs, one annotated line per call node;
 - a collective table (graph, op, axis, group, bytes, estimated us) and totals;
+- the compile seconds: one row per graph, its seconds in each stage of its compile
+  (Dynamo, AOTAutograd, the partitioner, the SPMD types' check, the passes, the
+  simulations, the artifacts, Inductor, the ranks' check: :class:`~dtcompile.records.Stage`)
+  and their total;
 
 then the graph breaks and the recompile reasons (in placement and mesh words,
 see :mod:`dynamo_vars.guards`).  For a model made by ``dtcompile.auto_parallel``
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from dtcompile.artifacts import collective_table, memory_lines, pass_lines, region_lines
+from dtcompile.artifacts import collective_table, compile_seconds_table, memory_lines, pass_lines, region_lines
 from dtcompile.ranks.check import ranks_are_threads, reset_dynamo_of_this_rank
 from dtcompile.records import CompiledGraph
 from dtcompile.registry import backend as make_backend
@@ -78,6 +82,7 @@ class Report:
                 lines += [f"-- passes on the {record.kind} graph --", *pass_lines(record)]
         lines += ["== memory (estimated, per rank) ==", *[line for r in self.graphs for line in memory_lines(r)]]
         lines += ["== collectives ==", *collective_table(list(self.graphs))]
+        lines += ["== compile seconds ==", *compile_seconds_table(self.graphs)]
         lines.append("== graph breaks ==")
         lines += [f"- {reason}" for reason in self.graph_breaks] or ["none"]
         lines.append("== recompiles ==")

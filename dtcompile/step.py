@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ from dtcompile.base.channels import Meta
 from dtcompile.base.scoped_patch import fx_tracing
 from dtcompile.config import DTCompileConfig
 from dtcompile.pipeline.step_pass import StepPass, TracedStep
-from dtcompile.records import CompiledGraph
+from dtcompile.records import CompiledGraph, Stage
 
 __all__ = ["CompiledStep", "StepNotTraceable", "compile_step"]
 
@@ -246,12 +247,14 @@ class CompiledStep:
         """Every traced step graph as dtcompile describes a graph: each node with the part
         of the step (forward, backward, optimizer) and the code it comes from, each
         collective with its mesh axis, bytes and estimated time, what every pass did and
-        why, the estimated memory and the simulated timeline."""
-        from dtcompile.artifacts import format_compiled_graph
+        why, the estimated memory and the simulated timeline; then each one's compile
+        seconds per stage (its trace, the passes, Inductor...)."""
+        from dtcompile.artifacts import compile_seconds_table, format_compiled_graph
 
         if not self.records:
             return "compile_step: no step graph traced yet (call the step first)"
-        return "\n\n".join(format_compiled_graph(record) for record in self.records)
+        sections = [format_compiled_graph(record) for record in self.records]
+        return "\n\n".join([*sections, "\n".join(["== compile seconds ==", *compile_seconds_table(self.records)])])
 
     @property
     def graph(self) -> fx.GraphModule | None:
@@ -378,13 +381,16 @@ class CompiledStep:
             plain_out, out["layouts"] = _unwrap_all(outputs)
             return plain_out
 
+        start = time.perf_counter()
         gm = _make_graph(make_fx, step, flat, self.loss_fn)
+        trace_seconds = time.perf_counter() - start
         state = pytree.tree_unflatten(state_leaves, state_spec)
         self.traces += 1
         if self.traces > 1:
             log.info("compile_step: traced the step again (%d graphs): a new shape, placement or hyperparameter", self.traces)
         example = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        record = self.step_pass.compile(TracedStep(gm, example, _input_names(state, tensor_at, in_layouts), self.step_pass.meshes))
+        names = _input_names(state, tensor_at, in_layouts)
+        record = self.step_pass.compile(TracedStep(gm, example, names, self.step_pass.meshes, trace_seconds))
         run = self._lower(record, example) if self.config.inductor else record.graph
         return _Traced(run, out["layouts"], out["spec"])
 
@@ -392,7 +398,8 @@ class CompiledStep:
         """``record``'s step graph after the passes, through Inductor (``compile_fx``: AOTAutograd
         functionalizes its in-place updates, Inductor generates the code; its caches serve
         a restarted job).  Inductor leaves the collectives where dtcompile's passes put them
-        when those moved any (as for the Dynamo path)."""
+        when those moved any (as for the Dynamo path).  Its seconds are the record's
+        :attr:`~dtcompile.records.Stage.INDUCTOR` stage, logged again with the others."""
         from torch._inductor.compile_fx import compile_fx
 
         from dtcompile.pipeline.graph_compile import schedule_owned_by_dtcompile
@@ -400,7 +407,11 @@ class CompiledStep:
         patches = {**self.config.inductor_config, **schedule_owned_by_dtcompile(self.config, record.passes, record.graph.graph)}
         # Inputs as values: the graph already holds its backward; nothing here needs a gradient.
         inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in example]
-        return compile_fx(record.graph, inputs, config_patches=patches)
+        start = time.perf_counter()
+        compiled = compile_fx(record.graph, inputs, config_patches=patches)
+        record.stages.add(Stage.INDUCTOR, time.perf_counter() - start)
+        self.step_pass.log.finished(record)
+        return compiled
 
     @contextlib.contextmanager
     def _reparametrized(self, traced_state: dict[str, Any]) -> Iterator[None]:

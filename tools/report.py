@@ -15,261 +15,41 @@ memory over its schedule (the curve with its peak marked, the budget the passes
 kept to, what is alive at the peak); communication bytes and estimated time per
 step; a check that every rank issues the same collectives in the same order, by
 the ranks' check's rule (:mod:`dtcompile.ranks.pairing`; a rank that differs would
-hang a real job); graph breaks and recompile reasons.  No scripts, no network:
-the file opens anywhere.  ``--perfetto OUT.json`` also writes the timelines as a
-Chrome trace-event file for Perfetto (:func:`perfetto_trace`), beside a
-torch.profiler trace of the same step with ``--measured``.
+hang a real job); per compile the seconds of each graph's compile per stage
+(Dynamo, AOTAutograd, the passes, Inductor...: ``dtcompile_<kind>_compile_seconds``);
+graph breaks and recompile reasons.  No scripts, no network: the file opens
+anywhere.  ``--perfetto OUT.json`` also writes the timelines as a Chrome
+trace-event file for Perfetto (:func:`perfetto_trace`), beside a torch.profiler
+trace of the same step with ``--measured``.
 
-The log format: a line ``<glog prefix>] {json metadata}`` starts an entry; the
-payload follows on lines that begin with a tab, and the metadata's
-``has_payload`` is the payload's md5.  A log whose program was killed ends
-mid-entry: that last entry is left out, with a warning naming file:line, and
-the rest is reported.  A trace with no dtcompile artifacts (a program compiled
-with another backend) is refused: there would be nothing to report.
+The logs are read by :func:`read_trace` (:mod:`dtcompile_tools.trace_log`, which says
+their format): a log whose program was killed ends mid-entry, and that last entry is
+left out, with a warning naming file:line, and the rest is reported.  A trace with no
+dtcompile artifacts (a program compiled with another backend) is refused: there would
+be nothing to report.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import html
 import json
 import re
 import shutil
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtcompile.base.channels import Artifact, GraphKind, parse_artifact
+from dtcompile.base.channels import Artifact, GraphKind
 from dtcompile.base.notation import format_bytes
-from dtcompile.base.progress import track
 from dtcompile.ranks.pairing import Scheduled, scheduled_from_artifact
+from dtcompile.records import Stage
 from dtcompile_tools.pictures import measured_events, memory_svg, timeline_svg
+from dtcompile_tools.trace_log import CompileRecord, Trace, TraceError, read_trace
+from dtcompile_tools.trace_log import RankTrace as RankTrace  # what a Trace holds per rank, for those who build one
 
 __all__ = ["Trace", "TraceError", "main", "perfetto_trace", "read_trace", "render_html"]
-
-_RANK_FILE = re.compile(r"dedicated_log_torch_trace_rank_(\d+)_.*\.log$")
-_ENTRY = re.compile(r"^[A-Z]\d{4} [\d:.]+ +\d+ [^\]]*\] (\{.*\})$")
-
-
-class TraceError(ValueError):
-    """The trace directory is missing, empty or not a TORCH_TRACE log."""
-
-
-@dataclass
-class CompileRecord:
-    """What one rank logged for one compile id."""
-
-    placements: str = ""
-    graphs: dict[str, str] = field(default_factory=dict)
-    collectives: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-@dataclass
-class RankTrace:
-    rank: int
-    compiles: dict[str, CompileRecord] = field(default_factory=lambda: defaultdict(CompileRecord))
-    graph_breaks: list[str] = field(default_factory=list)
-    recompiles: list[str] = field(default_factory=list)
-    plans: list[str] = field(default_factory=list)
-    """``dtcompile.auto_parallel`` solutions, each its ``explain()`` (logged as it planned)."""
-    fallbacks: list[str] = field(default_factory=list)
-    """Graphs run eagerly because torch could not trace them (why, and the Dynamo graph)."""
-    cached: list[str] = field(default_factory=list)
-    """Graphs AOTAutograd's cache served: compiled by an earlier run, so not shown here."""
-
-
-@dataclass
-class Trace:
-    ranks: dict[int, RankTrace]
-    warnings: list[str] = field(default_factory=list)
-    """What was left out and why (a log cut off mid-entry), each naming file:line."""
-
-
-def _compile_id(meta: dict[str, Any]) -> str:
-    if meta.get("frame_id") is None:
-        return "-"
-    cid = f"{meta['frame_id']}/{meta.get('frame_compile_id', 0)}"
-    return cid + (f"_{meta['attempt']}" if meta.get("attempt") else "")
-
-
-def _entry_name(meta: dict[str, Any]) -> str:
-    artifact = meta.get("artifact")
-    return f"artifact {artifact.get('name', '?')}" if isinstance(artifact, dict) else f"entry {next(iter(meta), '?')}"
-
-
-def _entries(path: Path, warnings: list[str]) -> list[tuple[int, dict[str, Any], str]]:
-    """The entries of one log, each as (line number, metadata, payload).
-
-    Only the end of a log can be incomplete (its program was killed while
-    writing): a last line without its newline, or a last entry whose payload
-    does not match the md5 in its ``has_payload``.  That entry is left out and
-    a warning added to ``warnings``; anything else malformed is a TraceError.
-    """
-    # Split on "\n" only, from bytes: torch writes a payload one "\n"-separated line
-    # at a time and hashes it, so no other line break may split or change it.
-    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
-    # A complete log ends with a newline, so with "" here; else its last line is cut off.
-    partial_last_line = lines[-1] != ""
-    if not partial_last_line:
-        lines.pop()
-    entries: list[tuple[int, dict[str, Any], list[str]]] = []
-    for number, line in enumerate(lines, start=1):
-        if line.startswith("\t"):
-            if not entries:
-                raise TraceError(f"{path}:{number}: a payload line before any log entry; is this a TORCH_TRACE log?")
-            entries[-1][2].append(line[1:])
-            continue
-        match = _ENTRY.match(line)
-        problem = None if match else f"not a TORCH_TRACE log line: {line[:80]!r}"
-        if match:
-            try:
-                entries.append((number, json.loads(match.group(1)), []))
-            except json.JSONDecodeError as err:
-                problem = f"malformed JSON metadata ({err.msg})"
-        if problem is None:
-            continue
-        if partial_last_line and number == len(lines):
-            warnings.append(f"{path}:{number}: the log ends in the middle of this line (was the program killed?); left it out")
-            break
-        raise TraceError(f"{path}:{number}: {problem}")
-    if entries:
-        number, meta, payload = entries[-1]
-        digest = hashlib.md5("\n".join(payload).encode(), usedforsecurity=False).hexdigest()
-        if "has_payload" in meta and digest != meta["has_payload"]:
-            warnings.append(
-                f"{path}:{number}: the log ends inside this entry's payload ({_entry_name(meta)}; "
-                "was the program killed?); left the entry out"
-            )
-            entries.pop()
-    return [(number, meta, "\n".join(payload)) for number, meta, payload in entries]
-
-
-def _json_payload(file: Path, number: int, name: str, payload: str) -> Any:
-    try:
-        return json.loads(payload)
-    except json.JSONDecodeError as err:
-        raise TraceError(f"{file}:{number}: the payload of artifact {name} is not valid JSON ({err.msg})") from None
-
-
-def read_trace(trace_dir: str | Path) -> Trace:
-    """Parse every rank's log in ``trace_dir``; raises :class:`TraceError` with the reason."""
-    path = Path(trace_dir)
-    if not path.is_dir():
-        raise TraceError(f"{path}: no such directory; pass the directory TORCH_TRACE pointed at")
-    files = sorted(p for p in path.iterdir() if _RANK_FILE.search(p.name))
-    if not files:
-        raise TraceError(
-            f"{path}: no TORCH_TRACE logs (dedicated_log_torch_trace_rank_*.log); "
-            "run the program with TORCH_TRACE set to this directory"
-        )
-    ranks: dict[int, RankTrace] = {}
-    warnings: list[str] = []
-    for file in track(files, "dtcompile-report: reading logs", unit="log"):
-        file_rank = int(_RANK_FILE.search(file.name).group(1))
-        entries = _entries(file, warnings)
-        logged = sorted({meta["artifact"]["rank"] for _, meta, _ in entries if _threaded(meta)})
-        threads = len(logged) > 1
-        if threads:
-            warnings.append(
-                f"{file.name}: ranks {logged} ran as threads of one process and share this log: dtcompile's "
-                "entries are read per rank (each rank's compiles numbered in its own order), Dynamo's "
-                "graph-break and recompile entries cannot be attributed to a rank and are left out (a "
-                "thread's first compile reads as a recompile of another's there)"
-            )
-            simulated = [e for e in entries if _in_world(e[1]) and not _threaded(e[1])]
-            if simulated:
-                warnings.append(
-                    f"{file.name}: {len(simulated)} entries of a compile in a one-process simulated world "
-                    "(fake_world, explain()) beside the threads: left out of the per-rank view"
-                )
-                entries = [e for e in entries if not (_in_world(e[1]) and not _threaded(e[1]))]
-        renumber = _per_rank_compile_ids(entries) if threads else {}
-        # Artifacts logged outside a torch compile (a whole-step graph's: graph_trainer's
-        # pipeline, compile_step) carry no compile id of torch's: each is keyed by the id its
-        # collectives artifact names (step/0), the graph logged before it gathered meanwhile.
-        unkeyed: dict[int, CompileRecord] = defaultdict(CompileRecord)
-        for number, meta, payload in entries:
-            artifact = meta.get("artifact")
-            if not artifact or (threads and "rank" not in artifact):  # threads: Dynamo's own, not attributable
-                continue
-            # A log of its own rank (gloo, torchrun, one process) is that rank's, as torch named it.
-            rank = artifact["rank"] if threads else file_rank
-            name, cid = artifact.get("name", ""), _compile_id(meta)
-            cid = renumber.get((rank, cid), cid)
-            trace = ranks.setdefault(rank, RankTrace(rank))
-            what, kind = parse_artifact(name) or (name, None)
-            if cid == "-" and what in ("placements", "graph"):
-                if what == "graph":
-                    unkeyed[rank].graphs[str(kind)] = payload
-                else:
-                    unkeyed[rank].placements = payload
-                continue
-            if cid == "-" and what == "collectives":
-                data = _json_payload(file, number, name, payload)
-                key = _unused(trace.compiles, str(data.get("compile_id") or cid))
-                trace.compiles[key] = unkeyed.pop(rank, CompileRecord())
-                trace.compiles[key].collectives[data["kind"]] = data
-                continue
-            if what == "auto_parallel_solution":
-                trace.plans.append(payload)
-            elif what == "eager_fallback":
-                trace.fallbacks.append(payload)
-            elif what == "cached_compile":
-                trace.cached.append(payload)
-            elif what == "placements":
-                trace.compiles[cid].placements = payload
-            elif what == "graph":
-                trace.compiles[cid].graphs[str(kind)] = payload
-            elif what == "collectives":
-                data = _json_payload(file, number, name, payload)
-                trace.compiles[cid].collectives[data["kind"]] = data
-            elif name == "dynamo_graph_break_reason":
-                # "Graph break in user code at file:line", the reason, Dynamo's explanation.
-                trace.graph_breaks.append(f"{cid}: " + "\n".join(payload.splitlines()[:6]).strip())
-            elif name == "recompile_reasons":
-                # Labelled json, written as text: one "<compile id>: reason" per line.
-                reasons = _json_payload(file, number, name, payload) if payload.startswith("[") else payload.splitlines()
-                trace.recompiles += [f"{cid}: recompiled because {r}" for r in reasons if r.strip()]
-    return Trace(ranks, warnings)
-
-
-def _in_world(meta: dict[str, Any]) -> bool:
-    artifact = meta.get("artifact")
-    return isinstance(artifact, dict) and "rank" in artifact
-
-
-def _threaded(meta: dict[str, Any]) -> bool:
-    """An artifact dtcompile logged on a rank run as a thread (the threaded process group)."""
-    return _in_world(meta) and meta["artifact"].get("world") == "threaded"
-
-
-def _per_rank_compile_ids(entries: list[tuple[int, dict[str, Any], str]]) -> dict[tuple[int, str], str]:
-    """For a log that ranks run as threads share: ``(rank, compile id) -> the id renumbered in
-    that rank's own order`` (a frame's compiles 0/0, 0/1, 0/2 by threads 0, 1, 2 are each
-    thread's first, 0/0), from the ranks dtcompile's artifacts name."""
-    seen: dict[tuple[int, str], list[str]] = defaultdict(list)
-    for _, meta, _ in entries:
-        cid = _compile_id(meta)
-        if not _in_world(meta) or cid == "-":
-            continue
-        ids = seen[(meta["artifact"]["rank"], cid.partition("/")[0])]
-        if cid not in ids:
-            ids.append(cid)
-    return {(rank, cid): f"{frame}/{i}" for (rank, frame), ids in seen.items() for i, cid in enumerate(ids)}
-
-
-def _unused(compiles: dict[str, CompileRecord], key: str) -> str:
-    """``key``, or ``key (2)``, ``key (3)``... where a record of that key was read already
-    (two whole-step graphs made by different passes of one process)."""
-    if key not in compiles:
-        return key
-    n = 2
-    while f"{key} ({n})" in compiles:
-        n += 1
-    return f"{key} ({n})"
 
 
 def _schedule_on_axes(record: CompileRecord) -> dict[str, tuple[Scheduled, ...]]:
@@ -311,6 +91,20 @@ def _shape_and_bytes(collective: dict[str, Any]) -> tuple[str, Any]:
     if collective.get("data_dependent"):
         return "", "data-dependent"
     return "x".join(map(str, collective["shape"])), collective["bytes"]
+
+
+def _compile_seconds_table(record: CompileRecord) -> str:
+    """A compile's graphs' seconds per stage, a column per stage one of them went through,
+    in the stages' order, and their total (the text report's ``== compile seconds ==``)."""
+    order = [stage.value for stage in Stage]
+    logged = {name for data in record.seconds.values() for name in data["stages"]}
+    # A stage this dtcompile does not know (a newer one's trace) goes last.
+    stages = [name for name in order if name in logged] + sorted(logged - set(order))
+    rows = [
+        [kind, *(f"{data['stages'][name]:.3f}" if name in data["stages"] else "" for name in stages), f"{data['total']:.3f}"]
+        for kind, data in record.seconds.items()
+    ]
+    return _table(["graph", *stages, "total"], rows)
 
 
 _CSS = """
@@ -433,13 +227,17 @@ def render_html(trace: Trace, title: str = "dtcompile report", depyf_files: list
                 "yes" if p["ran"] else "switched off",
                 "{} -> {}".format(*p["nodes"]),
                 "{} -> {}".format(*p["collectives"]),
+                f"{p['seconds'] * 1e3:.2f}" if p.get("seconds") else "",
                 "\n".join(p.get("decisions", [])),
             ]
             for kind, data in record.collectives.items()
             for p in data.get("passes", [])
         ]
         if passes:
-            parts.append("<h3>Passes</h3>" + _table(["graph", "pass", "ran", "nodes", "collectives", "decisions"], passes, left=2))
+            header = ["graph", "pass", "ran", "nodes", "collectives", "ms", "decisions"]
+            parts.append("<h3>Passes</h3>" + _table(header, passes, left=2))
+        if record.seconds:
+            parts.append("<h3>Compile seconds</h3>" + _compile_seconds_table(record))
         timelines = [(kind, data["timeline"]) for kind, data in record.collectives.items() if data.get("timeline")]
         if timelines:
             parts.append("<h3>Timeline (simulated)</h3>")

@@ -212,7 +212,7 @@ def _disagreement(sides: list[list[int]], a: Mapping[str, Any], plan_a: list[str
     else:
         longer, rank = (plan_a, ra) if len(plan_a) > len(plan_b) else (plan_b, rb)
         lines.append(f"  first difference: {longer[min(len(plan_a), len(plan_b))]} on rank {rank} only")
-    from dtcompile.ranks.check import differences
+    from dtcompile.ranks.disagreement import differences
 
     differs = differences(a["facts"], b["facts"], ra, rb)
     if differs:

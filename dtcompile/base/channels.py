@@ -98,6 +98,12 @@ class Artifact:
         return f"dtcompile_{GraphKind(kind).value}_regions"
 
     @staticmethod
+    def compile_seconds(kind: GraphKind) -> str:
+        """An AOT graph's compile seconds per stage (JSON, :class:`dtcompile.records.StageSeconds`),
+        logged once its stages are done, and again where a later one adds to them (the last one counts)."""
+        return f"dtcompile_{GraphKind(kind).value}_compile_seconds"
+
+    @staticmethod
     def pass_graph(kind: GraphKind, when: str, pass_name: str) -> str:
         """An AOT graph ``before`` or ``after`` one pass (``trace_pass_graphs=True``)."""
         return f"dtcompile_{GraphKind(kind).value}_{when}_{pass_name}"
@@ -112,6 +118,7 @@ _BY_NAME: dict[str, tuple[str, GraphKind | None]] = {
     **{Artifact.graph(k): ("graph", k) for k in GraphKind},
     **{Artifact.collectives(k): ("collectives", k) for k in GraphKind},
     **{Artifact.regions(k): ("regions", k) for k in GraphKind},
+    **{Artifact.compile_seconds(k): ("compile_seconds", k) for k in GraphKind},
 }
 
 

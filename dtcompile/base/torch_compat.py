@@ -11,6 +11,10 @@ detected.  :data:`dtcompile.base.torch_contract.PRIVATE_NAMES` lists the names o
 each side of a change with the versions that have them, and
 ``tests/architecture/test_torch_contract.py`` checks them on the running torch.
 
+Private state read only to report on a compile (when Dynamo began compiling a frame:
+:func:`frame_compile_started_ns`) is read here too, where a release that lacks it means
+something not reported, never an error.
+
 Dropping the oldest release deletes its branch here, in the same change.
 
 Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
@@ -25,6 +29,7 @@ __all__ = [
     "compiled_blocks_recompile_for_async_outputs",
     "dot_of_partials_reduce_scatters",
     "fake_tensor_call_errors",
+    "frame_compile_started_ns",
     "inductor_reorders_collectives",
     "script_object_variable",
     "subclass_outer_size_from_inner",
@@ -150,3 +155,27 @@ def compiled_blocks_recompile_for_async_outputs() -> bool:
     Observed on the releases, not detectable beforehand: this compares versions.
     """
     return torch_version() < (2, 14)
+
+
+def frame_compile_started_ns() -> int | None:
+    """When Dynamo began compiling the frame this thread is compiling, in ``time.time_ns()``
+    nanoseconds; ``None`` where no frame is being compiled (a backend called by hand) or
+    torch does not say.
+
+    torch keeps it in the thread's metrics context (``torch._dynamo.utils.get_metrics_context()``,
+    a ``MetricsContext`` that ``convert_frame``'s ``_compile`` enters for the frame:
+    ``in_progress()`` while it compiles, the start in ``_start_time_ns``, an attribute
+    its ``__enter__`` sets, so the contract lists the function and the method only),
+    the same in the context's first versions as in torch 2.15.  All three are private:
+    one missing, or of another type, is a stage not timed, never an error.
+    """
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        started = getattr(context, "_start_time_ns", None)
+        if not context.in_progress():
+            return None
+    except Exception:  # a private name gone or changed: Dynamo's seconds are not known
+        return None
+    return started if isinstance(started, int) and started > 0 else None

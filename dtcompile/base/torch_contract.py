@@ -291,6 +291,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_non_fake_inputs",)),
     # dtcompile._testing.moe: the MoE's token dispatch (differentiable, as torchtitan's)
     ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
+    # dtcompile.base.torch_compat.frame_compile_started_ns: when Dynamo began compiling the frame
+    # (the context's _start_time_ns is an instance attribute, read with getattr: a stage not timed where gone)
+    ("torch._dynamo.utils", "get_metrics_context", ()),
+    ("torch._dynamo.metrics_context", "MetricsContext.in_progress", ("self",)),
     # dtcompile.base.torch_compat: the version differences' own probes
     ("torch._dynamo.exc", "TorchRuntimeError", None),
     ("torch._functorch._aot_autograd.schemas", "SubclassCreationMeta", None),

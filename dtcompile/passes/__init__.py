@@ -57,7 +57,7 @@ from dtcompile.passes.bucketing import bucket_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.passes.optimizer_updates import place_optimizer_updates
 from dtcompile.passes.overlap import reorder_for_overlap
-from dtcompile.records import CompiledGraph, MemoryBudget, Outcome, PassRecord
+from dtcompile.records import CompiledGraph, MemoryBudget, Outcome, PassRecord, Stage, StageSeconds
 
 __all__ = ["PASSES", "GraphPass", "PassContext", "compiled_graph", "run_passes"]
 
@@ -150,8 +150,10 @@ def run_passes(
     """Runs ``passes`` (default :data:`PASSES`) in order, skipping those in ``ctx.config.disable_passes``."""
     require(_TORCH_NAMES, "dtcompile.passes")
     records = []
+    start = time.perf_counter()
     ctx.set_budget(gm)
     ctx.traced_timeline = simulate(gm.graph, ctx.profile)
+    ctx.traced_seconds = time.perf_counter() - start
     ctx.traced_collectives = tuple(graph_collectives(gm.graph, ctx.axes))
     # Judged on the graph as traced: a pass's own rewrites (bucketing's slices of
     # its flat buffers) must not read as DTensor's padding to the passes after it.
@@ -221,28 +223,38 @@ def compiled_graph(
     with_regions: str = "",
     spmd_types_traced: Mapping[str, Mapping[str, str]] | None = None,
     lowering: Mapping[str, Any] | None = None,
+    stages: Mapping[Stage, float] | None = None,
 ) -> CompiledGraph:
     """What dtcompile did with ``gm``, the graph :func:`run_passes` rewrote under ``ctx``
     and its ``records``, as it is lowered: the one place a
     :class:`~dtcompile.records.CompiledGraph` is made, for every front door.  Its memory and
     timeline are measured here, beside the traced ones ``ctx`` kept; ``held_bytes``: what
-    the caller holds while it runs (a backward: what its forward saved)."""
+    the caller holds while it runs (a backward: what its forward saved).  ``stages``: the
+    seconds of the stages the caller timed before the passes (Dynamo, AOTAutograd...); the
+    record's :attr:`~dtcompile.records.CompiledGraph.stages` adds the simulations, traced
+    and final, and reads the passes' from ``records``."""
     info = ctx.info
+    start = time.perf_counter()
+    memory = estimate_memory(gm, ctx.kind, held_bytes)
+    timeline = simulate(gm.graph, info.profile)
+    simulated = ctx.traced_seconds + time.perf_counter() - start
+    passes = tuple(records)
     return CompiledGraph(
         compile_id=info.compile_id,
         kind=ctx.kind,
         graph=gm,
         collectives=tuple(graph_collectives(gm.graph, info.axes)),
-        passes=tuple(records),
+        passes=passes,
         info=info,
         regions=tuple(regions),
         with_regions=with_regions,
-        memory=estimate_memory(gm, ctx.kind, held_bytes),
+        memory=memory,
         memory_traced=ctx.traced_memory,
         memory_budget=MemoryBudget(ctx.budget_bytes or 0, ctx.budget_why),
-        timeline=simulate(gm.graph, info.profile),
+        timeline=timeline,
         timeline_traced=ctx.traced_timeline,
         collectives_traced=ctx.traced_collectives,
         spmd_types_traced=dict(spmd_types_traced or {}),
         lowering=dict(lowering or {}),
+        stages=StageSeconds({**(stages or {}), Stage.SIMULATIONS: simulated}, passes),
     )

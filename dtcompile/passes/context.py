@@ -48,6 +48,9 @@ class PassContext:
     """The graph's memory before any pass, set by ``run_passes``."""
     traced_timeline: Timeline | None = None
     """The graph before any pass played on its profile (:func:`~dtcompile.cost.simulate.simulate`), set by ``run_passes``."""
+    traced_seconds: float = 0.0
+    """Wall time ``run_passes`` spent on :attr:`traced_memory` and :attr:`traced_timeline`:
+    the first part of the graph's simulations (:attr:`dtcompile.records.Stage.SIMULATIONS`)."""
     traced_collectives: tuple[CollectiveInfo, ...] = ()
     """The graph's collectives before any pass, set by ``run_passes``: what the ranks traced,
     which the ranks' check tells from what dtcompile's passes made of them."""

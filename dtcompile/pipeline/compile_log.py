@@ -8,7 +8,9 @@ emitted as a ``TORCH_TRACE`` artifact, in one way for every entry:
 
 - :meth:`CompileLog.compiled`: a :class:`~dtcompile.records.CompiledGraph` (a Dynamo
   graph's forward, backward or inference graph, or a whole-step graph), printed too
-  where the options ask for the ``report``;
+  where the options ask for the ``report``; :meth:`CompileLog.finished`: its compile
+  seconds per stage once its stages are done (:class:`~dtcompile.records.StageSeconds`),
+  and :meth:`CompileLog.checked` again with its compile's ranks' check added;
 - :meth:`CompileLog.served`: a :class:`~dtcompile.records.CachedCompile`, a graph the
   compile cache served;
 - :meth:`CompileLog.fell_back`: an :class:`~dtcompile.records.EagerFallback`, a graph
@@ -21,10 +23,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
-from dtcompile.artifacts import emit_artifacts, emit_cached_artifact, emit_fallback_artifact, format_compiled_graph
+from dtcompile.artifacts import (
+    emit_artifacts,
+    emit_cached_artifact,
+    emit_compile_seconds,
+    emit_fallback_artifact,
+    format_compiled_graph,
+)
 from dtcompile.ranks.check import RankChecker
-from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, RankCheck
+from dtcompile.records import CachedCompile, CompiledGraph, EagerFallback, RankCheck, Stage
 
 __all__ = ["CompileLog"]
 
@@ -53,7 +62,9 @@ class CompileLog:
 
     def compiled(self, record: CompiledGraph, *, report: bool = False, profile: object = None) -> None:
         """Keeps ``record``, logs it (``profile``: the cost profile it was priced with, where the
-        log has not said it yet), emits its artifacts, and prints it with ``report``."""
+        log has not said it yet), emits its artifacts, and prints it with ``report``; the
+        time that takes is its :attr:`~dtcompile.records.Stage.ARTIFACTS` stage."""
+        start = time.perf_counter()
         self.records.append(record)
         priced = f", cost profile {profile}" if profile is not None else ""
         log.info(
@@ -66,6 +77,19 @@ class CompileLog:
         emit_artifacts(record)
         if report:
             print(format_compiled_graph(record), flush=True)
+        record.stages.add(Stage.ARTIFACTS, time.perf_counter() - start)
+
+    def finished(self, record: CompiledGraph) -> None:
+        """Logs (INFO) and emits ``record``'s compile seconds per stage, once its stages are done."""
+        log.info("compile %s %s graph: compile seconds: %s", record.compile_id, record.kind, record.stages)
+        emit_compile_seconds(record)
+
+    def checked(self, record: CompiledGraph, check: RankCheck) -> None:
+        """Charges the ranks' check ``check`` to ``record``, its compile's last graph, whose
+        compile seconds were emitted already, and emits them again where it adds to them."""
+        if check.seconds > 0:
+            record.stages.add_check(check)
+            self.finished(record)
 
     def served(self, cached: CachedCompile) -> None:
         """Keeps, logs and emits ``cached``."""

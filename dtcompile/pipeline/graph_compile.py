@@ -16,7 +16,16 @@ beside the compile cache, the partitioner.  Its stages, in order:
 4. :meth:`~GraphCompile.lower`: the regions are inlined and the lowering settings read;
 5. :meth:`~GraphCompile.record`: the :class:`~dtcompile.records.CompiledGraph` is
    handed to the log (kept, logged, its artifacts emitted) and its artifacts kept
-   beside the cache.
+   beside the cache;
+6. Inductor's ``compile_fx_inner`` (``inductor=True``), after which the log emits the
+   graph's compile seconds.
+
+Each stage is timed where it runs, into the record's
+:class:`~dtcompile.records.StageSeconds`: Dynamo's tracing (from when it began compiling
+the frame, given by the backend), AOTAutograd's (the time inside :meth:`trace` that no
+other stage took, charged to the graph it led to), the partitioner's, the SPMD types'
+check, the passes', the simulations', the artifacts' and Inductor's; the ranks' check
+adds its exchange at the first call (:meth:`~dtcompile.pipeline.compile_log.CompileLog.checked`).
 
 The cache hit is a fact, not an inference: :meth:`~GraphCompile.served_from_cache`
 is true when AOTAutograd counted a hit during :meth:`trace` and nothing was traced
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -69,7 +79,7 @@ from dtcompile.ranks.schedule import (
     scheduled_collectives,
     traced_digest,
 )
-from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord
+from dtcompile.records import Action, CachedCompile, CompiledGraph, EagerFallback, PassRecord, Stage
 from dtcompile.spmd.carry import SpmdCarry, outputs_from_json, outputs_to_json, traced_copy
 from dtcompile.spmd.inference import axis_objects, input_types, type_graph
 from dtcompile.spmd.layouts import with_declared_types
@@ -199,10 +209,19 @@ def _aot_cache_hits() -> int:
 
 
 class GraphCompile:
-    """The compile of Dynamo graph ``gm`` with ``config``, kept in ``log`` (see the module doc)."""
+    """The compile of Dynamo graph ``gm`` with ``config``, kept in ``log`` (see the module doc);
+    ``dynamo_seconds``: how long Dynamo traced it before calling the backend, where known."""
 
-    def __init__(self, log: CompileLog, gm: fx.GraphModule, example_inputs: Sequence[Any], config: DTCompileConfig) -> None:
+    def __init__(
+        self,
+        log: CompileLog,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: DTCompileConfig,
+        dynamo_seconds: float | None = None,
+    ) -> None:
         self.log, self.gm, self.example_inputs, self.config = log, gm, example_inputs, config
+        self.dynamo_seconds = dynamo_seconds
         compile_id = torch._guards.CompileContext.current_compile_id()
         axes = mesh_axes(gm, example_inputs)
         # Priced for its devices and its meshes' groups (the default group's when it has none).
@@ -252,11 +271,15 @@ class GraphCompile:
         self.spmd_carry: SpmdCarry | None = None
         """Where the inputs are typed and the graph was traced here: what its outputs are
         stamped with, and what a call with inputs typed otherwise is checked on."""
+        self._aot_since: float | None = None
+        """While :meth:`trace` runs: since when AOTAutograd's time counts for the next AOT graph
+        (the trace's start, then the end of the graph before)."""
 
     # ---- stage 1: trace (or be served)
     def trace(self) -> Callable[..., Any]:
         """AOTAutograd (and Inductor) on the graph; the later stages run inside, per AOT graph."""
         self._hits_before = _aot_cache_hits()
+        self._aot_since = time.perf_counter()
         with (
             _aot_settings(self.config, backward_now=self.checking, cacheable=self.uncacheable is None),
             stable_mesh_keys(),
@@ -264,7 +287,10 @@ class GraphCompile:
             keep_regions(),
             loss_parallel_backward(self.gm),
         ):
-            compiled = self._inductor() if self.config.inductor else self._aot_only()
+            try:
+                compiled = self._inductor() if self.config.inductor else self._aot_only()
+            finally:
+                self._aot_since = None  # a backward compiled later, at its first call, gets no AOTAutograd time
         self._hits_during = _aot_cache_hits() - self._hits_before
         self.obtained = Obtained.COMPILED if self.traced else Obtained.SERVED
         return compiled
@@ -300,7 +326,7 @@ class GraphCompile:
         else:
             kind = GraphKind.FORWARD
         with contextlib.ExitStack() as stack:
-            traced, kind, records, memory, ctx = self.passes(gm, example_inputs, kind)
+            traced, kind, records, memory, ctx, stages = self.passes(gm, example_inputs, kind)
 
             def lowering(passes: Sequence[PassRecord]) -> dict[str, Any]:
                 """Patches Inductor for this graph (until it is compiled); what it will read.
@@ -314,8 +340,12 @@ class GraphCompile:
                     settings[INDUCTOR_SIMPLE_OVERLAP] = current[INDUCTOR_SIMPLE_OVERLAP]
                 return settings
 
-            gm = self.lower(traced, kind, records, memory, ctx, lowering)
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+            record = self.lower(traced, kind, records, memory, ctx, stages, lowering)
+            start = time.perf_counter()
+            compiled = compile_fx_inner(record.graph, example_inputs, **kwargs)
+            record.stages.add(Stage.INDUCTOR, time.perf_counter() - start)
+        self._graph_done(record)
+        return compiled
 
     def _aot_only(self) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
@@ -325,8 +355,9 @@ class GraphCompile:
             def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 from torch._functorch.aot_autograd import make_boxed_func
 
-                lowered = self.lower(*self.passes(graph, inputs, kind), lambda _: {})
-                return make_boxed_func(lowered.forward)
+                record = self.lower(*self.passes(graph, inputs, kind), lambda _: {})
+                self._graph_done(record)
+                return make_boxed_func(record.graph.forward)
 
             return compile_graph
 
@@ -344,10 +375,14 @@ class GraphCompile:
         self.traced = True
 
     # ---- stage 3: the passes, per AOT graph
-    def passes(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: GraphKind) -> tuple[fx.GraphModule, GraphKind, list[PassRecord], MemoryPlan, PassContext]:
+    def passes(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: GraphKind
+    ) -> tuple[fx.GraphModule, GraphKind, list[PassRecord], MemoryPlan, PassContext, dict[Stage, float]]:
         """dtcompile's passes on one AOT graph (a forward's records start with the
-        partitioner's ``reshard_after_forward`` decisions)."""
+        partitioner's ``reshard_after_forward`` decisions), with the seconds of the stages
+        that led to it (:meth:`_stages_before`) and of its SPMD types' check."""
         self.traced = True  # an inference graph is traced without a partition
+        stages = self._stages_before(kind)
         memory = MemoryPlan(
             held_bytes=self.partitioner.held_during_backward if kind == GraphKind.BACKWARD else 0,
             prefetch_bytes=prefetch_window(self.partitioner.resharding.gathered),
@@ -356,11 +391,35 @@ class GraphCompile:
             kind=kind, config=self.config, info=self.info, memory=memory,
             plans=PlanMeeting(self.config.check_ranks_timeout_s),
         )
+        start = time.perf_counter()
         self.spmd_types_traced[kind] = self.check_spmd_types(gm, kind)
+        if self.info.spmd_inputs:  # where it ran
+            stages[Stage.SPMD_TYPES] = time.perf_counter() - start
         gm, records = run_passes(gm, example_inputs, ctx)
         if kind == GraphKind.FORWARD:
             records[:0] = self.partitioner.records(gm)
-        return gm, kind, records, memory, ctx
+        return gm, kind, records, memory, ctx, stages
+
+    def _stages_before(self, kind: GraphKind) -> dict[Stage, float]:
+        """The seconds of the stages that led to this AOT graph of kind ``kind``: Dynamo's
+        tracing (the first graph only), inside :meth:`trace` AOTAutograd's since the trace
+        began or the graph before ended, less the partitioner's, which a forward gets."""
+        stages: dict[Stage, float] = {}
+        if not self.graphs and self.dynamo_seconds is not None:
+            stages[Stage.DYNAMO] = self.dynamo_seconds
+        partitioned = self.partitioner.seconds if kind == GraphKind.FORWARD else 0.0
+        if self._aot_since is not None:
+            stages[Stage.AOT_AUTOGRAD] = max(0.0, time.perf_counter() - self._aot_since - partitioned)
+        if partitioned:
+            stages[Stage.PARTITIONER] = partitioned
+        return stages
+
+    def _graph_done(self, record: CompiledGraph) -> None:
+        """``record``'s stages are done: the log emits its compile seconds, and AOTAutograd's
+        time for the next graph counts from now."""
+        self.log.finished(record)
+        if self._aot_since is not None:
+            self._aot_since = time.perf_counter()
 
     def check_spmd_types(self, gm: fx.GraphModule, kind: GraphKind) -> dict[str, dict[str, str]]:
         """Types the AOT graph as traced, before any pass rewrites it, and checks them
@@ -398,24 +457,26 @@ class GraphCompile:
         records: list[PassRecord],
         memory: MemoryPlan,
         ctx: PassContext,
+        stages: Mapping[Stage, float],
         lowering: Callable[[Sequence[PassRecord]], Mapping[str, Any]],
-    ) -> fx.GraphModule:
-        """The graph with its regions inlined, recorded with the settings it will be lowered
-        with: ``lowering`` is told what the passes did and returns them."""
+    ) -> CompiledGraph:
+        """The record of the graph with its regions inlined (its :attr:`~CompiledGraph.graph`,
+        to lower), with the settings it will be lowered with (``lowering`` is told what the
+        passes did and returns them) and the seconds of its ``stages`` so far."""
         with_regions = format_with_regions(gm) if any(is_region(n) for n in gm.graph.nodes) else ""
         regions = inline_regions(gm, self.info, kind)
         gm.recompile()
-        self.record(
-            compiled_graph(
-                gm, ctx, records,
-                held_bytes=memory.held_bytes,
-                regions=regions,
-                with_regions=with_regions,
-                spmd_types_traced=self.spmd_types_traced.get(kind, {}),
-                lowering=lowering(records),
-            )
+        record = compiled_graph(
+            gm, ctx, records,
+            held_bytes=memory.held_bytes,
+            regions=regions,
+            with_regions=with_regions,
+            spmd_types_traced=self.spmd_types_traced.get(kind, {}),
+            lowering=lowering(records),
+            stages=stages,
         )
-        return gm
+        self.record(record)
+        return record
 
     # ---- stage 5: record
     def record(self, record: CompiledGraph) -> None:
@@ -423,9 +484,11 @@ class GraphCompile:
         where one can serve this graph."""
         self.graphs.append(record)
         if self.beside_cache_key is not None:
+            start = time.perf_counter()
             # Made now: lowering rewrites the graph in place (Inductor's reinplacing).
             keep_artifacts(record, self._kept)
             save_beside_cache(BesideCacheFolders.REPORTS, self.beside_cache_key, list(self._kept.values()))
+            record.stages.add(Stage.ARTIFACTS, time.perf_counter() - start)
         self.log.compiled(record, report=self.config.report)
 
     # ---- the other endings: served from the cache, run eagerly

@@ -29,6 +29,7 @@ that runs it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,8 +60,8 @@ class Partitioner(CustomPartitionerFn):
     ``params`` (the Dynamo graph's parameter inputs, :func:`dtcompile.pipeline.reshard.param_names`)
     it is :meth:`uuid`, which torch's compile caches key on, and all that pickles.
     ``on_start`` (neither keyed nor pickled) is called when partitioning starts:
-    AOTAutograd's trace has finished by then.  :attr:`resharding` and
-    :attr:`held_during_backward` describe the last partition.
+    AOTAutograd's trace has finished by then.  :attr:`resharding`,
+    :attr:`held_during_backward` and :attr:`seconds` describe the last partition.
     """
 
     def __init__(
@@ -86,12 +87,21 @@ class Partitioner(CustomPartitionerFn):
         self.resharding = Resharding((), {})
         self.activations: ActivationChoice | None = None
         self.held_during_backward = 0
+        self.seconds = 0.0
+        """Wall time of the last partition, min-cut included (:attr:`dtcompile.records.Stage.PARTITIONER`)."""
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
         if self.on_start is not None:
             self.on_start()
+        start = time.perf_counter()
+        try:
+            return self._partition(gm, joint_inputs, **kwargs)
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def _partition(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
         keeping = bool(ranks_may_differ(self.uneven, gm))
         refused = (
             "sharded unevenly: the partition keeps every collective in the phase that traced it"
@@ -160,6 +170,7 @@ class Partitioner(CustomPartitionerFn):
         self.resharding = Resharding((), {})
         self.activations = None
         self.held_during_backward = 0
+        self.seconds = 0.0
 
 
 _keeping = threading.local()

@@ -44,7 +44,7 @@ from dtcompile.pipeline.reshard import reshard_step_graph
 from dtcompile.ranks.check import check_groups, world_can_disagree
 from dtcompile.ranks.plans import PlanMeeting
 from dtcompile.ranks.schedule import Obtained, Schedule, bucketed, decided_from, scheduled_collectives, traced_digest
-from dtcompile.records import CompiledGraph, PassRecord, RankCheck
+from dtcompile.records import CompiledGraph, PassRecord, RankCheck, Stage
 
 __all__ = ["StepPass", "TracedStep", "check_mutations_kept", "forward_nodes", "input_mutations", "mesh_axes_of", "step_parts"]
 
@@ -158,6 +158,10 @@ class TracedStep:
     example_inputs: Sequence[Any]
     input_names: Sequence[str] = ()
     meshes: Sequence[Any] = ()
+    trace_seconds: float | None = None
+    """How long the front door's trace of the step took (``compile_step``'s ``make_fx``), the
+    record's :attr:`~dtcompile.records.Stage.AOT_AUTOGRAD` stage; ``None`` where it was not
+    measured (graph_trainer's tracer, before its passes)."""
 
 
 class StepPass:
@@ -198,7 +202,8 @@ class StepPass:
         return self.compile(TracedStep(gm, example_inputs, self.input_names, self.meshes)).graph
 
     def compile(self, traced: TracedStep) -> CompiledGraph:
-        """dtcompile's pass on ``traced`` (see the module doc): its record, also kept in :attr:`records`."""
+        """dtcompile's pass on ``traced`` (see the module doc): its record, also kept in :attr:`records`,
+        whose compile seconds the log emits once its ranks' check is done."""
         gm, example_inputs = traced.gm, traced.example_inputs
         compile_id = f"step/{len(self.records)}"
         axes = mesh_axes_of(traced.meshes)
@@ -230,9 +235,11 @@ class StepPass:
             passes.insert(0, resharded)
         gm.recompile()
         check_mutations_kept(before, gm.graph, compile_id)
-        record = compiled_graph(gm, ctx, passes)
+        traced_for = {Stage.AOT_AUTOGRAD: traced.trace_seconds} if traced.trace_seconds is not None else {}
+        record = compiled_graph(gm, ctx, passes, stages=traced_for)
         self.log.compiled(record, report=self.config.report, profile=priced)
         self._check_ranks(record, traced, priced)
+        self.log.finished(record)
         return record
 
     def _check_ranks(self, record: CompiledGraph, traced: TracedStep, priced: Any) -> None:
@@ -252,4 +259,4 @@ class StepPass:
             bucketed=bucketed([record]),
             traced_digest=traced_digest([record]),
         )
-        self.log.checker.check(schedule, groups, self.config.check_ranks_timeout_s, record.info.axes)
+        self.log.checker.check(schedule, groups, self.config.check_ranks_timeout_s, record.info.axes, charge=record.stages.add_check)

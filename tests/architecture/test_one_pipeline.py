@@ -110,9 +110,9 @@ def test_every_front_door_checks_its_ranks_through_the_one_checker(monkeypatch):
     seen: list[tuple[int, str, str]] = []
     original = RankChecker.check
 
-    def spy(self, schedule, groups, timeout_s, axes):
+    def spy(self, schedule, groups, timeout_s, axes, **kwargs):
         seen.append((torch.distributed.get_rank(), _entry.name, schedule.compile_id))
-        return original(self, schedule, groups, timeout_s, axes)
+        return original(self, schedule, groups, timeout_s, axes, **kwargs)
 
     monkeypatch.setattr(RankChecker, "check", spy)
     run_threaded(2, _each_entry_on_a_rank, timeout=240)

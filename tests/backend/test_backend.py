@@ -15,6 +15,7 @@ import dtcompile
 from dtcompile.config import DTCompileConfig
 from dtcompile.pass_names import PASS_NAMES
 from dtcompile.passes import PASSES
+from dtcompile.records import Stage
 
 
 @pytest.mark.subprocess
@@ -92,6 +93,10 @@ def test_plain_model_compiles_and_matches_eager(inductor):
         compiled(x)
     assert counter.frame_count == 1
     assert [r.kind for r in backend.records] == ["forward", "backward"]
+    # Each graph's compile seconds have Inductor's stage exactly where it lowered.
+    for record in backend.records:
+        assert (Stage.INDUCTOR in record.stages) == inductor, record.stages
+        assert record.stages.get(Stage.INDUCTOR) is None or record.stages.get(Stage.INDUCTOR) > 0
 
 
 def test_switched_off_pass_does_not_run_and_passes_log(caplog):

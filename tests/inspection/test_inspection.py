@@ -475,6 +475,17 @@ def test_report_tool_writes_every_section(trace_dir, tmp_path):
     assert "Graph break in user code" in page
 
 
+@pytest.mark.inductor
+def test_report_tool_shows_each_graphs_compile_seconds_inductors_too(trace_dir):
+    trace = report_tool.read_trace(trace_dir)
+    seconds = trace.ranks[0].compiles["0/0"].seconds
+    assert sorted(seconds) == ["backward", "forward"]
+    assert all(data["stages"]["Inductor"] > 0 for data in seconds.values()), seconds
+    page = report_tool.render_html(trace)
+    table = page[page.index("<h3>Compile seconds</h3>") :].split("</table>")[0]
+    assert '<th class="n">Inductor</th>' in table and "<td>backward</td>" in table
+
+
 def test_report_tool_checks_that_ranks_agree(trace_dir, tmp_path):
     (log,) = trace_dir.glob("dedicated_log_torch_trace_rank_0_*.log")
     agree = tmp_path / "agree"

@@ -131,6 +131,21 @@ def test_report_out_must_be_a_directory(dtcompile_trace, tmp_path, capsys):
     assert existing.read_text() == "mine"
 
 
+def test_the_report_has_a_compile_seconds_table_per_compile(dtcompile_trace):
+    """Each graph's stages as its last dtcompile_<kind>_compile_seconds logged them (no Inductor here)."""
+    trace = report_tool.read_trace(dtcompile_trace)
+    seconds = trace.ranks[0].compiles["0/0"].seconds
+    assert sorted(seconds) == ["backward", "forward"]
+    assert list(seconds["forward"]["stages"]) == ["Dynamo", "AOTAutograd", "partitioner", "passes", "simulations", "artifacts"]
+    assert seconds["forward"]["total"] == pytest.approx(sum(seconds["forward"]["stages"].values()), abs=1e-5)
+    page = report_tool.render_html(trace)
+    table = page[page.index("<h3>Compile seconds</h3>") :].split("</table>")[0]
+    header = [cell.split(">")[-1] for cell in table.split("</th>")[:-1]]
+    assert header == ["graph", "Dynamo", "AOTAutograd", "partitioner", "passes", "simulations", "artifacts", "total"]
+    assert "<td>forward</td>" in table and "<td>backward</td>" in table
+    assert f'<td class="n">{seconds["forward"]["total"]:.3f}</td></tr>' in table
+
+
 def test_report_refuses_a_trace_without_dtcompile_artifacts(stock_trace, tmp_path, capsys):
     assert list(stock_trace.glob("dedicated_log_torch_trace_rank_0_*.log"))
     out = tmp_path / "out"
@@ -165,7 +180,8 @@ def _sections(page: str) -> dict[str, str]:
 def test_a_warm_cache_run_reports_what_a_cold_one_does(tmp_path):
     """A restarted run's graphs come from AOTAutograd's cache: nothing is traced, so the
     sections the run that compiled them kept beside the cache are logged again, and the
-    report is the cold run's, plus a section saying which graphs the cache served."""
+    report is the cold run's, plus a section saying which graphs the cache served, less
+    the cold run's compile seconds (nothing was compiled again)."""
     cache = tmp_path / "cache"
     first = _trace(tmp_path / "first", "dtcompile_inductor", cache=cache)
     again = _trace(tmp_path / "again", "dtcompile_inductor", cache=cache)
@@ -176,6 +192,9 @@ def test_a_warm_cache_run_reports_what_a_cold_one_does(tmp_path):
         pages[trace] = (out / "index.html").read_text()
     cold, warm = _sections(pages[first]), _sections(pages[again])
     assert "cached-compiles" not in cold and "compile-0_0" in cold
+    seconds = re.compile(r"<h3>Compile seconds</h3><table>.*?</table>\n?", flags=re.S)
+    assert seconds.search(cold["compile-0_0"]) and not seconds.search(warm["compile-0_0"])
+    cold["compile-0_0"] = seconds.sub("", cold["compile-0_0"])
     served = warm.pop("cached-compiles")
     assert html.escape("compile 0/0: loaded from AOTAutograd's cache") in served
     assert "its report sections, kept beside the cache, are logged again" in served
