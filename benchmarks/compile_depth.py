@@ -15,7 +15,9 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
   compiles (its second: the first runs eagerly to make AdamW's state).
 
 Also per way: the seconds dtcompile's passes took (the records' ``PassRecord.seconds``,
-summed over the graphs), the graph's nodes, and the rank's peak RSS.  Every way's loss is
+summed over the graphs), the graph's nodes, and the rank's peak RSS; then, for dtcompile's
+ways, each compile stage's seconds (``CompiledGraph.stages``: Dynamo, AOTAutograd or
+``compile_step``'s make_fx trace, the partitioner, the passes, the simulations, ...).  Every way's loss is
 checked against the eager loss of the same model (1e-5).  The table's ratios are measured
 side by side in one run.
 
@@ -25,6 +27,7 @@ side by side in one run.
 from __future__ import annotations
 
 import argparse
+import math
 import resource
 import sys
 import time
@@ -39,9 +42,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support: torchtitan's harness (CPU device, SDPA)
 
 import dtcompile  # noqa: E402
+from dtcompile.records import Stage  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
 WAYS = ("aot_eager", "dtcompile", "gt tracer", "compile_step")
+STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
 LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
 BATCH = 2
@@ -54,7 +59,10 @@ def _build(rank: int, layers: int) -> tuple[torch.nn.Module, tuple[torch.Tensor,
     model = titan.simple_fsdp(model, parallel_dims)
     torch.manual_seed(0)
     model.to_empty(device="cpu")
-    with torch.no_grad():
+    from torchtitan.experiments.graph_trainer.simple_fsdp import disable_active_parametrization
+
+    with torch.no_grad(), disable_active_parametrization():
+        model.init_states()  # the buffers (RoPE's): to_empty leaves them uninitialized
         for p in model.parameters():
             (p.to_local() if isinstance(p, DTensor) else p).normal_(0, 0.02)
     generator = torch.Generator().manual_seed(1 + rank)
@@ -72,6 +80,15 @@ def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, count: torch.T
 
 def _passes_s(records: Any) -> float:
     return sum(p.seconds for r in records for p in r.passes)
+
+
+def _stages(records: Any) -> dict[str, float]:
+    """Each stage's seconds (``CompiledGraph.stages``) summed over the way's graphs."""
+    totals: dict[str, float] = {}
+    for record in records:
+        for stage, seconds in record.stages.items():
+            totals[str(stage)] = totals.get(str(stage), 0.0) + seconds
+    return totals
 
 
 def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
@@ -115,11 +132,12 @@ def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
             records = compiled.records
             nodes = sum(len(r.graph.graph.nodes) for r in records)
         got = float(loss.detach())
-        if abs(got - reference) > 1e-5 * max(1.0, abs(reference)):
+        if not math.isfinite(reference) or abs(got - reference) > 1e-5 * max(1.0, abs(reference)):
             raise AssertionError(f"{way} at {layers} layers: loss {got} against eager's {reference}")
     return {
         "seconds": seconds,
         "passes_s": _passes_s(records) if records else None,
+        "stages": _stages(records),
         "nodes": nodes,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -134,6 +152,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
     print("| layers | way | seconds | vs aot_eager | vs gt tracer | passes s | nodes | peak RSS MiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    stages: list[tuple[int, str, dict[str, float]]] = []
     for layers in args.layers:
         rows: dict[str, dict[str, Any]] = {}
         for _ in range(args.rounds):
@@ -149,6 +168,14 @@ def main() -> None:
             passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
             print(f"| {layers} | {way} | {row['seconds']:.1f} | {vs_stock} | {vs_tracer} | {passes} | "
                   f"{row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
+            if row["stages"]:
+                stages.append((layers, way, row["stages"]))
+    print("\nPer stage, rank 0's seconds summed over its graphs (the records' StageSeconds):")
+    print("| layers | way | " + " | ".join(STAGES) + " |")
+    print("|---:|---|" + "---:|" * len(STAGES))
+    for layers, way, seconds in stages:
+        cells = [f"{seconds[s]:.2f}" if s in seconds else "-" for s in STAGES]
+        print(f"| {layers} | {way} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
