@@ -7,13 +7,12 @@ backward), and returns a :class:`Report`; ``str(report)`` is, per compile id:
   collectives it causes in forward and backward and their estimated time;
 - the forward and backward AOT graphs, one annotated line per call node;
 - a collective table (graph, op, axis, group, bytes, estimated us) and totals;
-- the compile seconds: one row per graph, its seconds in each stage of its compile
-  (Dynamo, AOTAutograd, the partitioner, the SPMD types' check, the passes, the
-  simulations, the artifacts, Inductor, the ranks' check: :class:`~dtcompile.records.Stage`)
-  and their total;
 
 then the graph breaks and the recompile reasons (in placement and mesh words,
-see :mod:`dynamo_vars.guards`).  For a model made by ``dtcompile.auto_parallel``
+see :mod:`dynamo_vars.guards`), and last the compile seconds: one row per graph, its
+seconds in each stage of its compile (Dynamo, AOTAutograd, the partitioner, the SPMD
+types' check, the passes, the simulations, the artifacts, Inductor, the ranks' check:
+:class:`~dtcompile.records.Stage`) and their total.  For a model made by ``dtcompile.auto_parallel``
 the report starts with its solution (``solution.explain()``: every node's
 placements and cost).  It sits above the backend: it builds one.
 The per-graph pieces and the ``TORCH_TRACE`` artifacts are in
@@ -82,11 +81,11 @@ class Report:
                 lines += [f"-- passes on the {record.kind} graph --", *pass_lines(record)]
         lines += ["== memory (estimated, per rank) ==", *[line for r in self.graphs for line in memory_lines(r)]]
         lines += ["== collectives ==", *collective_table(list(self.graphs))]
-        lines += ["== compile seconds ==", *compile_seconds_table(self.graphs)]
         lines.append("== graph breaks ==")
         lines += [f"- {reason}" for reason in self.graph_breaks] or ["none"]
         lines.append("== recompiles ==")
         lines += [f"- {reason}" for reason in self.recompiles] or ["none"]
+        lines += ["== compile seconds ==", *compile_seconds_table(self.graphs)]
         return "\n".join(lines)
 
 
