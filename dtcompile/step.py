@@ -390,7 +390,9 @@ class CompiledStep:
             log.info("compile_step: traced the step again (%d graphs): a new shape, placement or hyperparameter", self.traces)
         example = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         names = _input_names(state, tensor_at, in_layouts)
-        record = self.step_pass.compile(TracedStep(gm, example, names, self.step_pass.meshes, trace_seconds))
+        record = self.step_pass.compile(
+            TracedStep(gm, example, names, self.step_pass.meshes, trace_seconds), lowered_after=self.config.inductor
+        )
         run = self._lower(record, example) if self.config.inductor else record.graph
         return _Traced(run, out["layouts"], out["spec"])
 

@@ -201,9 +201,11 @@ class StepPass:
         """graph_trainer's pass contract: the step graph after dtcompile's pass."""
         return self.compile(TracedStep(gm, example_inputs, self.input_names, self.meshes)).graph
 
-    def compile(self, traced: TracedStep) -> CompiledGraph:
+    def compile(self, traced: TracedStep, *, lowered_after: bool = False) -> CompiledGraph:
         """dtcompile's pass on ``traced`` (see the module doc): its record, also kept in :attr:`records`,
-        whose compile seconds the log emits once its ranks' check is done."""
+        whose compile seconds the log emits once its ranks' check is done; ``lowered_after``:
+        the front door lowers the graph next, adds that stage and emits them itself
+        (``compile_step`` with Inductor), so that they are logged once."""
         gm, example_inputs = traced.gm, traced.example_inputs
         compile_id = f"step/{len(self.records)}"
         axes = mesh_axes_of(traced.meshes)
@@ -239,7 +241,8 @@ class StepPass:
         record = compiled_graph(gm, ctx, passes, stages=traced_for)
         self.log.compiled(record, report=self.config.report, profile=priced)
         self._check_ranks(record, traced, priced)
-        self.log.finished(record)
+        if not lowered_after:
+            self.log.finished(record)
         return record
 
     def _check_ranks(self, record: CompiledGraph, traced: TracedStep, priced: Any) -> None:

@@ -167,6 +167,18 @@ def test_a_step_graph_has_its_trace_and_no_dynamo():
     assert table[2].startswith("step/0 step ") and len(table) == 3
 
 
+@pytest.mark.inductor
+def test_a_step_lowered_with_inductor_logs_its_compile_seconds_once_inductor_included(caplog):
+    model = _mlp()
+    step = dtcompile.compile_step(lambda x: model(x).pow(2).mean(), model=model)
+    with caplog.at_level("INFO", logger="dtcompile.compiler"):
+        step(torch.randn(4, 16))
+    (record,) = step.records
+    assert set(record.stages) == {Stage.AOT_AUTOGRAD, Stage.PASSES, Stage.SIMULATIONS, Stage.ARTIFACTS, Stage.INDUCTOR}
+    logged = [r.getMessage() for r in caplog.records if "compile seconds" in r.getMessage()]
+    assert logged == [f"compile step/0 step graph: compile seconds: {record.stages}"], logged
+
+
 def test_graph_trainers_step_graph_has_no_trace_stage_of_ours():
     """graph_trainer traces the step itself, before its passes: that is not measured here."""
     from torch.fx.experimental.proxy_tensor import make_fx
