@@ -289,6 +289,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     # dtcompile.auto_parallel: an op without a strategy traced as its registered decomposition
     ("torch._decomp", "decomposition_table", None),
     ("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_non_fake_inputs",)),
+    # dtcompile.passes._graph.refresh_metadata: a layout node's fake value read off its meta kernel
+    ("torch._subclasses.fake_tensor", "FakeTensor", None),
+    ("torch._subclasses.fake_tensor", "in_kernel_invocation_manager", ("fake_mode",)),
+    ("torch._subclasses.fake_tensor", "FakeTensorConverter.from_meta_and_device", ("self", "fake_mode", "t", "device")),
     # dtcompile._testing.moe: the MoE's token dispatch (differentiable, as torchtitan's)
     ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
     # dtcompile.base.torch_compat.frame_compile_started_ns: when Dynamo began compiling the frame

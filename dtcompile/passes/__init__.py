@@ -67,9 +67,14 @@ _TORCH_NAMES: tuple[str, ...] = (
     "torch._guards.detect_fake_mode",
     "torch._logging.trace_structured",
     "torch._ops.OpOverload",
+    "torch._subclasses.fake_tensor.FakeTensor",
+    "torch._subclasses.fake_tensor.FakeTensorConverter.from_meta_and_device",
+    "torch._subclasses.fake_tensor.in_kernel_invocation_manager",
     "torch.ops._c10d_functional.all_gather_into_tensor.default",
     "torch.ops._c10d_functional.wait_tensor.default",
+    "torch.utils._pytree.tree_leaves",
     "torch.utils._pytree.tree_map",
+    "torch.utils._pytree.tree_map_only",
 )
 """The private torch names the passes' modules use (each in ``torch_contract.PRIVATE_NAMES``),
 checked by :func:`run_passes` (``torch_contract.require``); ``tests/architecture/test_newer_torch.py``

@@ -69,7 +69,50 @@ def refresh_metadata(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
                 continue
             args = torch.utils._pytree.tree_map(value, node.args)
             kwargs = torch.utils._pytree.tree_map(value, node.kwargs)
-            node.meta["val"] = node.target(*args, **kwargs)
+            if node.target in _META_EXACT and _static(args):
+                node.meta["val"] = _on_meta(mode, node.target, args, kwargs)
+            else:
+                node.meta["val"] = node.target(*args, **kwargs)
+
+
+_aten = torch.ops.aten
+_META_EXACT = frozenset({
+    _aten.reshape.default, _aten.view.default, _aten.slice.Tensor, _aten.split.Tensor,
+    _aten.split_with_sizes.default, _aten.cat.default, _aten.permute.default, _aten.t.default,
+})
+"""The layout ops the passes make (bucketing's flatten, slice and reshape back; async-TP's
+splits), whose fake value is their meta kernel's output on the inputs' meta tensors: torch's
+own C++ shape arithmetic, without the fake mode's Python dispatch (its cache, its Python
+decompositions: about 1.4 ms a node against 0.1 ms)."""
+
+
+def _static(args: Any) -> bool:
+    """Whether every tensor in ``args`` is a fake tensor of static sizes and strides."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for leaf in torch.utils._pytree.tree_leaves(args):
+        if isinstance(leaf, torch.SymInt):
+            return False
+        if isinstance(leaf, torch.Tensor):
+            if not isinstance(leaf, FakeTensor):
+                return False
+            if any(isinstance(d, torch.SymInt) for d in (*leaf.shape, *leaf.stride(), leaf.storage_offset())):
+                return False
+    return True
+
+
+def _on_meta(mode: Any, target: Any, args: Any, kwargs: Any) -> Any:
+    """``target``'s output on the fake inputs run as meta tensors, each output wrapped as a fake
+    tensor on the inputs' device (a view keeps its input's storage), as the fake mode's own
+    dispatch wraps a meta kernel's outputs."""
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    device = next(t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)).fake_device
+    with in_kernel_invocation_manager(mode):
+        out = target(*args, **kwargs)
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: mode.fake_tensor_converter.from_meta_and_device(mode, t, device), out
+    )
 
 
 def alias_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
