@@ -48,7 +48,8 @@ def refresh_metadata(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Give every node without ``meta["val"]`` (the ones a pass made) its fake value.
 
     Each such node's target runs on its inputs' fake values in the graph's fake
-    mode, in graph order.  (Not ``FakeTensorProp``: its interpreter touches
+    mode, in graph order; a layout op of :data:`_META_EXACT` on static inputs runs as its
+    meta kernel (:func:`_on_meta`).  (Not ``FakeTensorProp``: its interpreter touches
     ``torch.fx.traceback`` globals, which ranks-as-threads share while another
     rank traces its backward.)
     """
