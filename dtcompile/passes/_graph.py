@@ -70,7 +70,7 @@ def refresh_metadata(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
                 continue
             args = torch.utils._pytree.tree_map(value, node.args)
             kwargs = torch.utils._pytree.tree_map(value, node.kwargs)
-            if node.target in _META_EXACT and _static(args):
+            if node.target in _META_EXACT and _static((args, kwargs)):
                 node.meta["val"] = _on_meta(mode, node.target, args, kwargs)
             else:
                 node.meta["val"] = node.target(*args, **kwargs)
@@ -88,7 +88,8 @@ decompositions: about 1.4 ms a node against 0.1 ms)."""
 
 
 def _static(args: Any) -> bool:
-    """Whether every tensor in ``args`` is a fake tensor of static sizes and strides."""
+    """Whether every tensor in ``args`` is a fake tensor of static sizes, strides and offset, and no
+    argument is a symbolic size (stricter than :func:`dtcompile.base.sizes.is_symbolic`, which reads sizes only)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     for leaf in torch.utils._pytree.tree_leaves(args):
