@@ -44,6 +44,7 @@ from dtcompile.base.sizes import hint
 from dtcompile.graph.collectives import is_collective
 
 __all__ = [
+    "Estimates",
     "LiveTensor",
     "MemoryBudgetError",
     "MemoryEstimate",
@@ -211,6 +212,44 @@ def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: GraphKind = GraphKind.F
         by_kind=tuple(totals.items()),
         spans={node.name: (own[0].start, own[0].end, own[0].bytes) for node, own in held.items() if own},
     )
+
+
+class Estimates:
+    """:func:`estimate_memory` for the passes over one graph, each estimate kept while the
+    graph is as it was: asked again where no pass changed the graph since (its nodes, their
+    order, targets, inputs and values the same objects), it answers the kept estimate, where
+    an estimate walks every storage of the graph (the passes ask up to seven times a graph,
+    most often of a graph the pass before left as it was).  Exact: what an estimate reads of
+    the graph is what the kept one is compared on, and the kept objects stay alive while it is
+    kept, so no identity is reused."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[int, str, int], tuple[tuple[int, ...], list[object], MemoryEstimate]] = {}
+
+    def __call__(self, gm: fx.GraphModule | fx.Graph, kind: GraphKind, held_bytes: int = 0) -> MemoryEstimate:
+        graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+        layout, objects = _layout(graph)
+        key = (id(graph), str(kind), held_bytes)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] == layout:
+            return kept[2]
+        estimate = estimate_memory(graph, kind, held_bytes)
+        self._kept[key] = (layout, [graph, *objects], estimate)
+        return estimate
+
+
+def _layout(graph: fx.Graph) -> tuple[tuple[int, ...], list[object]]:
+    """What :func:`estimate_memory` reads of ``graph``, as identities (each node in order: the
+    node, its target, its value, its inputs), and the objects behind them."""
+    ids: list[int] = []
+    objects: list[object] = []
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        inputs = node.all_input_nodes
+        objects += (node, node.target, value)
+        ids += (id(node), id(node.target), id(value), len(inputs))
+        ids += map(id, inputs)
+    return tuple(ids), objects
 
 
 def held_during_backward(forward: fx.GraphModule, backward: fx.GraphModule) -> int:

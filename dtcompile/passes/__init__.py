@@ -48,7 +48,6 @@ from dtcompile.base.channels import Artifact
 from dtcompile.base.torch_contract import require
 from dtcompile.cost.simulate import simulate
 from dtcompile.graph.collectives import graph_collectives, is_collective
-from dtcompile.graph.memory import estimate_memory
 from dtcompile.graph.rank_dependence import ranks_may_differ
 from dtcompile.pass_names import PASS_SPECS, PassSpec
 from dtcompile.passes.annotate import annotate
@@ -64,6 +63,7 @@ __all__ = ["PASSES", "GraphPass", "PassContext", "compiled_graph", "run_passes"]
 log = logging.getLogger(__name__)
 
 _TORCH_NAMES: tuple[str, ...] = (
+    "torch._C._DisablePythonDispatcher",
     "torch._guards.detect_fake_mode",
     "torch._logging.trace_structured",
     "torch._ops.OpOverload",
@@ -240,7 +240,7 @@ def compiled_graph(
     and final, and reads the passes' from ``records``."""
     info = ctx.info
     start = time.perf_counter()
-    memory = estimate_memory(gm, ctx.kind, held_bytes)
+    memory = ctx.estimate(gm, held_bytes)
     timeline = simulate(gm.graph, info.profile)
     simulated = ctx.traced_seconds + time.perf_counter() - start
     passes = tuple(records)

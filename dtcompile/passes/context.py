@@ -11,7 +11,7 @@ from torch import fx
 from dtcompile.base.channels import GraphKind
 from dtcompile.cost.simulate import Timeline
 from dtcompile.graph.collectives import CollectiveInfo, largest_collective
-from dtcompile.graph.memory import MemoryEstimate, MemoryPlan, PeakTracker, estimate_memory
+from dtcompile.graph.memory import Estimates, MemoryEstimate, MemoryPlan, PeakTracker
 from dtcompile.ranks.plans import PlanMeeting
 from dtcompile.records import Action, Outcome, Price
 
@@ -60,6 +60,8 @@ class PassContext:
     shapes alone."""
     outcomes: list[Outcome] = field(default_factory=list)
     """The current pass's decisions (``run_passes`` takes them after each pass)."""
+    estimates: Estimates = field(default_factory=Estimates)
+    """The graph's memory estimates, each kept while no pass changed the graph (:meth:`estimate`)."""
 
     @property
     def axes(self) -> dict[str, str]:
@@ -71,11 +73,17 @@ class PassContext:
         """The cost profile this graph is priced with (``config.cost_profile``, or what ``auto`` chose)."""
         return self.info.profile
 
+    def estimate(self, gm: fx.GraphModule, held_bytes: int | None = None) -> MemoryEstimate:
+        """The graph's memory as it is now (:func:`~dtcompile.graph.memory.estimate_memory`),
+        the caller holding ``held_bytes`` (default: what :attr:`memory` says it holds); the
+        same estimate again where the graph did not change since it was asked."""
+        return self.estimates(gm, self.kind, self.memory.held_bytes if held_bytes is None else held_bytes)
+
     def set_budget(self, gm: fx.GraphModule) -> int:
         """Sets :attr:`traced_memory` and :attr:`budget_bytes` from ``gm``, the graph before
         any pass; a graph that gathers no parameters gets twice its largest collective's
         buffer as its window."""
-        self.traced_memory = estimate_memory(gm, self.kind, self.memory.held_bytes)
+        self.traced_memory = self.estimate(gm)
         plan, budget = self.memory, self.config.memory_budget_bytes
         if budget is None and not plan.prefetch_bytes:
             plan = dataclasses.replace(plan, prefetch_bytes=2 * largest_collective(gm))
@@ -87,7 +95,7 @@ class PassContext:
         """The graph's memory as it is now, to price rewrites against :attr:`budget_bytes`
         (set from ``gm`` if no budget was set yet)."""
         budget = self.budget_bytes if self.budget_bytes is not None else self.set_budget(gm)
-        return PeakTracker(estimate_memory(gm, self.kind, self.memory.held_bytes), budget)
+        return PeakTracker(self.estimate(gm), budget)
 
     def record(self, outcome: Outcome) -> Outcome:
         self.outcomes.append(outcome)

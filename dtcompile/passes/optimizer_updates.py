@@ -28,7 +28,6 @@ import torch
 from torch import fx
 
 from dtcompile.base.channels import Meta
-from dtcompile.graph.memory import estimate_memory
 from dtcompile.passes._graph import alias_roots, read_inputs
 from dtcompile.passes.context import PassContext
 
@@ -49,7 +48,7 @@ def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], c
     updates = [n for n in graph.nodes if n.op == "call_function" and optimizer_of(n) and not _is_marker(n)]
     if not updates:
         return gm
-    peak_before = estimate_memory(gm, ctx.kind).peak_bytes
+    peak_before = ctx.estimate(gm, held_bytes=0).peak_bytes
     roots = alias_roots(graph)
     moving = set(updates)
     # Every node's place as a sort key: (original position, 0, 0) for the nodes that stay;
@@ -87,7 +86,7 @@ def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], c
             previous.append(node)
         previous = node
     graph.lint()
-    peak_after = estimate_memory(gm, ctx.kind).peak_bytes
+    peak_after = ctx.estimate(gm, held_bytes=0).peak_bytes
     foreach = [n.name for n in updates if _updates_many(n)]
     text = (
         f"{moved} of {len(updates)} optimizer nodes placed right after their gradients and the last reads "

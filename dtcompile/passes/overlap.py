@@ -57,7 +57,7 @@ from dtcompile.base.op_facts import WAIT, is_ordering_barrier
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import priced_once, simulate
 from dtcompile.graph.collectives import collective_info
-from dtcompile.graph.memory import PeakTracker, estimate_memory
+from dtcompile.graph.memory import PeakTracker
 from dtcompile.graph.regions import issues_collectives
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
@@ -302,7 +302,7 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     filled = _fill_windows(gm, infos, communication, ctx, times)
     peak = None
     if filled:
-        peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
+        peak = ctx.estimate(gm).peak_bytes
         if peak > ctx.budget_bytes:
             _put_back(hoisted)
             del ctx.outcomes[recorded:]
@@ -316,7 +316,7 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     if not moved:
         return gm
     if peak is None:
-        peak = estimate_memory(gm, ctx.kind, ctx.memory.held_bytes).peak_bytes
+        peak = ctx.estimate(gm).peak_bytes
     adds = peak - peak_before
     # Rounded: moving nodes whose estimates sum alike leaves float noise, not a gain.
     price = ctx.price(round(before - simulate(gm.graph, ctx.profile, times).total_us, 6), 0.0, adds_bytes=adds)

@@ -4,6 +4,8 @@ input's storage; symbolic inputs take the fake mode's dispatch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import fx
@@ -45,10 +47,16 @@ def _facts(value: object, inputs: list[torch.Tensor]) -> object:
             value.fake_mode, shares)
 
 
+@pytest.mark.parametrize("python_dispatcher", [False, True], ids=["plain", "python-dispatcher"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_meta_values_are_the_fake_modes_own(dtype: torch.dtype) -> None:
+def test_meta_values_are_the_fake_modes_own(dtype: torch.dtype, python_dispatcher: bool) -> None:
+    """Also under the Python dispatcher, as AOTAutograd's compile runs the passes: the fake
+    mode's own values come from torch's Python references there, the fast path's from the
+    C++ meta kernels."""
+    from torch._dispatch.python import enable_python_dispatcher
+
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    with mode:
+    with enable_python_dispatcher() if python_dispatcher else contextlib.nullcontext(), mode:
         a, b = torch.empty(6, 40, dtype=dtype), torch.empty(6, 24, dtype=dtype)
         for target, args, kwargs in _cases(a, b):
             assert target in _graph._META_EXACT
