@@ -55,6 +55,7 @@ from dtcompile.base.channels import Meta
 from dtcompile.base.scoped_patch import fx_tracing
 from dtcompile.config import DTCompileConfig
 from dtcompile.pipeline.step_pass import StepPass, TracedStep
+from dtcompile.pipeline.step_reads import one_step_read, reads_steps_once, step_counts
 from dtcompile.records import CompiledGraph, Stage
 
 __all__ = ["CompiledStep", "StepNotTraceable", "compile_step"]
@@ -210,6 +211,8 @@ class _Traced:
     gm: fx.GraphModule
     out_layouts: list[_Layout | None]
     out_spec: Any
+    shared_step_reads: int = 0
+    """The optimizer's step-count reads that took the first parameter's (:mod:`dtcompile.pipeline.step_reads`)."""
 
 
 class CompiledStep:
@@ -233,6 +236,9 @@ class CompiledStep:
         """How many step graphs were traced (a new shape, placement or hyperparameter traces again)."""
         self.eager_steps = 0
         """Calls run eagerly (an optimizer's first step, which creates its state)."""
+        self.shared_step_reads = 0
+        """In the graph the last call ran: how many parameters' optimizer step counts took the
+        first parameter's read (:mod:`dtcompile.pipeline.step_reads`; 0 where each read its own)."""
 
     def __repr__(self) -> str:
         with_optimizer = f", optimizer={type(self.optimizer).__name__}" if self.optimizer is not None else ""
@@ -271,7 +277,11 @@ class CompiledStep:
         # The graph's inputs: the state's tensors, then the arguments', subclasses unwrapped, once a call.
         tensors = [v for v in [*state_leaves, *user_flat] if isinstance(v, torch.Tensor)]
         flat, layouts = _unwrap_all(tensors)
+        # Whether the optimizer's step counts are read once (dtcompile.pipeline.step_reads):
+        # a graph traced so holds only while every parameter's count is the same.
+        shared = reads_steps_once(self.optimizer)
         key = (
+            shared,
             state_spec,
             user_spec,
             tuple((type(v).__name__, repr(v)) for v in [*state_leaves, *user_flat] if not isinstance(v, torch.Tensor)),
@@ -279,7 +289,8 @@ class CompiledStep:
         )
         traced = self._graphs.get(key)
         if traced is None:
-            traced = self._graphs[key] = self._trace(state_leaves, state_spec, user_flat, user_spec, flat, layouts)
+            traced = self._graphs[key] = self._trace(state_leaves, state_spec, user_flat, user_spec, flat, layouts, shared)
+        self.shared_step_reads = traced.shared_step_reads
         with torch.no_grad():
             outputs = traced.gm(*flat)
         loss, grads = pytree.tree_unflatten(_wrap_all(outputs, traced.out_layouts), traced.out_spec)
@@ -323,6 +334,7 @@ class CompiledStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.eager_steps += 1
+        self.shared_step_reads = 0
         return loss.detach()
 
     def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
@@ -345,6 +357,7 @@ class CompiledStep:
         user_spec: Any,
         flat: list[torch.Tensor],
         in_layouts: list[_Layout | None],
+        shared_steps: bool = False,
     ) -> _Traced:
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -371,8 +384,14 @@ class CompiledStep:
                 if self.optimizer is not None:
                     for param, grad in zip(params, grads):
                         param.grad = grad
-                    with fx_traceback.annotate({Meta.OPTIMIZER: type(self.optimizer).__name__}), _no_stack_traces():
+                    counts = step_counts(traced_state["optim"].get("state", {})) if shared_steps else []
+                    with (
+                        fx_traceback.annotate({Meta.OPTIMIZER: type(self.optimizer).__name__}),
+                        _no_stack_traces(),
+                        one_step_read(counts) as read,
+                    ):
                         self.optimizer.step()
+                    out["shared_reads"] = read.shared if read is not None else 0
                     for param in params:
                         param.grad = None
                     grads = []
@@ -394,7 +413,10 @@ class CompiledStep:
             TracedStep(gm, example, names, self.step_pass.meshes, trace_seconds), lowered_after=self.config.inductor
         )
         run = self._lower(record, example) if self.config.inductor else record.graph
-        return _Traced(run, out["layouts"], out["spec"])
+        if out.get("shared_reads"):
+            log.info("compile_step: %s's step counts read once for %d more parameters (every count equal)",
+                     type(self.optimizer).__name__, out["shared_reads"])
+        return _Traced(run, out["layouts"], out["spec"], out.get("shared_reads", 0))
 
     def _lower(self, record: CompiledGraph, example: Sequence[Any]) -> Callable[..., Any]:
         """``record``'s step graph after the passes, through Inductor (``compile_fx``: AOTAutograd

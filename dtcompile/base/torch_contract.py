@@ -314,6 +314,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._subclasses.fake_tensor", "DataDependentOutputException", None),
     ("torch._subclasses.fake_tensor", "DynamicOutputShapeException", None),
     ("torch.nn.utils.stateless", "_reparametrize_module", ("module", "parameters_and_buffers")),
+    # dtcompile.pipeline.step_reads: the optimizer's step counts read once (what .item() runs)
+    ("torch", "ops.aten._local_scalar_dense", None),
+    ("torch", "ops.aten._local_scalar_dense.default", None),
     # dtcompile.testing.memory: a subclass's inner tensors hold its bytes
     ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass", ("t",)),
     ("torch.distributed.distributed_c10d", "_get_default_group", ()),

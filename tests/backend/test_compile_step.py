@@ -122,6 +122,36 @@ def test_optimizer_inside_matches_eager(name):
         assert after < before, moved
 
 
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_adamw_reads_one_step_count_while_every_count_is_equal(foreach):
+    """AdamW's per-parameter step counts are read once in the trace (#70) while every count is
+    the same; a count that differs (a state loaded from elsewhere) takes a graph whose reads are
+    each their own, and equal counts again take the first graph back.  Bitwise eager's
+    throughout: a graph that read one count for counts that differ would give the first
+    parameter the others' bias corrections."""
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=foreach)
+    eager_optimizer = torch.optim.AdamW(eager.parameters(), lr=0.01, foreach=foreach)
+    step = dtcompile.compile_step(lambda x: model(x).pow(2).mean(), model=model, optimizer=optimizer, **NO_INDUCTOR)
+    shared = []
+    for i, x in enumerate(_batches(6)):
+        if i in (2, 4):  # the first parameter's count 3 ahead, then back in line
+            for opt in (optimizer, eager_optimizer):
+                next(iter(opt.state.values()))["step"].add_(3 if i == 2 else -3)
+        loss = step(x)
+        want = _eager_step(eager, eager_optimizer, x)
+        assert torch.equal(loss, want), f"step {i}"
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager.parameters())), f"step {i}"
+        state, eager_state = _optimizer_state(optimizer), _optimizer_state(eager_optimizer)
+        assert all(_equal(a, b) for a, b in zip(state, eager_state, strict=True)), f"step {i}"
+        shared.append(step.shared_step_reads)
+    # The for-loop update reads each count once, the foreach one twice (each bias correction's list).
+    others = (2 if foreach else 1) * len(list(model.parameters())) - 1
+    assert shared == [0, others, 0, 0, others, others]
+    assert step.traces == 2 and step.eager_steps == 1
+
+
 def test_a_changed_learning_rate_traces_again():
     model = _mlp()
     eager = copy.deepcopy(model)
