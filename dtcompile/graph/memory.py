@@ -116,6 +116,10 @@ class MemoryEstimate:
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if value is None:
+        return []
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
@@ -135,7 +139,26 @@ def _nbytes(tensor: torch.Tensor) -> int:
         return hint(tensor.numel()) * tensor.element_size()
 
 
-def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.Node, list[_Storage]]]:
+_Facts = dict[int, tuple[object, list[tuple[object, torch.Tensor]]]]
+"""A node value's id -> the value, and each of its tensors with its storage's key."""
+
+
+def _keyed_tensors(value: object, facts: _Facts | None) -> list[tuple[object, torch.Tensor]]:
+    """Each tensor of ``value`` with its storage's key; kept in ``facts`` (where given) for the
+    next walk of a graph whose values are the same objects."""
+    if facts is not None:
+        kept = facts.get(id(value))
+        if kept is not None and kept[0] is value:
+            return kept[1]
+    keyed = [(_storage_key(t), t) for t in _tensors(value)]
+    if facts is not None:
+        facts[id(value)] = (value, keyed)
+    return keyed
+
+
+def _storages(
+    graph: fx.Graph, facts: _Facts | None = None
+) -> tuple[list[fx.Node], list[_Storage], dict[fx.Node, list[_Storage]]]:
     """Every storage the graph holds, with the span of the schedule it is alive for, and
     the storages each node's value lives in."""
     nodes = list(graph.nodes)
@@ -151,15 +174,15 @@ def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.N
     for node in nodes:
         if node.op == "output":
             continue
+        keyed = _keyed_tensors(node.meta.get("val"), facts)
         if node.target is WAIT and isinstance(node.args[0], fx.Node):
             # wait_tensor returns its collective's buffer (its fake value does not say so).
             held[node] = held.get(node.args[0], [])
-            for tensor, storage in zip(_tensors(node.meta.get("val")), held[node]):
-                same[_storage_key(tensor)] = storage
+            for (key, _), storage in zip(keyed, held[node]):
+                same[key] = storage
             continue
         storages = []
-        for tensor in _tensors(node.meta.get("val")):
-            key = _storage_key(tensor)
+        for key, tensor in keyed:
             storage = same.get(key) or owner.get(key)
             if storage is None:
                 kind = "input" if node.op == "placeholder" else ("gathered" if is_collective(node) else "temporary")
@@ -181,10 +204,13 @@ def _storages(graph: fx.Graph) -> tuple[list[fx.Node], list[_Storage], dict[fx.N
     return nodes, list(owner.values()), held
 
 
-def estimate_memory(gm: fx.GraphModule | fx.Graph, kind: GraphKind = GraphKind.FORWARD, held_bytes: int = 0) -> MemoryEstimate:
-    """The live bytes of ``gm`` along its schedule (see the module docstring)."""
+def estimate_memory(
+    gm: fx.GraphModule | fx.Graph, kind: GraphKind = GraphKind.FORWARD, held_bytes: int = 0, _facts: _Facts | None = None
+) -> MemoryEstimate:
+    """The live bytes of ``gm`` along its schedule (see the module docstring).  (``_facts``:
+    :class:`Estimates`' storage keys of the values it walked before.)"""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    nodes, storages, held = _storages(graph)
+    nodes, storages, held = _storages(graph, _facts)
     delta = [0] * (len(nodes) + 1)
     for s in storages:
         delta[s.start] += s.bytes
@@ -219,12 +245,14 @@ class Estimates:
     graph is as it was: asked again where no pass changed the graph since (its nodes, their
     order, targets, inputs and values the same objects), it answers the kept estimate, where
     an estimate walks every storage of the graph (the passes ask up to seven times a graph,
-    most often of a graph the pass before left as it was).  Exact: what an estimate reads of
+    most often of a graph the pass before left as it was).  A walk of a changed graph reads
+    the storages of the values it walked before from what it kept of them.  Exact: what an estimate reads of
     the graph is what the kept one is compared on, and the kept objects stay alive while it is
     kept, so no identity is reused."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, str, int], tuple[tuple[int, ...], list[object], MemoryEstimate]] = {}
+        self._facts: _Facts = {}  # each value walked, with its storages' keys (kept alive with it)
 
     def __call__(self, gm: fx.GraphModule | fx.Graph, kind: GraphKind, held_bytes: int = 0) -> MemoryEstimate:
         graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
@@ -233,7 +261,7 @@ class Estimates:
         kept = self._kept.get(key)
         if kept is not None and kept[0] == layout:
             return kept[2]
-        estimate = estimate_memory(graph, kind, held_bytes)
+        estimate = estimate_memory(graph, kind, held_bytes, self._facts)
         self._kept[key] = (layout, [graph, *objects], estimate)
         return estimate
 
