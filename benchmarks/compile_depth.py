@@ -11,8 +11,15 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
   first forward and backward (dtcompile's partitioner and passes; no code generation);
 - ``gt tracer``: graph_trainer's tracer (``minimal_fx_tracer``) over forward, loss and
   backward as one graph, no pass run;
-- ``compile_step``: ``dtcompile.compile_step`` with AdamW inside, the call that traces and
-  compiles (its second: the first runs eagerly to make AdamW's state).
+- ``compile_step``: ``dtcompile.compile_step`` with AdamW inside (``foreach=False``: a
+  for-loop over the parameters, the update the most nodes to trace), the call that traces and
+  compiles (its second: the first runs eagerly to make AdamW's state);
+- ``compile_step fused``: the same with ``fused=True``, torchtitan's default
+  ``optimizer.implementation``.
+
+``compile s``: the way's seconds less those of its next call (the same step run warm: the
+graph runs, nothing compiles), what compiling added; the tracer's is its seconds (it runs
+nothing).  ``vs gt tracer`` compares seconds as measured, ``(compile s)`` the compile seconds.
 
 Also per way: the seconds dtcompile's passes took (the records' ``PassRecord.seconds``,
 summed over the graphs), the graph's nodes, and the rank's peak RSS; then, for dtcompile's
@@ -45,7 +52,7 @@ import dtcompile  # noqa: E402
 from dtcompile.records import Stage  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
-WAYS = ("aot_eager", "dtcompile", "gt tracer", "compile_step")
+WAYS = ("aot_eager", "dtcompile", "gt tracer", "compile_step", "compile_step fused")
 STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
 LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
@@ -106,6 +113,9 @@ def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
             loss = _loss(compiled, *x)
             loss.backward()
             seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            _loss(compiled, *x).backward()
+            warm = time.perf_counter() - start
             if way == "dtcompile":
                 records = backend.records
                 nodes = sum(len(r.graph.graph.nodes) for r in records)
@@ -119,16 +129,21 @@ def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
             start = time.perf_counter()
             traced = minimal_fx_tracer(step, module=model)(*x)
             seconds = time.perf_counter() - start
+            warm = 0.0
             nodes = len(traced.gm.graph.nodes)
             loss = run_traced(traced, module=model)(*x)[0]
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=False)
+            fused = {"fused": True} if way == "compile_step fused" else {"foreach": False}
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, **fused)
             compiled = dtcompile.compile_step(lambda *inputs: _loss(model, *inputs), model=model, optimizer=optimizer,
                                               inductor=False)
             compiled(*x)  # eager: AdamW's state
             start = time.perf_counter()
             loss = compiled(*x)
             seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            compiled(*x)
+            warm = time.perf_counter() - start
             records = compiled.records
             nodes = sum(len(r.graph.graph.nodes) for r in records)
         got = float(loss.detach())
@@ -136,6 +151,7 @@ def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
             raise AssertionError(f"{way} at {layers} layers: loss {got} against eager's {reference}")
     return {
         "seconds": seconds,
+        "compile_s": seconds - warm,
         "passes_s": _passes_s(records) if records else None,
         "stages": _stages(records),
         "nodes": nodes,
@@ -150,8 +166,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="the ways in turn this many times; each row its fastest")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
-    print("| layers | way | seconds | vs aot_eager | vs gt tracer | passes s | nodes | peak RSS MiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| layers | way | seconds | compile s | vs aot_eager | vs gt tracer | (compile s) | passes s | nodes | peak RSS MiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     stages: list[tuple[int, str, dict[str, float]]] = []
     for layers in args.layers:
         rows: dict[str, dict[str, Any]] = {}
@@ -163,11 +179,13 @@ def main() -> None:
         for way, row in rows.items():
             stock = rows.get("aot_eager", {}).get("seconds")
             tracer = rows.get("gt tracer", {}).get("seconds")
+            step = way.startswith("compile_step")
             vs_stock = f"{row['seconds'] / stock:.2f}x" if stock and way == "dtcompile" else "-"
-            vs_tracer = f"{row['seconds'] / tracer:.2f}x" if tracer and way == "compile_step" else "-"
+            vs_tracer = f"{row['seconds'] / tracer:.2f}x" if tracer and step else "-"
+            vs_tracer_compile = f"{row['compile_s'] / tracer:.2f}x" if tracer and step else "-"
             passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
-            print(f"| {layers} | {way} | {row['seconds']:.1f} | {vs_stock} | {vs_tracer} | {passes} | "
-                  f"{row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
+            print(f"| {layers} | {way} | {row['seconds']:.1f} | {row['compile_s']:.1f} | {vs_stock} | {vs_tracer} | "
+                  f"{vs_tracer_compile} | {passes} | {row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
             if row["stages"]:
                 stages.append((layers, way, row["stages"]))
     print("\nPer stage, rank 0's seconds summed over its graphs (the records' StageSeconds):")
