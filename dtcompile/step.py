@@ -237,8 +237,9 @@ class CompiledStep:
         self.eager_steps = 0
         """Calls run eagerly (an optimizer's first step, which creates its state)."""
         self.shared_step_reads = 0
-        """In the graph the last call ran: how many parameters' optimizer step counts took the
-        first parameter's read (:mod:`dtcompile.pipeline.step_reads`; 0 where each read its own)."""
+        """In the graph the last call ran: how many reads of the optimizer's step counts took the
+        first read's value (:mod:`dtcompile.pipeline.step_reads`; one a parameter for a for-loop
+        update, two for a foreach one; 0 where each read its own)."""
 
     def __repr__(self) -> str:
         with_optimizer = f", optimizer={type(self.optimizer).__name__}" if self.optimizer is not None else ""
@@ -414,7 +415,7 @@ class CompiledStep:
         )
         run = self._lower(record, example) if self.config.inductor else record.graph
         if out.get("shared_reads"):
-            log.info("compile_step: %s's step counts read once for %d more parameters (every count equal)",
+            log.info("compile_step: %s's step counts read once, %d more reads given that value (every count equal)",
                      type(self.optimizer).__name__, out["shared_reads"])
         return _Traced(run, out["layouts"], out["spec"], out.get("shared_reads", 0))
 

@@ -246,9 +246,9 @@ class Estimates:
     order, targets, inputs and values the same objects), it answers the kept estimate, where
     an estimate walks every storage of the graph (the passes ask up to seven times a graph,
     most often of a graph the pass before left as it was).  A walk of a changed graph reads
-    the storages of the values it walked before from what it kept of them.  Exact: what an estimate reads of
-    the graph is what the kept one is compared on, and the kept objects stay alive while it is
-    kept, so no identity is reused."""
+    the storages of the values it walked before from what it kept of them.  Exact: what an
+    estimate reads of the graph is what the kept one is compared on, and the kept objects stay
+    alive while it is kept, so no identity is reused."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, str, int], tuple[tuple[int, ...], list[object], MemoryEstimate]] = {}
