@@ -54,6 +54,7 @@ from torch.fx import traceback as fx_traceback
 from dtcompile.base.channels import Meta
 from dtcompile.base.scoped_patch import fx_tracing
 from dtcompile.config import DTCompileConfig
+from dtcompile.pipeline.stack_traces import StackTraces
 from dtcompile.pipeline.step_pass import StepPass, TracedStep
 from dtcompile.pipeline.step_reads import one_step_read, reads_steps_once, step_counts
 from dtcompile.records import CompiledGraph, Stage
@@ -360,14 +361,20 @@ class CompiledStep:
         in_layouts: list[_Layout | None],
         shared_steps: bool = False,
     ) -> _Traced:
-        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
         state_at = [i for i, v in enumerate(state_leaves) if isinstance(v, torch.Tensor)]
         tensor_at = [i for i, v in enumerate(user_flat) if isinstance(v, torch.Tensor)]
         trainable = [name for name, _ in self._trainable()]
         out: dict[str, Any] = {}
 
+        traces = StackTraces()
+
         def step(*plain: Any) -> list[Any]:
+            with traces.recording(get_proxy_mode().tracer):
+                return traced_step(*plain)
+
+        def traced_step(*plain: Any) -> list[Any]:
             values = _wrap_all(plain, in_layouts)
             state_values = list(state_leaves)
             for i, value in zip(state_at, values):
@@ -388,7 +395,7 @@ class CompiledStep:
                     counts = step_counts(traced_state["optim"].get("state", {})) if shared_steps else []
                     with (
                         fx_traceback.annotate({Meta.OPTIMIZER: type(self.optimizer).__name__}),
-                        _no_stack_traces(),
+                        traces.off(),
                         one_step_read(counts) as read,
                     ):
                         self.optimizer.step()
@@ -519,7 +526,7 @@ def _make_graph(make_fx: Any, step: Callable[..., Any], flat: list[Any], loss_fn
             preserve_node_meta(),
             torch.autograd.set_multithreading_enabled(False),
         ):
-            return make_fx(step, record_stack_traces=True)(*fake)
+            return make_fx(step)(*fake)  # the stack traces: StackTraces, in step
     except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as exc:
         name = getattr(loss_fn, "__name__", repr(loss_fn))
         raise StepNotTraceable(
@@ -528,25 +535,6 @@ def _make_graph(make_fx: Any, step: Callable[..., Any], flat: list[Any], loss_fn
             "the value-dependent part (an .item(), a branch on a tensor, a data-dependent shape) out of "
             "loss_fn, use torch.cond for the branch, or torch.compile the model with backend='dtcompile'."
         ) from exc
-
-
-@contextlib.contextmanager
-def _no_stack_traces() -> Iterator[None]:
-    """Inside: make_fx records no stack trace for the nodes it traces.  For the optimizer's
-    step, whose nodes it would record none for anyway (it keeps the frames from the first
-    ``forward`` on, and an optimizer's update runs in none), while extracting and
-    filtering the Python stack once per node is about a tenth of a deep model's trace."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    tracer = getattr(get_proxy_mode(), "tracer", None)
-    if tracer is None or not tracer.record_stack_traces:
-        yield
-        return
-    tracer.record_stack_traces = False
-    try:
-        yield
-    finally:
-        tracer.record_stack_traces = True
 
 
 def _state_ready(optimizer: torch.optim.Optimizer) -> bool:

@@ -152,6 +152,82 @@ def test_adamw_reads_one_step_count_while_every_count_is_equal(foreach):
     assert step.traces == 2 and step.eager_steps == 1
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.a(x)) * self.b(x).sigmoid()
+
+
+class _Blocks(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_Block() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_stack_traces_are_torchs_node_for_node_and_each_stack_is_formatted_once():
+    """compile_step's trace records the stack traces ``make_fx(record_stack_traces=True)``
+    records (#70: torch extracts and symbolizes the whole stack for each node), the same text
+    on every node, forward and backward; the blocks run the same lines, so their nodes share
+    the few stacks formatted."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+    from torch.fx.traceback import preserve_node_meta
+
+    from dtcompile.pipeline.stack_traces import StackTraces
+
+    model = _Blocks()
+    params = list(model.parameters())
+
+    def step(x: torch.Tensor) -> list[torch.Tensor]:
+        loss = model(x)
+        return [loss, *torch.autograd.grad(loss, params)]
+
+    traces = StackTraces()
+
+    def recorded(x: torch.Tensor) -> list[torch.Tensor]:
+        with traces.recording(get_proxy_mode().tracer):
+            return step(x)
+
+    x = torch.randn(4, 8)
+    with preserve_node_meta():
+        torchs = make_fx(step, record_stack_traces=True)(x)
+    with preserve_node_meta():
+        ours = make_fx(recorded)(x)
+    want = [(n.name, n.meta.get("stack_trace")) for n in torchs.graph.nodes]
+    assert [(n.name, n.meta.get("stack_trace")) for n in ours.graph.nodes] == want
+    kept = [text for _, text in want if text]
+    assert len(kept) > 3 * 4 and len(set(kept)) < len(kept) / 3, (len(kept), len(set(kept)))
+    assert {text for text in traces._texts.values() if text} == set(kept)
+
+
+def test_compile_step_names_the_models_lines_and_records_none_in_the_optimizers_update():
+    from dtcompile.base.channels import Meta
+    from dtcompile.base.notation import source_of
+
+    model = _Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = dtcompile.compile_step(lambda x: model(x), model=model, optimizer=optimizer, **NO_INDUCTOR)
+    for x in _batches(2, (4, 8)):
+        step(x)
+    (record,) = step.records
+    nodes = [n for n in record.graph.graph.nodes if n.op == "call_function"]
+    relus = [n for n in nodes if n.target is torch.ops.aten.relu.default]
+    assert len(relus) == 3
+    for node in relus:
+        assert "test_compile_step.py" in source_of(node), source_of(node)
+        assert "in forward: `return torch.relu(self.a(x)) * self.b(x).sigmoid()`" in source_of(node), source_of(node)
+    updates = [n for n in nodes if Meta.OPTIMIZER in n.meta.get("custom", {})]
+    assert updates and not any(n.meta.get("stack_trace") for n in updates)
+
+
 def test_a_changed_learning_rate_traces_again():
     model = _mlp()
     eager = copy.deepcopy(model)
