@@ -294,6 +294,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._subclasses.fake_tensor", "in_kernel_invocation_manager", ("fake_mode",)),
     ("torch._subclasses.fake_tensor", "FakeTensorConverter.from_meta_and_device", ("self", "fake_mode", "t", "device")),
     ("torch._C", "_DisablePythonDispatcher", None),
+    # dtcompile.pipeline.stack_traces: the frames make_fx keeps of a node's stack, by torch's own rule
+    ("torch.fx.proxy", "_STACK_TRACE_ANCHORS", None),
     # dtcompile._testing.moe: the MoE's token dispatch (differentiable, as torchtitan's)
     ("torch.distributed._functional_collectives", "all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
     # dtcompile.base.torch_compat.frame_compile_started_ns: when Dynamo began compiling the frame

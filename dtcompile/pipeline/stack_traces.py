@@ -19,6 +19,7 @@ from typing import Any
 import torch.fx
 
 _Frame = tuple[str, int, str]
+_METHOD = "forward"  # the modules' method whose frames torch keeps (a method's name, not a graph's kind)
 
 
 class StackTraces:
@@ -72,7 +73,7 @@ class StackTraces:
         while frame is not None:
             code = frame.f_code
             name, file = code.co_name, code.co_filename
-            if (name == "forward" or file.endswith("torch/__init__.py") or (file, name) in self._anchors) and (
+            if (name == _METHOD or file.endswith("torch/__init__.py") or (file, name) in self._anchors) and (
                 file not in self._skipped
             ):
                 kept.append((file, frame.f_lineno, name))
