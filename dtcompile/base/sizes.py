@@ -64,4 +64,20 @@ def has_unbacked(*values: Any) -> bool:
     from torch.utils import _pytree as pytree
 
     leaves = [v for v in pytree.tree_leaves(list(values)) if isinstance(v, (torch.Tensor, torch.SymInt))]
+    # A graph of static shapes (most: every collective of a trace without dynamic shapes) has
+    # no symbol to look for; torch's walk of each size's expression is the dear part.
+    if not any(_has_symbol(v) for v in leaves):
+        return False
     return bool(free_unbacked_symbols(leaves))
+
+
+def _has_symbol(value: Any) -> bool:
+    """Whether a SymInt, or a tensor's sizes, strides or storage offset (what torch reads of a
+    tensor for its symbols) hold a symbolic int."""
+    import torch
+
+    if isinstance(value, torch.SymInt):
+        return True
+    if value.layout != torch.strided or value.is_nested:
+        return True  # (sparse and nested sizes: torch's own walk)
+    return any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride(), value.storage_offset()))

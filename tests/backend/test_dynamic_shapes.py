@@ -42,3 +42,37 @@ def test_compiles_as_often_as_stock_aot_eager(build, dynamic, sizes):
     assert ours == stock, f"dtcompile compiled {ours} times, stock aot_eager {stock}, for batch sizes {sizes}"
     # Not a vacuous equality: automatic dynamic compiles a static then a dynamic graph.
     assert stock == (2 if dynamic is None else 1) or build is models.build_block
+
+
+def test_has_unbacked_answers_as_torchs_walk_of_every_size_static_backed_and_unbacked():
+    """``dtcompile.base.sizes.has_unbacked`` (a collective's ``data_dependent``) skips torch's
+    walk of each size's expression where no size is symbolic (#70: the walk was most of
+    describing a static graph's collectives); where one is, it answers as that walk does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+
+    from dtcompile.base.sizes import has_unbacked
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    static = mode.from_tensor(torch.empty(4, 8), static_shapes=True)
+    backed = mode.from_tensor(torch.empty(4, 8))
+    assert any(isinstance(s, torch.SymInt) for s in backed.shape), "the test no longer makes a symbolic size"
+    with mode:
+        u = env.create_unbacked_symint()
+        unbacked = torch.empty(u, 8)
+        offset = torch.empty(64)[u:]  # an unbacked storage offset (and size)
+        transposed = unbacked.t()
+    cases = {
+        "static": ([static, 3, "x"], False),
+        "backed": ([backed, static], False),
+        "unbacked tensor": ([static, unbacked], True),
+        "unbacked int": ([[static], (u,)], True),
+        "unbacked offset": ([{"x": offset}], True),
+        "unbacked transposed": ([transposed], True),
+        "nothing": ([None, 1.5], False),
+    }
+    for name, (values, want) in cases.items():
+        leaves = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, (torch.Tensor, torch.SymInt))]
+        assert bool(free_unbacked_symbols(leaves)) == want, name  # the cases are what they say
+        assert has_unbacked(*values) == want, name
