@@ -21,7 +21,8 @@ torchtitan client tests' trainings, and torchtitan's Llama3 block with
 ``compile_step``'s whole-step graph with AdamW inside (Inductor's cache serves
 the restart).  CI
 runs five of the zoo's models and the typed block; the ``soak`` tier
-(``pytest -m soak``) the others, the HF zoo's and the clients' trainings.
+(``pytest -m soak``) the others, the HF zoo's, the fuzz batch and the clients'
+trainings.
 """
 
 from __future__ import annotations
@@ -227,7 +228,10 @@ def _fuzz_rank(rank: int, programs: list[Any]) -> list[Any]:
     ]
 
 
+# In the soak tier (59 s of a worker): CI's warm path is the shared models', the zoo's, the
+# typed block's and compile_step's above, and the fuzzer's programs run cold in its batch.
 @pytest.mark.fuzz
+@pytest.mark.soak
 def test_fuzz_batch_cold_and_warm_equal_eager(tmp_path):
     from support.fuzz_check import _compare_sides, classify
     from support.fuzz_generate import generate_programs
