@@ -128,6 +128,10 @@ def main() -> None:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    # Every rank done before any tears its process group down: a rank that destroyed it while
+    # its peer's gloo connection was still open was seen to abort at exit ("terminate called
+    # without an active exception", benchmarks/RESULTS.md, soak_flakes.py).
+    dist.barrier()
     dist.destroy_process_group()
 
 
