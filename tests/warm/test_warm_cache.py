@@ -401,7 +401,7 @@ def test_torchtitan_cold_and_warm_equal_eager(client, tmp_path):
 # 2 cores, most of it the cold run's Inductor compiles); CI's warm path goes through the shared
 # models, the zoo and the typed torchtitan block above (CI's time, benchmarks/RESULTS.md).
 HF_COMPILED = ("llama", "gpt2", "mixtral", "falcon", "t5", "vit")
-HF_IN_CI = ()
+HF_IN_CI: tuple[str, ...] = ()
 
 
 def _hf_rank(rank: int, name: str) -> tuple[Any, dict[str, int], str]:
