@@ -53,6 +53,7 @@ from torch.fx import traceback as fx_traceback
 
 from dtcompile.base.channels import Meta
 from dtcompile.base.scoped_patch import fx_tracing
+from dtcompile.base.torch_compat import deferred_full_gc
 from dtcompile.config import DTCompileConfig
 from dtcompile.pipeline.stack_traces import StackTraces
 from dtcompile.pipeline.step_pass import StepPass, TracedStep
@@ -291,7 +292,9 @@ class CompiledStep:
         )
         traced = self._graphs.get(key)
         if traced is None:
-            traced = self._graphs[key] = self._trace(state_leaves, state_spec, user_flat, user_spec, flat, layouts, shared)
+            with deferred_full_gc():  # as torch's own compile: see the function
+                traced = self._trace(state_leaves, state_spec, user_flat, user_spec, flat, layouts, shared)
+            self._graphs[key] = traced
         self.shared_step_reads = traced.shared_step_reads
         with torch.no_grad():
             outputs = traced.gm(*flat)

@@ -22,11 +22,13 @@ Bottom layer: imports nothing of dtcompile's, and torch only inside functions.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 __all__ = [
     "INDUCTOR_SIMPLE_OVERLAP",
     "compiled_blocks_recompile_for_async_outputs",
+    "deferred_full_gc",
     "dot_of_partials_reduce_scatters",
     "fake_tensor_call_errors",
     "frame_compile_started_ns",
@@ -179,3 +181,25 @@ def frame_compile_started_ns() -> int | None:
     except Exception:  # a private name gone or changed: Dynamo's seconds are not known
         return None
     return started if isinstance(started, int) and started > 0 else None
+
+
+def deferred_full_gc() -> contextlib.AbstractContextManager[None]:
+    """Full garbage collections deferred while dtcompile compiles outside Dynamo
+    (``compile_step``'s trace, passes and lowering), as torch defers them while it
+    compiles a frame.
+
+    A full collection walks every object the process tracks, and a compile makes them
+    by the hundred thousand (FX nodes, fake tensors, records): a 64-layer step collected
+    the whole heap several times over its passes.  torch 2.15 raises the
+    generation-2 threshold around each frame's compile and AOTAutograd's backward
+    (``torch._dynamo.utils.deferred_full_gc``, under
+    ``torch._dynamo.config.gc_gen2_threshold_during_compile``): this is torch's own
+    context, so that it keeps one count of the compiles in progress on every thread, and
+    restores the thresholds after the last.  Before 2.15 torch defers nothing, and
+    neither does this.
+    """
+    if torch_version() < (2, 15):
+        return contextlib.nullcontext()
+    from torch._dynamo.utils import deferred_full_gc as deferred
+
+    return deferred()

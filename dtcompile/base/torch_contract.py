@@ -147,6 +147,7 @@ def applies(name: PrivateName, version: tuple[int, int] | None = None) -> bool:
 _P = PrivateName
 _UNTIL_2_14 = ((2, 13), (2, 14))
 _FROM_2_14 = ((2, 14), (2, 16))
+_FROM_2_15 = ((2, 15), (2, 16))
 
 # Kept in the order of the layers that use them.
 PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
@@ -302,6 +303,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     # (the context's _start_time_ns is an instance attribute, read with getattr: a stage not timed where gone)
     ("torch._dynamo.utils", "get_metrics_context", ()),
     ("torch._dynamo.metrics_context", "MetricsContext.in_progress", ("self",)),
+    # dtcompile.base.torch_compat.deferred_full_gc: torch's compile defers full collections (2.15 on)
+    ("torch._dynamo.utils", "deferred_full_gc", (), _FROM_2_15),
     # dtcompile.base.torch_compat: the version differences' own probes
     ("torch._dynamo.exc", "TorchRuntimeError", None),
     ("torch._functorch._aot_autograd.schemas", "SubclassCreationMeta", None),

@@ -190,11 +190,18 @@ def _storages(
                 storage = owner[key] = _Storage(node.name, _nbytes(tensor), kind, start, position[node])
             storages.append(storage)
         held[node] = storages
+    # Each storage is alive up to the last node that reads a node holding it.  Read off
+    # each node's last reader first: a fused optimizer's node holds every parameter's
+    # storage, and each of its hundreds of getitems reads it.
+    last_read: dict[fx.Node, int] = {}
     for node in nodes:
         for used in node.all_input_nodes:
-            for storage in held.get(used, ()):
-                storage.end = max(storage.end, position[node])
+            last_read[used] = position[node]  # the nodes come in order: the last is the latest
+    for node in nodes:
+        read = last_read.get(node)
         for storage in held.get(node, ()):
+            if read is not None and read > storage.end:
+                storage.end = read
             if node.op == "placeholder":
                 storage.end = end
             if node in outputs:
@@ -305,8 +312,8 @@ class LiveBytes:
     of positions, with their maximum: a segment tree with lazy additions.
 
     ``add`` (bytes over a range of positions), ``get`` (one position) and ``max_over`` (a
-    range) cost ``O(log n)``, ``values`` and ``assign`` (a run of positions) ``O(log n)``
-    and one step per position, and :attr:`peak` ``O(1)``: a pass that
+    range) cost ``O(log n)``, ``assign`` (a run of positions) ``O(log n)`` and one step
+    per position, and :attr:`peak` ``O(1)``: a pass that
     prices many rewrites of a window each reads and changes only that window, where
     summing a difference array over the whole schedule would cost ``O(n)`` each.  Exact:
     the bytes are integers.
@@ -400,14 +407,6 @@ class LiveBytes:
                     self._apply(2 * i + 1, self._lazy[i])
                     self._lazy[i] = 0
 
-    def values(self, start: int, end: int) -> list[int]:
-        """The bytes at positions ``start`` to ``end`` inclusive: ``O(end - start + log n)``."""
-        lo, hi = start + self._size, end + 1 + self._size
-        if lo >= hi:
-            return []
-        self._push_over(lo, hi)
-        return [int(v) for v in self._tree[lo:hi]]
-
     def assign(self, start: int, values: Sequence[int]) -> None:
         """Sets the bytes at positions ``start`` on to ``values``: ``O(len(values) + log n)``."""
         lo, hi = start + self._size, start + len(values) + self._size
@@ -419,11 +418,6 @@ class LiveBytes:
             lo, hi = lo >> 1, ((hi - 1) >> 1) + 1
             for p in range(lo, hi):
                 self._tree[p] = max(self._tree[2 * p], self._tree[2 * p + 1]) + self._lazy[p]
-
-    def add_spans(self, spans: Iterable[tuple[int, int, int]], sign: int = 1) -> None:
-        """Adds each ``(start, end, bytes)`` span (``sign=-1``: takes them back)."""
-        for start, end, num in spans:
-            self.add(start, end, sign * num)
 
     def copy(self) -> LiveBytes:
         other = LiveBytes.__new__(LiveBytes)
@@ -442,25 +436,6 @@ def clipped(spans: Iterable[tuple[int, int, int]], length: int) -> list[tuple[in
     return [(start, end, num) for start, end, num in cut if start <= end]
 
 
-def span_difference(
-    old: Sequence[tuple[int, int, int]], new: Sequence[tuple[int, int, int]], length: int
-) -> list[tuple[int, int, int]]:
-    """The range additions that take the live bytes with ``old`` added to the live bytes
-    with ``new`` added, on a schedule of ``length`` positions: one per stretch of positions
-    where the two differ (what they share cancels).  Linear in the spans."""
-    steps: dict[int, int] = {}
-    for sign, spans in ((-1, old), (1, new)):
-        for start, end, num in clipped(spans, length):
-            steps[start] = steps.get(start, 0) + sign * num
-            steps[end + 1] = steps.get(end + 1, 0) - sign * num
-    change, running, at = [], 0, 0
-    for position in sorted(p for p, step in steps.items() if step):
-        if running:
-            change.append((at, position - 1, running))
-        running, at = running + steps[position], position
-    return change
-
-
 class PeakTracker:
     """The peak of a graph's schedule as a pass plans rewrites, before it makes them.
 
@@ -469,8 +444,8 @@ class PeakTracker:
     inclusive, beyond what the graph holds now; negative frees them); ``commit`` plans
     them, and a pass pricing rewrites before it plans them adds their spans to a copy of
     :attr:`live` (bucketing does).  The live bytes are a :class:`LiveBytes`: the peak is read
-    in ``O(1)``, a span is committed in ``O(log n)``, a hoist's window read in ``O(log n)``
-    and moved in one step per position it crosses.
+    in ``O(1)``, a span is committed in ``O(log n)``.  (A pass that moves nodes prices the
+    moves on a :class:`~dtcompile.graph.schedule.MovingSchedule` made from :attr:`estimate`.)
     """
 
     def __init__(self, estimate: MemoryEstimate, budget: int) -> None:
@@ -485,17 +460,6 @@ class PeakTracker:
     @property
     def peak(self) -> int:
         return self.live.peak
-
-    def hoist(self, position: int, anchor: int, num: int) -> int:
-        """The peak if the node at ``position`` ran right after the one at ``anchor``
-        (earlier), allocating ``num`` bytes there instead; nothing changes."""
-        window = self.live.max_over(anchor, position - 1) if anchor < position else 0
-        return max(self.peak, window + num)
-
-    def commit_hoist(self, position: int, anchor: int, num: int) -> None:
-        """Moves the node at ``position`` to right after ``anchor``: the nodes between
-        shift one later and run with its ``num`` bytes alive."""
-        self.live.assign(anchor + 1, [live + num for live in self.live.values(anchor, position - 1)])
 
     def commit(self, spans: Sequence[tuple[int, int, int]]) -> None:
         for start, end, num in clipped(spans, self.live.length):

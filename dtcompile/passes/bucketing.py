@@ -72,7 +72,7 @@ from dtcompile.cache_keys import key_fields, profile_text
 from dtcompile.cost import collective_time_us
 from dtcompile.cost.simulate import node_time_us
 from dtcompile.graph.collectives import CollectiveInfo, axis_name, collective_info
-from dtcompile.graph.memory import PeakTracker, span_difference
+from dtcompile.graph.memory import PeakTracker
 from dtcompile.passes._graph import (
     alias_roots,
     first_use_index,
@@ -82,6 +82,7 @@ from dtcompile.passes._graph import (
     single_wait,
     written_args,
 )
+from dtcompile.passes.bucket_spans import BucketSpans, memory_spans
 from dtcompile.passes.context import PassContext
 from dtcompile.ranks.plans import GroupPlan, Plan
 from dtcompile.ranks.schedule import short_digest
@@ -140,18 +141,23 @@ class _Bucket:
     members: list[_Member] = field(default_factory=list)
     prices: list[Price] = field(default_factory=list)
     """What each member after the first saved and cost when it joined."""
+    ready: int = field(init=False)
+    """Where it can be issued: its members' latest ``ready`` (kept as they join, as are
+    the two below: a join reads them, and a bucket can hold a tenth of a graph's collectives)."""
+    first_use: int = field(init=False)
+    num_bytes: int = field(init=False)
 
-    @property
-    def ready(self) -> int:
-        return max(m.ready for m in self.members)
+    def __post_init__(self) -> None:
+        self.ready = max(m.ready for m in self.members)
+        self.first_use = min(m.first_use for m in self.members)
+        self.num_bytes = sum(m.num_bytes for m in self.members)
 
-    @property
-    def first_use(self) -> int:
-        return min(m.first_use for m in self.members)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(m.num_bytes for m in self.members)
+    def add(self, member: _Member, price: Price) -> None:
+        self.members.append(member)
+        self.prices.append(price)
+        self.ready = max(self.ready, member.ready)
+        self.first_use = min(self.first_use, member.first_use)
+        self.num_bytes += member.num_bytes
 
 
 _COPIES_OPS = frozenset({aten.clone.default, aten._to_copy.default, aten.contiguous.default})
@@ -267,30 +273,6 @@ class _Pricer:
         return self.ctx.price(saves, copies + delay, _COPIES_AND_DELAY if delay else _COPIES)
 
 
-Span = tuple[int, int, int]
-
-
-def _memory_spans(members: Sequence[_Member], index: dict[fx.Node, int], tracker: PeakTracker) -> list[Span]:
-    """What bucketing ``members`` adds to the graph's live bytes, as ``(first, last, bytes)``
-    spans of the schedule before the rewrite (see the module docstring); none for one member."""
-    if len(members) < 2:
-        return []
-    ready = max(m.ready for m in members)
-    spans, buffers = [], 0
-    for member in members:
-        _, input_end, input_bytes = tracker.span(member.node.args[0])
-        _, _, result_bytes = tracker.span(member.node)
-        buffers += member.value.numel() * member.value.element_size() + result_bytes
-        if ready > input_end:
-            spans.append((input_end + 1, ready, input_bytes))
-        if ready < member.source_at and member.copied_bytes:  # copies made earlier, at the bucket
-            spans.append((ready, member.source_at - 1, member.copied_bytes))
-        if ready < index[member.node]:
-            spans.append((ready, index[member.node] - 1, result_bytes))
-    spans.append((ready, ready, buffers))
-    return spans
-
-
 def _candidates(graph: fx.Graph, index: dict[fx.Node, int], ctx: PassContext | None) -> list[_Member]:
     """The collectives that may join a bucket, in graph order; each one left out is recorded
     (where ``ctx`` is given) with why."""
@@ -386,7 +368,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         added = {}
         for bucket in closed:
             before = tracker.peak
-            tracker.commit(_memory_spans(bucket.members, index, tracker))
+            tracker.commit(memory_spans(bucket.members, index, tracker))
             added[id(bucket)] = tracker.peak - before
     # Rewritten in graph order of their last members, whichever way they were made: two
     # buckets issued after one node end up in an order of the rewrites, which must be every
@@ -431,8 +413,7 @@ def _followed_buckets(
             if bucket is not None and bucket.key == member.key and (
                 member.num_bytes + bucket.num_bytes <= cap and _independent(bucket, member, index, written)
             ):
-                bucket.prices.append(pricer.join(bucket, member))
-                bucket.members.append(member)
+                bucket.add(member, pricer.join(bucket, member))
                 continue
             if bucket is not None:
                 buckets.append(bucket)
@@ -463,11 +444,12 @@ def _priced_buckets(
     # the joining key's made of other members, exactly as a whole walk of the schedule
     # would find it.
     pending = tracker.live.copy()
-    spans_of: dict[tuple[Any, ...], list[Span]] = {}
+    spans_of: dict[tuple[Any, ...], BucketSpans] = {}
 
     def close(bucket: _Bucket) -> None:
         before = tracker.peak
-        tracker.commit(spans_of.pop(bucket.key))  # already in ``pending``: it stays there
+        del spans_of[bucket.key]  # its spans stay in ``pending``
+        tracker.commit(memory_spans(bucket.members, index, tracker))
         added[id(bucket)] = tracker.peak - before
         closed.append(bucket)
 
@@ -480,18 +462,15 @@ def _priced_buckets(
             independent = _independent(bucket, member, index, written)
             price = pricer.join(bucket, member) if fits and independent else None
             if price is not None:
-                joined = _memory_spans([*bucket.members, member], index, tracker)
-                change = span_difference(spans_of[key], joined, pending.length)
                 now = max(pending.peak, 0)
-                pending.add_spans(change)
+                spans_of[key].join(member)
                 then = max(pending.peak, 0)
                 price = dataclasses.replace(price, adds_bytes=then - now)
                 if price.pays and then <= tracker.budget:
-                    bucket.members.append(member)
-                    bucket.prices.append(price)
-                    spans_of[key] = joined
+                    spans_of[key].keep()
+                    bucket.add(member, price)
                     continue
-                pending.add_spans(change, -1)
+                spans_of[key].undo()
             if price is not None and price.pays:
                 ctx.skipped(
                     node.name,
@@ -509,7 +488,7 @@ def _priced_buckets(
             del open_buckets[key]
             close(bucket)
         open_buckets[key] = _Bucket(key, [member])
-        spans_of[key] = _memory_spans([member], index, tracker)  # none: one member adds nothing
+        spans_of[key] = BucketSpans(pending, index, tracker, member)  # none added: one member adds nothing
     for bucket in list(open_buckets.values()):
         close(bucket)
     return closed, added

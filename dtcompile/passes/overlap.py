@@ -45,6 +45,7 @@ gained; every move, and every move refused, is recorded.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import operator
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ from dtcompile.cost.simulate import priced_once, simulate
 from dtcompile.graph.collectives import collective_info
 from dtcompile.graph.memory import PeakTracker
 from dtcompile.graph.regions import issues_collectives
+from dtcompile.graph.schedule import MovingSchedule
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
 
@@ -110,12 +112,13 @@ def _hoist_collectives(
     ctx: PassContext,
 ) -> int:
     """Moves each collective up to just after its last input, or the communication before
-    it (see the module docstring).  The graph's order is read once and kept as collectives
-    move (a move shifts only the positions it crosses); the bytes in flight are read off
-    the collectives issued so far that may still be in flight (:class:`_InFlight`)."""
+    it (see the module docstring).  The order and the live bytes are kept as collectives
+    move (:class:`~dtcompile.graph.schedule.MovingSchedule`: a move and each question cost
+    ``O(log n)``, not the distance it crosses); the bytes in flight are read off the
+    collectives issued so far that may still be in flight (:class:`_InFlight`)."""
     moved = 0
-    order = _order(gm.graph)
-    issued = _InFlight(order)
+    schedule = MovingSchedule(list(gm.graph.nodes), tracker.estimate.curve)
+    issued = _InFlight(schedule)
     previous: fx.Node | None = None  # the communication before this node, in the traced order
     for node in list(gm.graph.nodes):
         info = infos.get(node)
@@ -128,16 +131,16 @@ def _hoist_collectives(
                 continue
             # Never before the communication issued before it: the ranks' order stays the traced one.
             after = [*node.all_input_nodes, *([earlier] if earlier is not None else [])]
-            anchor = max(after, key=order.__getitem__) if after else next(iter(gm.graph.nodes))
-            distance = order[node] - order[anchor] - 1
+            anchor = max(after, key=schedule.key) if after else next(iter(gm.graph.nodes))
+            distance = schedule.position(node) - schedule.position(anchor) - 1
             if distance <= 0:
                 continue
-            in_flight = issued.bytes_after(order[anchor]) + info.bytes
+            in_flight = issued.bytes_after(anchor) + info.bytes
             if in_flight > budget:
                 ctx.skipped(node.name, f"not issued earlier: {in_flight} B in flight would pass overlap_memory_budget_bytes")
                 continue
             buffer = tracker.span(node)[2]
-            peak = tracker.hoist(order[node], order[anchor], buffer)
+            peak = max(schedule.peak, schedule.peak_between(anchor, node) + buffer)
             if peak > tracker.budget:
                 ctx.skipped(
                     node.name,
@@ -146,10 +149,8 @@ def _hoist_collectives(
                     f"({ctx.budget_why})",
                 )
                 continue
-            tracker.commit_hoist(order[node], order[anchor], buffer)
-            _shift(order, anchor.next, node, 1)
+            schedule.move_after(node, anchor, buffer)
             anchor.append(node)
-            order[node] = order[anchor] + 1
             moved += 1
             ctx.moved(node.name, f"issued {distance} node(s) earlier, after {anchor.name}")
         finally:  # moved or not, it is issued before whatever the collectives after it ask about
@@ -158,37 +159,38 @@ def _hoist_collectives(
 
 
 class _InFlight:
-    """The bytes of the collectives issued at or before a position and waited on after it,
-    for :func:`_hoist_collectives`, which asks in the graph's order.
+    """The bytes of the collectives issued at or before a node and waited on after it, for
+    :func:`_hoist_collectives`, which asks in the graph's order.
 
-    Asked at a position, it counts what a walk of the graph up to there would: the
+    Asked at a node, it counts what a walk of the graph up to there would: the
     collectives (not fused) that :func:`_hoist_collectives` has passed are the ones at or
-    before any position it asks about (a collective never moves above the communication
-    before it), the others are after it.  The positions it is asked about come later and
+    before any node it asks about (a collective never moves above the communication
+    before it), the others are after it.  The nodes it is asked about come later and
     later (each is at or after the communication before the collective asking, which the
     previous asking collective is at or after), and a wait never moves: a collective whose
-    waits all run by a position asked about is never in flight again, and is dropped.  So
-    each collective is read while in flight, and once after."""
+    waits all run by a node asked about is never in flight again.  So the collectives
+    are kept by the slot of their last wait (a wait keeps its own,
+    :class:`~dtcompile.graph.schedule.MovingSchedule`), and each is added once and
+    dropped once: ``O(log n)`` each, where a deep model holds hundreds in flight."""
 
-    def __init__(self, order: dict[fx.Node, int]) -> None:
-        self.order = order
-        self.issued: list[tuple[fx.Node, list[fx.Node], int]] = []
+    def __init__(self, schedule: MovingSchedule) -> None:
+        self.schedule = schedule
+        self.issued: list[tuple[int, int]] = []  # a heap of (its last wait's slot, bytes)
+        self.total = 0
 
     def add(self, node: fx.Node, info: Any) -> None:
-        waits = [u for u in node.users if u.target is WAIT]
+        waits = [self.schedule.key(u)[0] for u in node.users if u.target is WAIT]
         if waits:  # one with no wait is never in flight
-            self.issued.append((node, waits, info.bytes))
+            heapq.heappush(self.issued, (max(waits), info.bytes))
+            self.total += info.bytes
 
-    def bytes_after(self, position: int) -> int:
-        order, total, kept = self.order, 0, []
-        for held in self.issued:
-            node, waits, num = held
-            if any(order[w] > position for w in waits):
-                kept.append(held)
-                if order[node] <= position:
-                    total += num
-        self.issued = kept
-        return total
+    def bytes_after(self, anchor: fx.Node) -> int:
+        # A wait runs after a node of another slot exactly when its slot is later; it is
+        # the first node of its own.
+        slot = self.schedule.key(anchor)[0]
+        while self.issued and self.issued[0][0] <= slot:
+            self.total -= heapq.heappop(self.issued)[1]
+        return self.total
 
 
 def _fill_windows(

@@ -244,6 +244,35 @@ def test_a_changed_learning_rate_traces_again():
     assert step.traces == 2
 
 
+def test_compile_step_defers_full_collections_while_it_compiles_as_torchs_compile_does():
+    """#70: a deep step's compile collected the whole heap several times. On torch 2.15
+    the trace runs under torch's own raised generation-2 threshold (as Dynamo's frames
+    do), restored afterwards; before 2.15 torch defers nothing, and neither does this."""
+    import gc
+
+    from dtcompile.base.torch_compat import torch_version
+
+    model = _mlp()
+    seen: list[tuple[int, int, int]] = []
+
+    def loss_fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.get_threshold())
+        return model(x).pow(2).mean()
+
+    before = gc.get_threshold()
+    step = dtcompile.compile_step(loss_fn, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **NO_INDUCTOR)
+    for x in _batches(2):
+        step(x)
+    assert gc.get_threshold() == before
+    traced = seen[-1]  # the first call runs eagerly; the second traces
+    if torch_version() >= (2, 15):
+        from torch._dynamo import config
+
+        assert traced[2] == max(before[2], config.gc_gen2_threshold_during_compile) > before[2], (traced, before)
+    else:
+        assert traced == before
+
+
 def test_refusals_say_what_to_do():
     model = _mlp()
     with pytest.raises(TypeError, match="loss_fn must be callable"):
