@@ -14,6 +14,8 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
 - ``compile_step``: ``dtcompile.compile_step`` with AdamW inside (``foreach=False``: a
   for-loop over the parameters, the update the most nodes to trace), the call that traces and
   compiles (its second: the first runs eagerly to make AdamW's state);
+- ``compile_step foreach``: the same with ``foreach=True``, torch's default for AdamW on
+  CUDA parameters (a ``_foreach_*`` op per step of the update, over every parameter);
 - ``compile_step fused``: the same with ``fused=True``, torchtitan's default
   ``optimizer.implementation``.
 
@@ -28,16 +30,24 @@ ways, each compile stage's seconds (``CompiledGraph.stages``: Dynamo, AOTAutogra
 checked against the eager loss of the same model (1e-5).  The table's ratios are measured
 side by side in one run.
 
+``--calls`` prints instead, per dtcompile way and depth, the Python function calls made
+inside the passes (counted by cProfile, so their seconds are not shown): the passes' work,
+which does not change with the machine's speed or load, nor with how the interpreter's
+per-call time grows with the heap.
+
     python benchmarks/compile_depth.py --layers 2 8 32 64
+    python benchmarks/compile_depth.py --layers 8 64 --calls
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +62,7 @@ import dtcompile  # noqa: E402
 from dtcompile.records import Stage  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
-WAYS = ("aot_eager", "dtcompile", "gt tracer", "compile_step", "compile_step fused")
+WAYS = ("aot_eager", "dtcompile", "gt tracer", "compile_step", "compile_step foreach", "compile_step fused")
 STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
 LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
@@ -98,10 +108,40 @@ def _stages(records: Any) -> dict[str, float]:
     return totals
 
 
-def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def _counting_passes_calls(counts: list[int]) -> Iterator[None]:
+    """The Python function calls made inside dtcompile's passes (``run_passes``, as each front
+    door calls it), appended to ``counts``: a count of the passes' work that a slower or
+    busier machine, or a larger heap, does not change, where their seconds do."""
+    import cProfile
+    import pstats
+
+    import dtcompile.pipeline.graph_compile as graph_compile
+    import dtcompile.pipeline.step_pass as step_pass
+
+    original = step_pass.run_passes
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            profile.disable()
+            counts.append(pstats.Stats(profile).total_calls)
+
+    step_pass.run_passes = graph_compile.run_passes = counted
+    try:
+        yield
+    finally:
+        step_pass.run_passes = graph_compile.run_passes = original
+
+
+def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[str, Any]:
     import support.titan as titan
 
-    with titan.torchtitan_on_cpu():
+    calls: list[int] = []
+    with titan.torchtitan_on_cpu(), _counting_passes_calls(calls) if count_calls else contextlib.nullcontext():
         model, x = _build(rank, layers)
         reference = _loss(model, *x).item()
         records: Any = ()
@@ -133,8 +173,8 @@ def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
             nodes = len(traced.gm.graph.nodes)
             loss = run_traced(traced, module=model)(*x)[0]
         else:
-            fused = {"fused": True} if way == "compile_step fused" else {"foreach": False}
-            optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, **fused)
+            implementation = {"compile_step fused": {"fused": True}, "compile_step foreach": {"foreach": True}}
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, **implementation.get(way, {"foreach": False}))
             compiled = dtcompile.compile_step(lambda *inputs: _loss(model, *inputs), model=model, optimizer=optimizer,
                                               inductor=False)
             compiled(*x)  # eager: AdamW's state
@@ -156,7 +196,23 @@ def _way(rank: int, layers: int, way: str) -> dict[str, Any]:
         "stages": _stages(records),
         "nodes": nodes,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "passes_calls": sum(calls),
     }
+
+
+def _print_calls(args: argparse.Namespace) -> None:
+    """``--calls``: the passes' function calls per way and depth, against the first depth's."""
+    ways = [w for w in args.ways if w not in ("aot_eager", "gt tracer")]
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0: Python function calls inside dtcompile's passes")
+    print("| layers | way | nodes | passes calls | calls per node | calls x | nodes x |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    first: dict[str, dict[str, Any]] = {}
+    for layers in args.layers:
+        for way in ways:
+            row = run_gloo(WORLD, _way, layers, way, True, timeout=3600)[0]
+            base = first.setdefault(way, row)
+            print(f"| {layers} | {way} | {row['nodes']} | {row['passes_calls']} | {row['passes_calls'] / row['nodes']:.0f} | "
+                  f"{row['passes_calls'] / base['passes_calls']:.2f} | {row['nodes'] / base['nodes']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -164,7 +220,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32, 64])
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
     parser.add_argument("--rounds", type=int, default=1, help="the ways in turn this many times; each row its fastest")
+    parser.add_argument("--calls", action="store_true",
+                        help="instead of seconds, count the Python function calls inside the passes (under cProfile)")
     args = parser.parse_args()
+    if args.calls:
+        _print_calls(args)
+        return
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
     print("| layers | way | seconds | compile s | vs aot_eager | vs gt tracer | (compile s) | passes s | nodes | peak RSS MiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -254,20 +254,23 @@ def _fill_windows(
 
 def _peak_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any]) -> int:
     """The most bytes of collectives in flight at once (issued, not yet waited on), read
-    where each collective is issued, as :func:`_bytes_in_flight` counts them: one walk."""
+    where each collective is issued: one walk, the collectives in flight in a heap by their
+    last wait's position."""
     order = _order(graph)
-    in_flight: dict[fx.Node, tuple[int, int]] = {}  # collective -> (its last wait's position, bytes)
-    peak = 0
+    in_flight: list[tuple[int, int]] = []  # (its last wait's position, bytes)
+    total = peak = 0
     for node in graph.nodes:
         info = infos.get(node)
         if info is None:
             continue
         position = order[node]
-        in_flight = {c: held for c, held in in_flight.items() if held[0] > position}
+        while in_flight and in_flight[0][0] <= position:
+            total -= heapq.heappop(in_flight)[1]
         waits = [order[u] for u in node.users if u.target is WAIT]
         if not info.fused and waits and max(waits) > position:
-            in_flight[node] = (max(waits), info.bytes)
-        peak = max(peak, sum(b for _, b in in_flight.values()))
+            heapq.heappush(in_flight, (max(waits), info.bytes))
+            total += info.bytes
+        peak = max(peak, total)
     return peak
 
 
