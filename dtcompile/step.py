@@ -516,6 +516,7 @@ def _make_graph(make_fx: Any, step: Callable[..., Any], flat: list[Any], loss_fn
     from tensors become symbols, so a branch on one is refused)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
     from torch.fx.traceback import preserve_node_meta
 
@@ -524,6 +525,9 @@ def _make_graph(make_fx: Any, step: Callable[..., Any], flat: list[Any], loss_fn
     try:
         with (
             fx_tracing(),  # (ranks run as threads trace one at a time)
+            # Its code generated once, when it first runs, after the passes (as Dynamo's graphs):
+            # not here too, for a graph the passes rewrite.  Inside the lock: the flag is global.
+            _use_lazy_graph_module(True),
             fake_mode,
             tracing(TracingContext(fake_mode)),
             preserve_node_meta(),

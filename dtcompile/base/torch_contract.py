@@ -285,7 +285,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch.distributed.tensor._redistribute", "_TransformInfo", ("mesh_dim", "src_dst_placements", "logical_shape")),
     ("torch.distributed.tensor._redistribute", "_FlattenedTransformInfo", ("mesh", "original_mesh_dims")),
     ("torch.fx.experimental.proxy_tensor", "get_proxy_mode", ()),
-    # dtcompile.auto_parallel.trace: the traced graph module writes its code only when run or read
+    # dtcompile.auto_parallel.trace, dtcompile.step: the traced graph module writes its code only
+    # when run or read (after the passes)
     ("torch.fx._lazy_graph_module", "_use_lazy_graph_module", ("should_use",)),
     # dtcompile.auto_parallel: an op without a strategy traced as its registered decomposition
     ("torch._decomp", "decomposition_table", None),
