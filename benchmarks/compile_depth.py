@@ -6,9 +6,13 @@ this machine, issue #70's setup.  For each depth, each way runs in fresh rank pr
 own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
 
 - ``aot_eager``: stock ``torch.compile(model, backend="aot_eager")``, the first forward and
-  backward (Dynamo, AOTAutograd, its default partitioner; no code generation);
+  backward (Dynamo, AOTAutograd, torch's min-cut partitioner; no code generation);
+- ``aot_eager_decomp_partition``: stock's backend that also traces with Inductor's
+  decompositions (``select_decomp_table``), as dtcompile does with or without Inductor, so that
+  its passes see the graphs Inductor lowers: stock doing the AOT work dtcompile's does;
 - ``dtcompile``: ``torch.compile(model, backend=dtcompile.backend(inductor=False))``, the same
-  first forward and backward (dtcompile's partitioner and passes; no code generation);
+  first forward and backward (Inductor's decompositions, the min-cut partitioner with
+  dtcompile's policies, its passes; no code generation);
 - ``gt tracer``: graph_trainer's tracer (``minimal_fx_tracer``) over forward, loss and
   backward as one graph, no pass run;
 - ``compile_step``: ``dtcompile.compile_step`` with AdamW inside (``foreach=False``: a
@@ -19,6 +23,7 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
 - ``compile_step fused``: the same with ``fused=True``, torchtitan's default
   ``optimizer.implementation``.
 
+``vs aot_eager`` and ``vs decomp`` compare dtcompile's seconds with the two stock ways'.
 ``compile s``: the way's seconds less those of its next call (the same step run warm: the
 graph runs, nothing compiles), what compiling added; the tracer's is its seconds (it runs
 nothing).  ``vs gt tracer`` compares seconds as measured, ``(compile s)`` the compile seconds.
@@ -62,7 +67,7 @@ import dtcompile  # noqa: E402
 from dtcompile.records import Stage  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
-WAYS = ("aot_eager", "dtcompile", "gt tracer", "compile_step", "compile_step foreach", "compile_step fused")
+WAYS = ("aot_eager", "aot_eager_decomp_partition", "dtcompile", "gt tracer", "compile_step", "compile_step foreach", "compile_step fused")
 STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
 LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
@@ -146,8 +151,8 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
         reference = _loss(model, *x).item()
         records: Any = ()
         nodes = 0
-        if way in ("aot_eager", "dtcompile"):
-            backend = dtcompile.backend(inductor=False) if way == "dtcompile" else "aot_eager"
+        if way in ("aot_eager", "aot_eager_decomp_partition", "dtcompile"):
+            backend = dtcompile.backend(inductor=False) if way == "dtcompile" else way
             compiled = torch.compile(model, backend=backend)
             start = time.perf_counter()
             loss = _loss(compiled, *x)
@@ -202,7 +207,7 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
 
 def _print_calls(args: argparse.Namespace) -> None:
     """``--calls``: the passes' function calls per way and depth, against the first depth's."""
-    ways = [w for w in args.ways if w not in ("aot_eager", "gt tracer")]
+    ways = [w for w in args.ways if w not in ("aot_eager", "aot_eager_decomp_partition", "gt tracer")]
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0: Python function calls inside dtcompile's passes")
     print("| layers | way | nodes | passes calls | calls per node | calls x | nodes x |")
     print("|---:|---|---:|---:|---:|---:|---:|")
@@ -227,8 +232,9 @@ def main() -> None:
         _print_calls(args)
         return
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
-    print("| layers | way | seconds | compile s | vs aot_eager | vs gt tracer | (compile s) | passes s | nodes | peak RSS MiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layers | way | seconds | compile s | vs aot_eager | vs decomp | vs gt tracer | (compile s) | passes s | nodes | "
+          "peak RSS MiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     stages: list[tuple[int, str, dict[str, float]]] = []
     for layers in args.layers:
         rows: dict[str, dict[str, Any]] = {}
@@ -239,13 +245,15 @@ def main() -> None:
                     rows[way] = row
         for way, row in rows.items():
             stock = rows.get("aot_eager", {}).get("seconds")
+            decomp = rows.get("aot_eager_decomp_partition", {}).get("seconds")
             tracer = rows.get("gt tracer", {}).get("seconds")
             step = way.startswith("compile_step")
             vs_stock = f"{row['seconds'] / stock:.2f}x" if stock and way == "dtcompile" else "-"
+            vs_decomp = f"{row['seconds'] / decomp:.2f}x" if decomp and way == "dtcompile" else "-"
             vs_tracer = f"{row['seconds'] / tracer:.2f}x" if tracer and step else "-"
             vs_tracer_compile = f"{row['compile_s'] / tracer:.2f}x" if tracer and step else "-"
             passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
-            print(f"| {layers} | {way} | {row['seconds']:.1f} | {row['compile_s']:.1f} | {vs_stock} | {vs_tracer} | "
+            print(f"| {layers} | {way} | {row['seconds']:.1f} | {row['compile_s']:.1f} | {vs_stock} | {vs_decomp} | {vs_tracer} | "
                   f"{vs_tracer_compile} | {passes} | {row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
             if row["stages"]:
                 stages.append((layers, way, row["stages"]))

@@ -403,6 +403,7 @@ class CompiledStep:
                     ):
                         self.optimizer.step()
                     out["shared_reads"] = read.shared if read is not None else 0
+                    out["scalars_reused"] = read.scalars.reused if read is not None and read.scalars else 0
                     for param in params:
                         param.grad = None
                     grads = []
@@ -425,8 +426,9 @@ class CompiledStep:
         )
         run = self._lower(record, example) if self.config.inductor else record.graph
         if out.get("shared_reads"):
-            log.info("compile_step: %s's step counts read once, %d more reads given that value (every count equal)",
-                     type(self.optimizer).__name__, out["shared_reads"])
+            log.info("compile_step: %s's step counts read once, %d more reads given that value (every count equal); "
+                     "%d scalar computations on it took one traced before",
+                     type(self.optimizer).__name__, out["shared_reads"], out["scalars_reused"])
         return _Traced(run, out["layouts"], out["spec"], out.get("shared_reads", 0))
 
     def _lower(self, record: CompiledGraph, example: Sequence[Any]) -> Callable[..., Any]:

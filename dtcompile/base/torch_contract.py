@@ -296,6 +296,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     ("torch._subclasses.fake_tensor", "in_kernel_invocation_manager", ("fake_mode",)),
     ("torch._subclasses.fake_tensor", "FakeTensorConverter.from_meta_and_device", ("self", "fake_mode", "t", "device")),
     ("torch._C", "_DisablePythonDispatcher", None),
+    # dtcompile.pipeline.step_reads.scalars_once: make_fx's symbolic scalar arithmetic, traced through
+    # its proxy mode's __sym_dispatch__ (handle_sym_dispatch calls it by name)
+    ("torch.fx.experimental.proxy_tensor", "ProxyTorchDispatchMode.__sym_dispatch__",
+     ("self", "func", "types", "args", "kwargs")),
     # dtcompile.pipeline.stack_traces: the frames make_fx keeps of a node's stack, by torch's own rule
     ("torch.fx.proxy", "_STACK_TRACE_ANCHORS", None),
     # dtcompile._testing.moe: the MoE's token dispatch (differentiable, as torchtitan's)

@@ -9,7 +9,8 @@ update node to just after the last node it must follow:
 - every read, outside the optimizer, of a tensor it touches (a parameter the backward
   still reads, through any view: the update writes it in place), a collective's
   read lasting until its wait (gloo and NCCL read the input in the background);
-- the optimizer's earlier nodes on the same tensors, in their order.
+- the optimizer's earlier nodes on the same tensors, in their order: the last write of
+  a tensor it reads or writes, and for a write the reads since the write before.
 
 An update then runs while the rest of the backward and its reduce-scatters do, and
 its gradient is freed once consumed.  A ``foreach`` update (one op over every
@@ -28,7 +29,7 @@ import torch
 from torch import fx
 
 from dtcompile.base.channels import Meta
-from dtcompile.passes._graph import alias_roots, read_inputs
+from dtcompile.passes._graph import alias_roots, read_inputs, written_args
 from dtcompile.passes.context import PassContext
 
 __all__ = ["optimizer_of", "place_optimizer_updates"]
@@ -60,15 +61,23 @@ def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], c
             continue
         for source in read_inputs(node):
             last_reader[roots[source]] = node
-    last_touch: dict[fx.Node, fx.Node] = {}
+    last_write: dict[fx.Node, fx.Node] = {}
+    readers_since_write: dict[fx.Node, list[fx.Node]] = {}
     deferred: list[fx.Node] = []
     for seq, node in enumerate(updates):
-        touched = {roots[source] for source in node.all_input_nodes} | {roots[node]}
+        reads = {roots[source] for source in node.all_input_nodes}
+        writes = {roots[target] for target in written_args(node)}
         must_follow = list(node.all_input_nodes)
-        must_follow += [last_reader[root] for root in touched if root in last_reader]
-        must_follow += [last_touch[root] for root in touched if root in last_touch]
-        for root in touched:
-            last_touch[root] = node
+        must_follow += [last_reader[root] for root in reads | writes | {roots[node]} if root in last_reader]
+        # Among the optimizer's nodes: after the last write of what it reads or writes, and
+        # a write after the reads since the one before (reads of one value, as every
+        # parameter's of the step's bias corrections, need no order among themselves).
+        must_follow += [last_write[root] for root in reads | writes if root in last_write]
+        must_follow += [reader for root in writes for reader in readers_since_write.pop(root, ())]
+        for root in writes:
+            last_write[root] = node
+        for root in reads - writes:
+            readers_since_write.setdefault(root, []).append(node)
         if not node.all_input_nodes:
             deferred.append(node)
             continue

@@ -11,6 +11,7 @@ threaded ranks: the TP + SP block, a SimpleFSDP stack and the block under FSDP x
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import pytest
@@ -147,9 +148,45 @@ def test_adamw_reads_one_step_count_while_every_count_is_equal(foreach):
         assert all(_equal(a, b) for a, b in zip(state, eager_state, strict=True)), f"step {i}"
         shared.append(step.shared_step_reads)
     # The for-loop update reads each count once, the foreach one twice (each bias correction's list).
-    others = (2 if foreach else 1) * len(list(model.parameters())) - 1
+    params = len(list(model.parameters()))
+    others = (2 if foreach else 1) * params - 1
     assert shared == [0, others, 0, 0, others, others]
     assert step.traces == 2 and step.eager_steps == 1
+    # With one count read, the scalars computed from it are traced once (beta1 ** step,
+    # beta2 ** step, the square root: one node each); counts that differ take their own.
+    powers = [sum(1 for n in r.graph.graph.nodes if n.target is operator.pow) for r in step.records]
+    assert powers == [3, 3 * params]
+
+
+def test_scalars_traced_once_key_constants_by_type_and_bits():
+    """A scalar computation takes one traced before only where it is the same function on the
+    same symbols and the same constants: ``x * 0.25`` is not ``x * -0.25`` (nor ``0.0``
+    ``-0.0``: ``1 / -0.0`` is ``-inf``), ``1`` not ``True``, and a NaN is never the same.  (Of
+    a float symbol ``x``, torch makes ``x * 2`` ``x * 2.0`` before it dispatches: one.)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dtcompile.pipeline.step_reads import _scalar_key, scalars_once
+    from dtcompile.step import _make_graph
+
+    reused = []
+
+    def f(t: torch.Tensor) -> list[torch.Tensor]:
+        with scalars_once() as once:
+            x = t.item()
+            assert isinstance(x, torch.SymFloat)
+            values = [x * 0.5, x * 0.5, x * 0.25, x * -0.25, x * 2, x * 2.0]
+            reused.append(once.reused)
+        return [t * v for v in values]
+
+    gm = _make_graph(make_fx, f, [torch.tensor(3.0)], f)
+    assert reused == [2]  # the second x * 0.5, and x * 2.0 after x * 2
+    assert sum(1 for n in gm.graph.nodes if n.target is operator.mul) == 4  # 0.5, 0.25, -0.25, 2.0
+    outs = gm(torch.tensor(4.0))
+    assert [o.item() for o in outs] == [8.0, 8.0, 4.0, -4.0, 32.0, 32.0]
+    assert _scalar_key(operator.mul, (0.0,)) != _scalar_key(operator.mul, (-0.0,))
+    assert _scalar_key(operator.mul, (1,)) != _scalar_key(operator.mul, (True,))
+    assert _scalar_key(operator.add, (float("nan"),)) is None  # traced as torch traces it
+    assert _scalar_key(operator.mul, ([1.0],)) is None
 
 
 class _Block(nn.Module):
