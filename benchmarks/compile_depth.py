@@ -31,7 +31,8 @@ nothing).  ``vs gt tracer`` compares seconds as measured, ``(compile s)`` the co
 Also per way: the seconds dtcompile's passes took (the records' ``PassRecord.seconds``,
 summed over the graphs), the graph's nodes, and the rank's peak RSS; then, for dtcompile's
 ways, each compile stage's seconds (``CompiledGraph.stages``: Dynamo, AOTAutograd or
-``compile_step``'s make_fx trace, the partitioner, the passes, the simulations, ...).  Every way's loss is
+``compile_step``'s make_fx trace, the partitioner, the passes, the simulations, ...), and
+each pass's seconds.  Every way's loss is
 checked against the eager loss of the same model (1e-5).  The table's ratios are measured
 side by side in one run.
 
@@ -102,6 +103,15 @@ def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, count: torch.T
 
 def _passes_s(records: Any) -> float:
     return sum(p.seconds for r in records for p in r.passes)
+
+
+def _per_pass(records: Any) -> dict[str, float]:
+    """Each pass's seconds (its ``PassRecord.seconds``) summed over the way's graphs."""
+    totals: dict[str, float] = {}
+    for record in records:
+        for p in record.passes:
+            totals[p.name] = totals.get(p.name, 0.0) + p.seconds
+    return totals
 
 
 def _stages(records: Any) -> dict[str, float]:
@@ -199,6 +209,7 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
         "compile_s": seconds - warm,
         "passes_s": _passes_s(records) if records else None,
         "stages": _stages(records),
+        "per_pass": _per_pass(records),
         "nodes": nodes,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "passes_calls": sum(calls),
@@ -236,6 +247,7 @@ def main() -> None:
           "peak RSS MiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     stages: list[tuple[int, str, dict[str, float]]] = []
+    per_pass: list[tuple[int, str, dict[str, float]]] = []
     for layers in args.layers:
         rows: dict[str, dict[str, Any]] = {}
         for _ in range(args.rounds):
@@ -257,11 +269,19 @@ def main() -> None:
                   f"{vs_tracer_compile} | {passes} | {row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
             if row["stages"]:
                 stages.append((layers, way, row["stages"]))
+                per_pass.append((layers, way, row["per_pass"]))
     print("\nPer stage, rank 0's seconds summed over its graphs (the records' StageSeconds):")
     print("| layers | way | " + " | ".join(STAGES) + " |")
     print("|---:|---|" + "---:|" * len(STAGES))
     for layers, way, seconds in stages:
         cells = [f"{seconds[s]:.2f}" if s in seconds else "-" for s in STAGES]
+        print(f"| {layers} | {way} | " + " | ".join(cells) + " |", flush=True)
+    names = list(dict.fromkeys(name for _, _, seconds in per_pass for name in seconds))
+    print("\nPer pass, rank 0's seconds summed over its graphs (the records' PassRecord.seconds):")
+    print("| layers | way | " + " | ".join(names) + " |")
+    print("|---:|---|" + "---:|" * len(names))
+    for layers, way, seconds in per_pass:
+        cells = [f"{seconds[n]:.3f}" if n in seconds else "-" for n in names]
         print(f"| {layers} | {way} | " + " | ".join(cells) + " |", flush=True)
 
 
