@@ -270,18 +270,18 @@ def main() -> None:
             if row["stages"]:
                 stages.append((layers, way, row["stages"]))
                 per_pass.append((layers, way, row["per_pass"]))
-    print("\nPer stage, rank 0's seconds summed over its graphs (the records' StageSeconds):")
-    print("| layers | way | " + " | ".join(STAGES) + " |")
-    print("|---:|---|" + "---:|" * len(STAGES))
-    for layers, way, seconds in stages:
-        cells = [f"{seconds[s]:.2f}" if s in seconds else "-" for s in STAGES]
-        print(f"| {layers} | {way} | " + " | ".join(cells) + " |", flush=True)
-    names = list(dict.fromkeys(name for _, _, seconds in per_pass for name in seconds))
-    print("\nPer pass, rank 0's seconds summed over its graphs (the records' PassRecord.seconds):")
-    print("| layers | way | " + " | ".join(names) + " |")
-    print("|---:|---|" + "---:|" * len(names))
-    for layers, way, seconds in per_pass:
-        cells = [f"{seconds[n]:.3f}" if n in seconds else "-" for n in names]
+    _print_seconds("Per stage, rank 0's seconds summed over its graphs (the records' StageSeconds):", STAGES, stages, 2)
+    passes = tuple(dict.fromkeys(name for _, _, seconds in per_pass for name in seconds))
+    _print_seconds("Per pass, rank 0's seconds summed over its graphs (the records' PassRecord.seconds):",
+                   passes, per_pass, 3)
+
+
+def _print_seconds(title: str, columns: tuple[str, ...], rows: list[tuple[int, str, dict[str, float]]], digits: int) -> None:
+    print(f"\n{title}")
+    print("| layers | way | " + " | ".join(columns) + " |")
+    print("|---:|---|" + "---:|" * len(columns))
+    for layers, way, seconds in rows:
+        cells = [f"{seconds[c]:.{digits}f}" if c in seconds else "-" for c in columns]
         print(f"| {layers} | {way} | " + " | ".join(cells) + " |", flush=True)
 
 
