@@ -53,7 +53,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,9 @@ import dtcompile  # noqa: E402
 from dtcompile.records import Stage  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
-WAYS = ("aot_eager", "aot_eager_decomp_partition", "dtcompile", "gt tracer", "compile_step", "compile_step foreach", "compile_step fused")
+STOCK = ("aot_eager", "aot_eager_decomp_partition")
+"""The stock backends, by the names torch registers them under."""
+WAYS = (*STOCK, "dtcompile", "gt tracer", "compile_step", "compile_step foreach", "compile_step fused")
 STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
 LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
@@ -101,26 +103,22 @@ def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, count: torch.T
     return loss
 
 
-def _passes_s(records: Any) -> float:
-    return sum(p.seconds for r in records for p in r.passes)
+def _summed(pairs: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Each name's seconds summed, in the order the names first come."""
+    totals: dict[str, float] = {}
+    for name, seconds in pairs:
+        totals[name] = totals.get(name, 0.0) + seconds
+    return totals
 
 
 def _per_pass(records: Any) -> dict[str, float]:
     """Each pass's seconds (its ``PassRecord.seconds``) summed over the way's graphs."""
-    totals: dict[str, float] = {}
-    for record in records:
-        for p in record.passes:
-            totals[p.name] = totals.get(p.name, 0.0) + p.seconds
-    return totals
+    return _summed((p.name, p.seconds) for record in records for p in record.passes)
 
 
 def _stages(records: Any) -> dict[str, float]:
     """Each stage's seconds (``CompiledGraph.stages``) summed over the way's graphs."""
-    totals: dict[str, float] = {}
-    for record in records:
-        for stage, seconds in record.stages.items():
-            totals[str(stage)] = totals.get(str(stage), 0.0) + seconds
-    return totals
+    return _summed((str(stage), seconds) for record in records for stage, seconds in record.stages.items())
 
 
 @contextlib.contextmanager
@@ -161,7 +159,7 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
         reference = _loss(model, *x).item()
         records: Any = ()
         nodes = 0
-        if way in ("aot_eager", "aot_eager_decomp_partition", "dtcompile"):
+        if way in (*STOCK, "dtcompile"):
             backend = dtcompile.backend(inductor=False) if way == "dtcompile" else way
             compiled = torch.compile(model, backend=backend)
             start = time.perf_counter()
@@ -204,12 +202,13 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
         got = float(loss.detach())
         if not math.isfinite(reference) or abs(got - reference) > 1e-5 * max(1.0, abs(reference)):
             raise AssertionError(f"{way} at {layers} layers: loss {got} against eager's {reference}")
+    per_pass = _per_pass(records)
     return {
         "seconds": seconds,
         "compile_s": seconds - warm,
-        "passes_s": _passes_s(records) if records else None,
+        "passes_s": sum(per_pass.values()) if records else None,
         "stages": _stages(records),
-        "per_pass": _per_pass(records),
+        "per_pass": per_pass,
         "nodes": nodes,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "passes_calls": sum(calls),
@@ -218,7 +217,7 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
 
 def _print_calls(args: argparse.Namespace) -> None:
     """``--calls``: the passes' function calls per way and depth, against the first depth's."""
-    ways = [w for w in args.ways if w not in ("aot_eager", "aot_eager_decomp_partition", "gt tracer")]
+    ways = [w for w in args.ways if w not in (*STOCK, "gt tracer")]
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0: Python function calls inside dtcompile's passes")
     print("| layers | way | nodes | passes calls | calls per node | calls x | nodes x |")
     print("|---:|---|---:|---:|---:|---:|---:|")

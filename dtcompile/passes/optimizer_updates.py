@@ -66,13 +66,13 @@ def place_optimizer_updates(gm: fx.GraphModule, example_inputs: Sequence[Any], c
     deferred: list[fx.Node] = []
     for seq, node in enumerate(updates):
         reads = {roots[source] for source in node.all_input_nodes}
-        writes = {roots[target] for target in written_args(node)}
+        writes = {roots[target] for target in written_args(node)}  # of its inputs: within reads
         must_follow = list(node.all_input_nodes)
-        must_follow += [last_reader[root] for root in reads | writes | {roots[node]} if root in last_reader]
+        must_follow += [last_reader[root] for root in reads | {roots[node]} if root in last_reader]
         # Among the optimizer's nodes: after the last write of what it reads or writes, and
         # a write after the reads since the one before (reads of one value, as every
         # parameter's of the step's bias corrections, need no order among themselves).
-        must_follow += [last_write[root] for root in reads | writes if root in last_write]
+        must_follow += [last_write[root] for root in reads if root in last_write]
         must_follow += [reader for root in writes for reader in readers_since_write.pop(root, ())]
         for root in writes:
             last_write[root] = node
