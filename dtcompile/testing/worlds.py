@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -411,10 +410,19 @@ def wait_for_eager_on_every_rank() -> None:
 _FAILURE_GRACE_S = 3.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_store(world_size: int, timeout: float) -> dist.TCPStore:
+    """The run's rendezvous store, served by this process on a port the kernel picks.
+
+    The port is held from the moment it is chosen: a port picked free and handed to
+    the ranks (to bind when their interpreter has started, seconds later) can be taken
+    in between by another run's rank or gloo connection on the same machine, and then
+    two runs meet in one store (CI saw ``Gloo connectFullMesh failed ... Connection
+    closed by peer``).
+    """
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
 
 
 def _gloo_rank_main(
@@ -430,8 +438,11 @@ def _gloo_rank_main(
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+        )
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
         try:
             # Sent as bytes: tensors pickled through a Queue share file descriptors
@@ -493,7 +504,8 @@ def run_gloo(
     _check_picklable(fn)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = _rendezvous_store(world_size, timeout)
+    port = store.port
     procs = [
         ctx.Process(
             target=_gloo_rank_main,

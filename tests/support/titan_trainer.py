@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -40,12 +39,6 @@ _POLICY = re.compile(r"- root - INFO -\s+Layer ([\w-]+): (\d+) MUST_SAVE, (\d+) 
 def make_assets(python: str, folder: Path) -> Path:
     subprocess.run([python, str(ASSETS), str(folder)], check=True, timeout=300)
     return folder
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -120,7 +113,7 @@ def train(
     if measure:
         env["TITAN_CPU_LAUNCH_MEASURE"] = "1"
     command = [
-        python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         *(() if measure else ("--local-ranks-filter", "0")), "--role", "rank", "--tee", "3", str(LAUNCHER),
         "--config", CONFIG, "--hf_assets_path", str(assets / "tokenizer"),
         "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(assets / "c4_test"),

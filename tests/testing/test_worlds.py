@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import socket
 import time
 
 import pytest
@@ -112,6 +113,32 @@ def test_threaded_failure_names_the_rank():
 @pytest.mark.gloo
 def test_gloo_ranks_have_real_collectives():
     assert run_gloo(2, _all_reduce_rank, timeout=120) == [3.0, 3.0]
+
+
+def _rendezvous_port(rank: int) -> int:
+    dist.barrier()
+    return int(os.environ["MASTER_PORT"])
+
+
+@pytest.mark.gloo
+def test_gloo_ranks_meet_at_a_store_this_process_holds_from_before_they_start(monkeypatch):
+    # A port picked free and bound by rank 0 seconds later can be taken in between by another
+    # run's ranks (CI: "Gloo connectFullMesh failed ... Connection closed by peer").
+    import dtcompile.testing.worlds as worlds
+
+    held = []
+
+    def store(world_size: int, timeout: float) -> dist.TCPStore:
+        held.append(original(world_size, timeout))
+        with pytest.raises(OSError):  # bound already, before any rank starts
+            socket.create_server(("127.0.0.1", held[-1].port))
+        return held[-1]
+
+    original = worlds._rendezvous_store
+    monkeypatch.setattr(worlds, "_rendezvous_store", store)
+    assert run_gloo(2, _rendezvous_port) == [held[0].port] * 2
+    held[0].set("after", "the run")  # the ranks joined it: it served them, and still serves
+    assert held[0].get("after") == b"the run"
 
 
 @pytest.mark.gloo
