@@ -13,6 +13,7 @@ as :class:`Span` bars (what the report's timeline and its Perfetto file draw).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +122,12 @@ def priced_once(node: Any, profile: HardwareProfile, times: dict[Any, float]) ->
     return cost
 
 
-def simulate(graph: Any, profile: HardwareProfile, times: dict[Any, float] | None = None) -> Timeline:
+def simulate(
+    graph: Any,
+    profile: HardwareProfile,
+    times: dict[Any, float] | None = None,
+    infos: Mapping[Any, Any] | None = None,
+) -> Timeline:
     """Play ``graph`` on one compute and one communication stream, in graph order.
 
     A collective is issued when the compute stream reaches it and runs after the
@@ -138,7 +144,10 @@ def simulate(graph: Any, profile: HardwareProfile, times: dict[Any, float] | Non
 
     ``times``, where given, holds compute nodes' :func:`node_time_us` under ``profile``
     and gets those it lacks: a caller that plays one graph's nodes in several orders
-    prices each node once (a node's time does not depend on where it runs).
+    prices each node once (a node's time does not depend on where it runs).  ``infos``,
+    where given, holds every collective of ``graph`` described
+    (:func:`~dtcompile.graph.collectives.collective_info`), for a caller that plays one
+    graph's nodes in several orders: moving nodes changes no collective.
     """
     if times is None:
         times = {}
@@ -146,7 +155,7 @@ def simulate(graph: Any, profile: HardwareProfile, times: dict[Any, float] | Non
     done: dict[Any, float] = {}
     bars = _Bars()
     for node in graph.nodes:
-        info = collective_info(node)
+        info = collective_info(node) if infos is None else infos.get(node)
         if info is not None and info.fused:
             c = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
             m = node_time_us(node, profile)

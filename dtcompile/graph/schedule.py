@@ -27,16 +27,16 @@ from torch import fx
 
 from dtcompile.graph.memory import LiveBytes
 
-__all__ = ["MovingSchedule"]
+__all__ = ["MovingSchedule", "SlotCounts"]
 
 _EMPTY = -(1 << 62)
 """The value of a slot whose node moved out and none moved in: never the peak (an
 integer, so that a range of such slots still reads as one)."""
 
 
-class _Counts:
-    """How many nodes each slot holds, with the sum over the slots before one: a
-    Fenwick tree, ``O(log n)`` each."""
+class SlotCounts:
+    """How many nodes each of ``length`` slots holds (one each to start with), with the sum
+    over the slots before one: a Fenwick tree, ``O(log n)`` each."""
 
     def __init__(self, length: int) -> None:
         tree = [0] * (length + 1)
@@ -83,7 +83,7 @@ class MovingSchedule:
         self._values: list[list[int]] = [[num] for num in curve]
         self._top: list[int | None] = list(curve)
         self._live = LiveBytes(curve)
-        self._counts = _Counts(len(nodes))
+        self._counts = SlotCounts(len(nodes))
 
     @property
     def peak(self) -> int:

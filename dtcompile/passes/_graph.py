@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,8 @@ from torch import fx
 from dtcompile.base.op_facts import WAIT
 
 __all__ = [
-    "PROVENANCE", "alias_roots", "first_use_index", "provenance", "read_inputs", "refresh_metadata", "single_wait", "written_args",
+    "PROVENANCE", "alias_roots", "first_use_index", "provenance", "read_inputs", "refresh_metadata", "replace_uses",
+    "single_wait", "written_args",
 ]
 
 
@@ -37,6 +38,25 @@ def single_wait(collective: fx.Node) -> fx.Node | None:
     if len(users) == 1 and users[0].target is WAIT:
         return users[0]
     return None
+
+
+def replace_uses(replacements: Mapping[fx.Node, fx.Node]) -> None:
+    """What ``old.replace_all_uses_with(new)`` does for each ``old: new`` of ``replacements``,
+    each reader's arguments rewritten once.  torch's rewrites a reader's arguments whole for
+    each node it replaces there, and a fused optimizer's node reads every gradient: a
+    bucket's members replaced one by one cost the bucket's size times the node's."""
+    readers = dict.fromkeys(reader for old in replacements for reader in old.users)
+    hooks = next(iter(replacements)).graph.owning_module if replacements else None
+    hooks = getattr(hooks, "_replace_hooks", None) or ()
+    for reader in readers:
+        for old in reader.all_input_nodes:
+            if old in replacements:
+                for hook in hooks:  # as replace_all_uses_with calls them
+                    hook(old=old, new=replacements[old].name, user=reader)
+        reader.args = fx.map_arg(reader.args, lambda n: replacements.get(n, n))
+        kwargs = fx.map_arg(reader.kwargs, lambda n: replacements.get(n, n))
+        if kwargs != reader.kwargs:
+            reader.kwargs = kwargs
 
 
 def first_use_index(node: fx.Node, index: dict[fx.Node, int]) -> int:

@@ -78,6 +78,7 @@ from dtcompile.passes._graph import (
     first_use_index,
     provenance,
     refresh_metadata,
+    replace_uses,
     reshape_is_contiguous,
     single_wait,
     written_args,
@@ -538,6 +539,7 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
     if kind == "all_gather":
         waited = cursor(aten.reshape.default, (waited, [group_size, -1]))
     offset = 0
+    results: dict[fx.Node, fx.Node] = {}
     for member, value, piece in zip(bucket.members, values, pieces):
         dim = 1 if kind == "all_gather" else 0
         part = cursor(aten.slice.Tensor, (waited, dim, offset, offset + piece))
@@ -554,7 +556,8 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
             # strided view, where the collective's own output was contiguous, and a view
             # of it fails.
             result = cursor(aten.clone.default, (result,), {"memory_format": torch.contiguous_format})
-        member.wait.replace_all_uses_with(result)
+        results[member.wait] = result
+    replace_uses(results)
     for member in bucket.members:
         graph.erase_node(member.wait)
         graph.erase_node(member.node)

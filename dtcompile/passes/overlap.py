@@ -60,7 +60,7 @@ from dtcompile.cost.simulate import priced_once, simulate
 from dtcompile.graph.collectives import collective_info
 from dtcompile.graph.memory import PeakTracker
 from dtcompile.graph.regions import issues_collectives
-from dtcompile.graph.schedule import MovingSchedule
+from dtcompile.graph.schedule import MovingSchedule, SlotCounts
 from dtcompile.passes.context import PassContext
 from dtcompile.records import Action, Outcome
 
@@ -73,31 +73,31 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
-def _shift(order: dict[fx.Node, int], first: fx.Node, stop: fx.Node, by: int) -> None:
-    """Moves the positions in ``order`` of the nodes from ``first`` up to ``stop`` (not
-    included, later in the graph) by ``by``: what moving one node across them does."""
-    node = first
-    while node is not stop:
-        order[node] += by
-        node = node.next
-
-
 def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Moves each wait down to just before its first user.  The graph's order is read once
-    and kept as waits move: a move shifts the positions of only the nodes it crosses, so
-    the pass costs the graph plus the distances it records."""
+    """Moves each wait down to just before its first user.
+
+    Only waits move, each once, so the other nodes keep their order, and a wait not yet
+    moved is still where it was traced.  Every node keeps its traced place as a slot; a
+    moved wait joins its first user's slot, right before it, and a node's place is the
+    count of the nodes in the slots up to its own (:class:`SlotCounts`), less those moved
+    in before it.  A move and the distance it records cost ``O(log n)``, where shifting the
+    places the wait crosses cost the distance: a whole-step graph's reduce-scatters are
+    waited on by the optimizer at its end, each across much of the graph."""
     moved = 0
-    order = _order(gm.graph)
-    for wait in [n for n in gm.graph.nodes if n.target is WAIT]:
+    nodes = list(gm.graph.nodes)
+    slot = {node: i for i, node in enumerate(nodes)}
+    counts = SlotCounts(len(nodes))
+    for wait in [n for n in nodes if n.target is WAIT]:
         users = [u for u in wait.users if u.op != "output"]
         if not users:
             continue
-        first = min(users, key=order.__getitem__)
-        distance = order[first] - order[wait] - 1
+        first = min(users, key=slot.__getitem__)
+        # Both are their slots' last nodes (the waits moved in go before a slot's node).
+        distance = counts.before(slot[first] + 1) - counts.before(slot[wait] + 1) - 1
         if distance > 0:
-            _shift(order, wait.next, first, -1)
             first.prepend(wait)
-            order[wait] = order[first] - 1
+            counts.add(slot[wait], -1)
+            counts.add(slot[first], 1)
             moved += 1
             ctx.moved(wait.name, f"waits {distance} node(s) later, before {first.name}")
     return moved
@@ -207,9 +207,10 @@ def _fill_windows(
     already seen to be one (or the collective) reads it, and the walk meets every reader of
     a node before the node itself, so it decides as the whole set of ancestors would."""
     profile = ctx.profile
-
+    nodes = list(gm.graph.nodes)
+    windows = _Windows(nodes, [priced_once(n, profile, times) for n in nodes])
     moved = 0
-    for node in list(gm.graph.nodes):
+    for node in nodes:
         info = infos.get(node)
         waits = [u for u in node.users if u.target is WAIT]
         if info is None or info.fused or len(waits) != 1:
@@ -219,11 +220,8 @@ def _fill_windows(
             continue
         wait = waits[0]
         need = collective_time_us(info.op, info.bytes, info.group_size, profile.link(info.group_span))
-        have, current = 0.0, node.next
-        while current is not wait and have < need:  # the window, up to where it covers the collective
-            have += priced_once(current, profile, times)
-            current = current.next
-        if have >= need:
+        have = windows.compute_between(node, wait, need)
+        if have is None:  # the window covers it
             continue
         # Walking back from the collective, its ancestors are the nodes some already-seen
         # ancestor (or the collective) reads: the walk visits every user before what it uses.
@@ -250,6 +248,44 @@ def _fill_windows(
             moved += len(candidates)
             ctx.moved(node.name, f"{len(candidates)} independent node(s) moved after it, to run under it")
     return moved
+
+
+class _Windows:
+    """The compute between a collective and its wait, for :func:`_fill_windows`, read off
+    prefix sums of the nodes' times.
+
+    :func:`_fill_windows` moves nodes from before the collective it is at to right after it,
+    and goes through the collectives in order, so the nodes after the one it is at are those
+    it was given, in their order.  The sum of the window's times then reads off the prefix
+    sums: ``O(1)`` per collective, where adding the times up node by node cost the length of
+    the window, up to where it covers the collective (a few hundred nodes in a deep model's
+    whole-step graph, for each of its hundreds of collectives).  Rounding sets the prefix
+    sums' difference apart from the sum added up node by node: within a hair of the
+    collective's time, and in a window that does not cover it (whose sum the walk back goes
+    on from), the sum is added up node by node, as the walk did."""
+
+    _TIE = 1e-9
+    """Relative: far past the rounding of either sum, over any graph."""
+
+    def __init__(self, nodes: Sequence[fx.Node], times: Sequence[float]) -> None:
+        self.nodes, self.times = nodes, times
+        self.place = {node: i for i, node in enumerate(nodes)}
+        self.prefix = list(itertools.accumulate(times, initial=0.0))
+
+    def compute_between(self, node: fx.Node, wait: fx.Node, need: float) -> float | None:
+        """None where the nodes between ``node`` and ``wait`` take ``need`` microseconds or
+        more, else what they take (added up in order, from 0)."""
+        start, stop = self.place[node] + 1, self.place[wait]
+        tie = self._TIE * (self.prefix[-1] + need)
+        approx = self.prefix[stop] - self.prefix[start]
+        if approx >= need + tie:
+            return None
+        have = 0.0
+        for i in range(start, stop):  # short (it does not cover), or within a hair
+            if have >= need:
+                return None
+            have += self.times[i]
+        return None if have >= need else have
 
 
 def _peak_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any]) -> int:
@@ -295,7 +331,7 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
     communication |= {user for node in communication for user in node.users if user.target is operator.getitem}
     original = list(gm.graph.nodes)
     times: dict[fx.Node, float] = {}  # each node's compute time, priced once for the pass
-    before = simulate(gm.graph, ctx.profile, times).total_us
+    before = simulate(gm.graph, ctx.profile, times, infos).total_us
     held = _peak_in_flight(gm.graph, infos)
     outcomes = len(ctx.outcomes)
     moved = _sink_waits(gm, ctx)
@@ -324,7 +360,7 @@ def reorder_for_overlap(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: 
         peak = ctx.estimate(gm).peak_bytes
     adds = peak - peak_before
     # Rounded: moving nodes whose estimates sum alike leaves float noise, not a gain.
-    price = ctx.price(round(before - simulate(gm.graph, ctx.profile, times).total_us, 6), 0.0, adds_bytes=adds)
+    price = ctx.price(round(before - simulate(gm.graph, ctx.profile, times, infos).total_us, 6), 0.0, adds_bytes=adds)
     more = _peak_in_flight(gm.graph, infos) - held
     if not price.pays:
         _put_back(original)
