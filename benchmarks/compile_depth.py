@@ -70,7 +70,9 @@ from dtcompile.testing import run_gloo  # noqa: E402
 
 STOCK = ("aot_eager", "aot_eager_decomp_partition")
 """The stock backends, by the names torch registers them under."""
-WAYS = (*STOCK, "dtcompile", "gt tracer", "compile_step", "compile_step foreach", "compile_step fused")
+DTCOMPILE_WAYS = ("dtcompile", "compile_step", "compile_step foreach", "compile_step fused")
+"""The ways through dtcompile's passes (each with records)."""
+WAYS = (*STOCK, "dtcompile", "gt tracer", *DTCOMPILE_WAYS[1:])
 STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
 LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
@@ -203,7 +205,10 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
         if not math.isfinite(reference) or abs(got - reference) > 1e-5 * max(1.0, abs(reference)):
             raise AssertionError(f"{way} at {layers} layers: loss {got} against eager's {reference}")
     per_pass = _per_pass(records)
+    from records_digest import record_line  # beside this file
+
     return {
+        "records": [record_line(r) for r in records],
         "seconds": seconds,
         "compile_s": seconds - warm,
         "passes_s": sum(per_pass.values()) if records else None,
@@ -217,7 +222,7 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
 
 def _print_calls(args: argparse.Namespace) -> None:
     """``--calls``: the passes' function calls per way and depth, against the first depth's."""
-    ways = [w for w in args.ways if w not in (*STOCK, "gt tracer")]
+    ways = [w for w in args.ways if w in DTCOMPILE_WAYS]
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0: Python function calls inside dtcompile's passes")
     print("| layers | way | nodes | passes calls | calls per node | calls x | nodes x |")
     print("|---:|---|---:|---:|---:|---:|---:|")

@@ -18,6 +18,13 @@ Printed, on the fake process group (4 ranks), without Inductor:
   digest of every parameter's placements and the predicted collectives;
 - the idiom corpus (``dtcompile._testing.idioms``): the idioms dtcompile fails.
 
+``--depth N`` prints instead each graph of ``benchmarks/compile_depth.py``'s dtcompile ways
+(the Dynamo path, ``compile_step`` with for-loop, foreach and fused AdamW) on its Llama3 of
+``N`` layers, on 2 gloo ranks, a line each: what a change to the passes' speed must leave
+equal on a deep model's graphs (issue #70).
+
+    python benchmarks/records_digest.py --depth 8
+
 Seconds are left out (they differ run to run); everything else must be equal.
 """
 
@@ -27,9 +34,10 @@ import hashlib
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path.cwd()
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "auto_parallel"), str(ROOT / "tests" / "clients")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT / "tests" / "auto_parallel"), str(ROOT / "tests" / "clients")]
 
 
 def _digest(text: str) -> str:
@@ -52,10 +60,29 @@ def shared_models() -> None:
             out = torch.compile(parallel, backend=backend, fullgraph=True)(case.local_input(x, mesh))
             out.sum().backward()
         for r in backend.records:
-            passes = [(p.name, p.ran, p.nodes_before, p.nodes_after, p.collectives_before, p.collectives_after,
-                       [str(d) for d in p.decisions]) for p in r.passes]
-            print(f"model {name} {r.compile_id} {r.kind} code={_digest(r.graph.code)} "
-                  f"collectives={[str(c) for c in r.collectives]} passes={_digest(repr(passes))}")
+            print(f"model {name} {record_line(r)}")
+
+
+def record_line(record: Any) -> str:
+    """One compiled graph: its compile id and kind, a digest of its code, its collectives and
+    each pass's record (ran, nodes and collectives before and after, decisions)."""
+    passes = [(p.name, p.ran, p.nodes_before, p.nodes_after, p.collectives_before, p.collectives_after,
+               [str(d) for d in p.decisions]) for p in record.passes]
+    return (f"{record.compile_id} {record.kind} code={_digest(record.graph.code)} "
+            f"collectives={[str(c) for c in record.collectives]} passes={_digest(repr(passes))}")
+
+
+def depth(layers: int) -> None:
+    """``--depth N``: compile_depth.py's dtcompile ways on torchtitan's Llama3 of ``N`` layers,
+    each rank's graphs (2 gloo ranks; torchtitan installed, as for compile_depth.py)."""
+    import compile_depth
+
+    from dtcompile.testing import run_gloo
+
+    for way in compile_depth.DTCOMPILE_WAYS:
+        for rank, row in enumerate(run_gloo(compile_depth.WORLD, compile_depth._way, layers, way, timeout=3600)):
+            for line in row["records"]:
+                print(f"depth {layers} {way} rank {rank} {line}")
 
 
 def zoo_plans() -> None:
@@ -94,6 +121,9 @@ def idioms() -> None:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
+    if sys.argv[1:2] == ["--depth"]:
+        depth(int(sys.argv[2]))
+        return
     shared_models()
     zoo_plans()
     idioms()
