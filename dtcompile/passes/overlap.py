@@ -81,8 +81,9 @@ def _sink_waits(gm: fx.GraphModule, ctx: PassContext) -> int:
     moved wait joins its first user's slot, right before it, and a node's place is the
     count of the nodes in the slots up to its own (:class:`SlotCounts`), less those moved
     in before it.  A move and the distance it records cost ``O(log n)``, where shifting the
-    places the wait crosses cost the distance: a whole-step graph's reduce-scatters are
-    waited on by the optimizer at its end, each across much of the graph."""
+    places the wait crosses cost the distance: most of the graph for a wait first read far
+    away (a gradient that only an optimizer at the graph's end reads).  AOTAutograd's and
+    ``compile_step``'s graphs mostly leave each wait at its first user already."""
     moved = 0
     nodes = list(gm.graph.nodes)
     slot = {node: i for i, node in enumerate(nodes)}
