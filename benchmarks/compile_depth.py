@@ -152,7 +152,7 @@ def _counting_passes_calls(counts: list[int]) -> Iterator[None]:
         step_pass.run_passes = graph_compile.run_passes = original
 
 
-def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[str, Any]:
+def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bool = False) -> dict[str, Any]:
     import support.titan as titan
 
     calls: list[int] = []
@@ -205,10 +205,13 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False) -> dict[st
         if not math.isfinite(reference) or abs(got - reference) > 1e-5 * max(1.0, abs(reference)):
             raise AssertionError(f"{way} at {layers} layers: loss {got} against eager's {reference}")
     per_pass = _per_pass(records)
-    from records_digest import record_line  # beside this file
+    lines: list[str] = []
+    if digest:  # asked by records_digest.py --depth: writing each graph's code adds to the peak RSS
+        from records_digest import record_line  # beside this file
 
+        lines = [record_line(r) for r in records]
     return {
-        "records": [record_line(r) for r in records],
+        "records": lines,
         "seconds": seconds,
         "compile_s": seconds - warm,
         "passes_s": sum(per_pass.values()) if records else None,

@@ -80,7 +80,8 @@ def depth(layers: int) -> None:
     from dtcompile.testing import run_gloo
 
     for way in compile_depth.DTCOMPILE_WAYS:
-        for rank, row in enumerate(run_gloo(compile_depth.WORLD, compile_depth._way, layers, way, timeout=3600)):
+        for rank, row in enumerate(run_gloo(compile_depth.WORLD, compile_depth._way, layers, way, False, True,
+                                                    timeout=3600)):
             for line in row["records"]:
                 print(f"depth {layers} {way} rank {rank} {line}")
 

@@ -45,6 +45,9 @@ def replace_uses(replacements: Mapping[fx.Node, fx.Node]) -> None:
     each reader's arguments rewritten once.  torch's rewrites a reader's arguments whole for
     each node it replaces there, and a fused optimizer's node reads every gradient: a
     bucket's members replaced one by one cost the bucket's size times the node's."""
+    def swap(node: fx.Node) -> fx.Node:
+        return replacements.get(node, node)
+
     readers = dict.fromkeys(reader for old in replacements for reader in old.users)
     hooks = next(iter(replacements)).graph.owning_module if replacements else None
     hooks = getattr(hooks, "_replace_hooks", None) or ()
@@ -53,8 +56,8 @@ def replace_uses(replacements: Mapping[fx.Node, fx.Node]) -> None:
             if old in replacements:
                 for hook in hooks:  # as replace_all_uses_with calls them
                     hook(old=old, new=replacements[old].name, user=reader)
-        reader.args = fx.map_arg(reader.args, lambda n: replacements.get(n, n))
-        kwargs = fx.map_arg(reader.kwargs, lambda n: replacements.get(n, n))
+        reader.args = fx.map_arg(reader.args, swap)
+        kwargs = fx.map_arg(reader.kwargs, swap)
         if kwargs != reader.kwargs:
             reader.kwargs = kwargs
 

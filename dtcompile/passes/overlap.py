@@ -269,7 +269,7 @@ class _Windows:
     """Relative: far past the rounding of either sum, over any graph."""
 
     def __init__(self, nodes: Sequence[fx.Node], times: Sequence[float]) -> None:
-        self.nodes, self.times = nodes, times
+        self.times = times
         self.place = {node: i for i, node in enumerate(nodes)}
         self.prefix = list(itertools.accumulate(times, initial=0.0))
 

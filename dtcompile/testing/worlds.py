@@ -437,13 +437,10 @@ def _gloo_rank_main(
 ) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    wait = timedelta(seconds=timeout)
     try:
-        store = dist.TCPStore(
-            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=wait)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=wait)
         try:
             # Sent as bytes: tensors pickled through a Queue share file descriptors
             # with the parent, which break once this process has exited.
