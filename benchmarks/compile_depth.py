@@ -13,6 +13,11 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
 - ``dtcompile``: ``torch.compile(model, backend=dtcompile.backend(inductor=False))``, the same
   first forward and backward (Inductor's decompositions, the min-cut partitioner with
   dtcompile's policies, its passes; no code generation);
+- ``dtcompile reshard off``: the same with ``reshard_after_forward=False``. Stock keeps every
+  gathered weight for the backward (nothing tags SimpleFSDP's gathers for recompute under
+  ``aot_eager``); dtcompile reshards them after the forward, as FSDP2 does, and gathers them
+  again in the backward, a larger backward graph to partition, trace and run.  This way
+  shows what that costs the compile;
 - ``gt tracer``: graph_trainer's tracer (``minimal_fx_tracer``) over forward, loss and
   backward as one graph, no pass run;
 - ``compile_step``: ``dtcompile.compile_step`` with AdamW inside (``foreach=False``: a
@@ -23,10 +28,16 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
 - ``compile_step fused``: the same with ``fused=True``, torchtitan's default
   ``optimizer.implementation``.
 
-``vs aot_eager`` and ``vs decomp`` compare dtcompile's seconds with the two stock ways'.
+``vs aot_eager`` and ``vs decomp`` compare the dtcompile backend's seconds with the two stock ways'.
 ``compile s``: the way's seconds less those of its next call (the same step run warm: the
 graph runs, nothing compiles), what compiling added; the tracer's is its seconds (it runs
 nothing).  ``vs gt tracer`` compares seconds as measured, ``(compile s)`` the compile seconds.
+``CPU s``: the CPU seconds rank 0's process spent over the same first call
+(``time.process_time``), the fewest over the rounds, and its ratios: what the work cost the
+rank, without the seconds it waited for its peer (which compiles at the same time on the
+other core) or for a core the machine gave to something else.  On a shared 2-core machine
+these move less between runs than the seconds do.  ``(compile CPU s)`` compares the CPU
+seconds of the first call less those of the next with the tracer's CPU seconds.
 
 Also per way: the seconds dtcompile's passes took (the records' ``PassRecord.seconds``,
 summed over the graphs), the graph's nodes, and the rank's peak RSS; then, for dtcompile's
@@ -72,7 +83,11 @@ STOCK = ("aot_eager", "aot_eager_decomp_partition")
 """The stock backends, by the names torch registers them under."""
 DTCOMPILE_WAYS = ("dtcompile", "compile_step", "compile_step foreach", "compile_step fused")
 """The ways through dtcompile's passes (each with records)."""
-WAYS = (*STOCK, "dtcompile", "gt tracer", *DTCOMPILE_WAYS[1:])
+NO_RESHARD = "dtcompile reshard off"
+"""dtcompile with ``reshard_after_forward=False``: what resharding costs the compile."""
+WAYS = (*STOCK, "dtcompile", NO_RESHARD, "gt tracer", *DTCOMPILE_WAYS[1:])
+BACKENDS = ("dtcompile", NO_RESHARD)
+"""The ways through ``torch.compile(backend=dtcompile.backend(...))``."""
 STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
 LLAMA = dict(dim=256, n_heads=8, hidden_dim=768, vocab_size=2048, seq_len=128)
@@ -152,6 +167,23 @@ def _counting_passes_calls(counts: list[int]) -> Iterator[None]:
         step_pass.run_passes = graph_compile.run_passes = original
 
 
+class _Clocks:
+    """The seconds a span took: ``wall`` (perf_counter) and ``cpu``, the CPU seconds this
+    rank's process spent in it (``time.process_time``, every thread): what the span
+    cost the rank itself, without the time it waited for its peer or for a core."""
+
+    wall = 0.0
+    cpu = 0.0
+
+
+@contextlib.contextmanager
+def _clocks() -> Iterator[_Clocks]:
+    clocks = _Clocks()
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield clocks
+    clocks.wall, clocks.cpu = time.perf_counter() - wall, time.process_time() - cpu
+
+
 def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bool = False) -> dict[str, Any]:
     import support.titan as titan
 
@@ -161,17 +193,18 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bo
         reference = _loss(model, *x).item()
         records: Any = ()
         nodes = 0
-        if way in (*STOCK, "dtcompile"):
-            backend = dtcompile.backend(inductor=False) if way == "dtcompile" else way
+        if way in (*STOCK, *BACKENDS):
+            if way in BACKENDS:
+                backend = dtcompile.backend(inductor=False, reshard_after_forward=way != NO_RESHARD)
+            else:
+                backend = way
             compiled = torch.compile(model, backend=backend)
-            start = time.perf_counter()
-            loss = _loss(compiled, *x)
-            loss.backward()
-            seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            _loss(compiled, *x).backward()
-            warm = time.perf_counter() - start
-            if way == "dtcompile":
+            with _clocks() as first:
+                loss = _loss(compiled, *x)
+                loss.backward()
+            with _clocks() as again:
+                _loss(compiled, *x).backward()
+            if way in BACKENDS:
                 records = backend.records
                 nodes = sum(len(r.graph.graph.nodes) for r in records)
         elif way == "gt tracer":
@@ -181,10 +214,9 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bo
                 loss = _loss(model, *inputs)
                 return [loss, *torch.autograd.grad(loss, [p for _, p in model.named_parameters(remove_duplicate=False)])]
 
-            start = time.perf_counter()
-            traced = minimal_fx_tracer(step, module=model)(*x)
-            seconds = time.perf_counter() - start
-            warm = 0.0
+            with _clocks() as first:
+                traced = minimal_fx_tracer(step, module=model)(*x)
+            again = _Clocks()
             nodes = len(traced.gm.graph.nodes)
             loss = run_traced(traced, module=model)(*x)[0]
         else:
@@ -193,12 +225,10 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bo
             compiled = dtcompile.compile_step(lambda *inputs: _loss(model, *inputs), model=model, optimizer=optimizer,
                                               inductor=False)
             compiled(*x)  # eager: AdamW's state
-            start = time.perf_counter()
-            loss = compiled(*x)
-            seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            compiled(*x)
-            warm = time.perf_counter() - start
+            with _clocks() as first:
+                loss = compiled(*x)
+            with _clocks() as again:
+                compiled(*x)
             records = compiled.records
             nodes = sum(len(r.graph.graph.nodes) for r in records)
         got = float(loss.detach())
@@ -212,8 +242,10 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bo
         lines = [record_line(r) for r in records]
     return {
         "records": lines,
-        "seconds": seconds,
-        "compile_s": seconds - warm,
+        "seconds": first.wall,
+        "compile_s": first.wall - again.wall,
+        "cpu_s": first.cpu,
+        "compile_cpu_s": first.cpu - again.cpu,
         "passes_s": sum(per_pass.values()) if records else None,
         "stages": _stages(records),
         "per_pass": per_pass,
@@ -250,30 +282,41 @@ def main() -> None:
         _print_calls(args)
         return
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
-    print("| layers | way | seconds | compile s | vs aot_eager | vs decomp | vs gt tracer | (compile s) | passes s | nodes | "
-          "peak RSS MiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layers | way | seconds | compile s | vs aot_eager | vs decomp | vs gt tracer | (compile s) | CPU s | "
+          "vs aot_eager (CPU) | vs decomp (CPU) | vs gt tracer (CPU) | (compile CPU s) | passes s | nodes | peak RSS MiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     stages: list[tuple[int, str, dict[str, float]]] = []
     per_pass: list[tuple[int, str, dict[str, float]]] = []
     for layers in args.layers:
         rows: dict[str, dict[str, Any]] = {}
+        cpu: dict[str, float] = {}  # each way's fewest CPU seconds over the rounds
+        compile_cpu: dict[str, float] = {}  # and fewest CPU seconds compiling
         for _ in range(args.rounds):
             for way in args.ways:
                 row = run_gloo(WORLD, _way, layers, way, timeout=3600)[0]
                 if way not in rows or row["seconds"] < rows[way]["seconds"]:
                     rows[way] = row
+                cpu[way] = min(cpu.get(way, math.inf), row["cpu_s"])
+                compile_cpu[way] = min(compile_cpu.get(way, math.inf), row["compile_cpu_s"])
         for way, row in rows.items():
-            stock = rows.get("aot_eager", {}).get("seconds")
-            decomp = rows.get("aot_eager_decomp_partition", {}).get("seconds")
-            tracer = rows.get("gt tracer", {}).get("seconds")
             step = way.startswith("compile_step")
-            vs_stock = f"{row['seconds'] / stock:.2f}x" if stock and way == "dtcompile" else "-"
-            vs_decomp = f"{row['seconds'] / decomp:.2f}x" if decomp and way == "dtcompile" else "-"
-            vs_tracer = f"{row['seconds'] / tracer:.2f}x" if tracer and step else "-"
-            vs_tracer_compile = f"{row['compile_s'] / tracer:.2f}x" if tracer and step else "-"
+
+            def ratio(base: str, value: float | None, rows: dict[str, Any], applies: bool) -> str:
+                return f"{value / rows[base]:.2f}x" if applies and value is not None and rows.get(base) else "-"
+
+            walls = {w: r["seconds"] for w, r in rows.items()}
+            vs_stock = ratio("aot_eager", row["seconds"], walls, way in BACKENDS)
+            vs_decomp = ratio("aot_eager_decomp_partition", row["seconds"], walls, way in BACKENDS)
+            vs_tracer = ratio("gt tracer", row["seconds"], walls, step)
+            vs_tracer_compile = ratio("gt tracer", row["compile_s"], walls, step)
+            cpu_stock = ratio("aot_eager", cpu[way], cpu, way in BACKENDS)
+            cpu_decomp = ratio("aot_eager_decomp_partition", cpu[way], cpu, way in BACKENDS)
+            cpu_tracer = ratio("gt tracer", cpu[way], cpu, step)
+            cpu_tracer_compile = ratio("gt tracer", compile_cpu[way], cpu, step)
             passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
             print(f"| {layers} | {way} | {row['seconds']:.1f} | {row['compile_s']:.1f} | {vs_stock} | {vs_decomp} | {vs_tracer} | "
-                  f"{vs_tracer_compile} | {passes} | {row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
+                  f"{vs_tracer_compile} | {cpu[way]:.1f} | {cpu_stock} | {cpu_decomp} | {cpu_tracer} | {cpu_tracer_compile} | {passes} | "
+                  f"{row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
             if row["stages"]:
                 stages.append((layers, way, row["stages"]))
                 per_pass.append((layers, way, row["per_pass"]))

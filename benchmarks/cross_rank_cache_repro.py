@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,19 +36,15 @@ WORLD_SIZE = 2
 LAYERS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank(rank: int, port: int, backend: str, result_path: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    # The launching process serves the store (on a port it holds): the ranks join it.
+    store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
     try:
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         torch.manual_seed(0)
@@ -100,8 +95,13 @@ def _rank(rank: int, port: int, backend: str, result_path: str) -> None:
 
 
 def _run_world(backend: str, cache_dir: str, workdir: str, label: str) -> list[dict]:
-    """One run: ``WORLD_SIZE`` fresh processes sharing ``cache_dir``; their results."""
-    port = _free_port()
+    """One run: ``WORLD_SIZE`` fresh processes sharing ``cache_dir``; their results.  This
+    process serves their rendezvous store on a port the kernel picks, held until they end
+    (a port picked free and bound later by a rank can be taken in between)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
+    port = store.port
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     procs, paths = [], []
     for rank in range(WORLD_SIZE):

@@ -53,7 +53,6 @@ import datetime
 import functools
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -146,12 +145,6 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(shape, generator=gen, device="cuda").to(dtype)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------- part 1: fused ops, 1-rank NCCL
@@ -275,7 +268,8 @@ def _fused(args: argparse.Namespace) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group(
         "nccl",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        # One rank: its own store, on a port the kernel picks and this process holds.
+        store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False),
         rank=0,
         world_size=1,
         device_id=torch.device("cuda", 0),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +26,6 @@ SCRIPT = ROOT / "examples" / "train_torchrun.py"
 STEPS = 4
 TIMEOUT_S = 300
 C10D_WAIT_WARNING = "waitForInput"
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _torchrun(launch: list[str], *args: str) -> subprocess.Popen:
@@ -95,8 +88,13 @@ def test_torchrun_standalone_compiled_equals_eager_and_resumes_from_its_checkpoi
 
 
 def test_torchrun_two_nodes_on_loopback_equal_eager(tmp_path):
+    import torch.distributed as dist
+
     eager, compiled = tmp_path / "eager.json", tmp_path / "compiled.json"
-    port = _port()
+    # The rendezvous store, served by this process on a port the kernel picks and held until
+    # the nodes end; neither node hosts it (is_host=false): a port picked free and bound by a
+    # node seconds later can be taken in between by another test's ranks.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 
     def node(rank: int, *args: str) -> subprocess.Popen:
         launch = [
@@ -104,8 +102,9 @@ def test_torchrun_two_nodes_on_loopback_equal_eager(tmp_path):
             "--nproc-per-node=1",
             f"--node-rank={rank}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id=dtcompile-test-{port}",
+            f"--rdzv-endpoint=127.0.0.1:{store.port}",
+            f"--rdzv-id=dtcompile-test-{store.port}",
+            "--rdzv-conf=is_host=false",
         ]
         return _torchrun(launch, *args)
 
