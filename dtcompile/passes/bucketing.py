@@ -193,13 +193,13 @@ def written_values(graph: fx.Graph) -> set[fx.Node]:
     return {node for node in graph.nodes if roots[node] in written}
 
 
-def hoistable(
-    source: fx.Node, order: dict[fx.Node, int], written: set[fx.Node] = frozenset()
-) -> tuple[fx.Node, list[fx.Node]]:
+def hoistable(source: fx.Node, written: set[fx.Node] = frozenset()) -> tuple[fx.Node, list[fx.Node]]:
     """``(anchor, chain)``: ``source`` can be computed right after ``anchor`` by running
     ``chain`` (the movable ops it is made by, in graph order) there; ``source`` itself
     and no chain when it is not movable.  An op that reads a value written in place
-    (``written``, :func:`written_values`) is not moved: it must stay on its side of the write."""
+    (``written``, :func:`written_values`) is not moved: it must stay on its side of the write.
+    Graph order is the nodes' own (``fx.Node`` compares by its place in the graph, kept as
+    nodes are inserted and moved), not positions counted before a rewrite."""
     chain: set[fx.Node] = set()
     frontier: set[fx.Node] = set()
     stack = [source]
@@ -214,8 +214,7 @@ def hoistable(
             frontier.add(node)
     if not frontier:  # made of constants only: where it is
         return source, []
-    anchor = max(frontier, key=order.__getitem__)
-    return anchor, sorted(chain, key=order.__getitem__)
+    return max(frontier), sorted(chain)
 
 
 def _key(node: fx.Node) -> tuple[Any, ...]:
@@ -309,7 +308,7 @@ def _independent(bucket: _Bucket, member: _Member, index: dict[fx.Node, int], wr
     moved up to the bucket where that makes it so (then ``member`` says so)."""
     if max(bucket.ready, member.ready) < min(bucket.first_use, member.first_use):
         return True
-    anchor, chain = hoistable(member.node.args[0], index, written)
+    anchor, chain = hoistable(member.node.args[0], written)
     ready = max(index[anchor], index[member.barrier] if member.barrier is not None else -1)
     if max(bucket.ready, ready) < min(bucket.first_use, member.first_use):
         member.ready = ready
@@ -380,8 +379,7 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
         # The last input as the graph is now: a bucket that reduces the results of
         # an earlier one (an all-reduce over dp of all-reduces over ep) reads that
         # bucket's slices, which replaced the waits it was collected after.
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        _rewrite(gm, bucket, _hoist(bucket, order, written))
+        _rewrite(gm, bucket, _hoist(bucket, written))
         names = ", ".join(m.node.name for m in bucket.members)
         kind = bucket.key[0]
         saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
@@ -495,17 +493,17 @@ def _priced_buckets(
     return closed, added
 
 
-def _hoist(bucket: _Bucket, order: dict[fx.Node, int], written: set[fx.Node]) -> fx.Node:
+def _hoist(bucket: _Bucket, written: set[fx.Node]) -> fx.Node:
     """Where the bucket is issued: after the last node its inputs need; the ops that compute
     an input later than that are moved up there.  Returns the node the bucket goes after."""
     found = [
-        hoistable(m.node.args[0], order, written) if m.ready < m.source_at else (m.node.args[0], [])
+        hoistable(m.node.args[0], written) if m.ready < m.source_at else (m.node.args[0], [])
         for m in bucket.members
     ]
     floors = [m.barrier for m in bucket.members if m.barrier is not None]
-    at = max([anchor for anchor, _ in found] + floors, key=order.__getitem__)
+    at = max([anchor for anchor, _ in found] + floors)
     cursor = at
-    for node in sorted({n for _, chain in found for n in chain if order[n] > order[at]}, key=order.__getitem__):
+    for node in sorted({n for _, chain in found for n in chain if n > at}):
         cursor.append(node)
         cursor = node
     return cursor

@@ -228,6 +228,7 @@ def _fill_windows(
         # ancestor (or the collective) reads: the walk visits every user before what it uses.
         ancestors = set(node.all_input_nodes)
         candidates = []
+        added: list[float] = []
         before = node.prev
         while before.op != "root":
             if before.op != "call_function" or before.target is WAIT or before in communication:
@@ -236,8 +237,9 @@ def _fill_windows(
                 ancestors.update(before.all_input_nodes)
             else:
                 candidates.append(before)
-                have += priced_once(before, profile, times)
-                if have >= need:
+                added.append(priced_once(before, profile, times))
+                have += added[-1]
+                if windows.reaches(node, wait, have, added, need):
                     break
             before = before.prev
         # Keep the moved nodes' own order: they go right after the collective, first first.
@@ -260,10 +262,13 @@ class _Windows:
     it was given, in their order.  The sum of the window's times then reads off the prefix
     sums: ``O(1)`` per collective, where adding the times up node by node cost the length of
     the window, up to where it covers the collective (a few hundred nodes in a deep model's
-    whole-step graph, for each of its hundreds of collectives).  Rounding sets the prefix
-    sums' difference apart from the sum added up node by node: within a hair of the
-    collective's time, and in a window that does not cover it (whose sum the walk back goes
-    on from), the sum is added up node by node, as the walk did."""
+    whole-step graph, for each of its hundreds of collectives; the whole window where it
+    does not cover it, which on a model whose collectives outlast its compute is most).
+    Rounding sets the prefix sums' difference apart from the sum added up node by node, by
+    far less than :attr:`_TIE`: only where a sum lands within that of the collective's time
+    can the two decide differently, and there (:meth:`compute_between`, :meth:`reaches`)
+    the sum is added up node by node, in the order the walk it replaced added it, so every
+    decision is that walk's."""
 
     _TIE = 1e-9
     """Relative: far past the rounding of either sum, over any graph."""
@@ -275,18 +280,43 @@ class _Windows:
 
     def compute_between(self, node: fx.Node, wait: fx.Node, need: float) -> float | None:
         """None where the nodes between ``node`` and ``wait`` take ``need`` microseconds or
-        more, else what they take (added up in order, from 0)."""
-        start, stop = self.place[node] + 1, self.place[wait]
-        tie = self._TIE * (self.prefix[-1] + need)
+        more, else what they take (to within rounding; added up in order, from 0, within
+        :attr:`_TIE` of ``need``)."""
+        start, stop = self._window(node, wait)
+        tie = self._tie(need)
         approx = self.prefix[stop] - self.prefix[start]
         if approx >= need + tie:
             return None
-        have = 0.0
-        for i in range(start, stop):  # short (it does not cover), or within a hair
-            if have >= need:
-                return None
-            have += self.times[i]
+        if approx < need - tie:
+            return approx
+        have = self._added_up(start, stop)
         return None if have >= need else have
+
+    def reaches(self, node: fx.Node, wait: fx.Node, have: float, added: Sequence[float], need: float) -> bool:
+        """Whether the window's compute and then ``added`` (times, in the order the walk back
+        added them; ``have``: their sum as the walk keeps it) take ``need`` or more, as adding
+        them all up in that order decides."""
+        if abs(have - need) > self._tie(need):
+            return have >= need
+        exact = self._added_up(*self._window(node, wait))
+        for time in added:
+            exact += time
+        return exact >= need
+
+    def _window(self, node: fx.Node, wait: fx.Node) -> tuple[int, int]:
+        """The positions of the nodes strictly between ``node`` and ``wait`` (none when
+        the wait comes right after it)."""
+        start = self.place[node] + 1
+        return start, max(start, self.place[wait])
+
+    def _tie(self, need: float) -> float:
+        return self._TIE * (self.prefix[-1] + need)
+
+    def _added_up(self, start: int, stop: int) -> float:
+        have = 0.0
+        for i in range(start, stop):
+            have += self.times[i]
+        return have
 
 
 def _peak_in_flight(graph: fx.Graph, infos: dict[fx.Node, Any]) -> int:

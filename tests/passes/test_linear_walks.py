@@ -102,7 +102,45 @@ def test_the_compute_under_a_collective_is_what_adding_it_up_node_by_node_gives(
             for i in range(start + 1, stop):
                 total += times[i]
             need = rng.choice([total, total * (1 + 1e-15), total * (1 - 1e-15), total / 2, total * 2, 0.0, 1e-300])
-            assert windows.compute_between(nodes[start], nodes[stop], need) == _walk(times, start + 1, stop, need)
+            got, walked = windows.compute_between(nodes[start], nodes[stop], need), _walk(times, start + 1, stop, need)
+            # Covered or not as the walk says; what an uncovered window takes, to within rounding
+            # (the walk back goes on from it, and decides its ties node by node: below).
+            assert (got is None) == (walked is None)
+            if got is not None:
+                assert abs(got - walked) <= 1e-12 * (sum(times) + need)
+
+
+def test_the_walk_back_stops_where_adding_every_time_up_in_order_reaches_the_collective() -> None:
+    """``_Windows.reaches``, given the window's sum as ``compute_between`` reads it plus the
+    times the walk back added, decides as adding them all up node by node, in that order,
+    from the window's first node: also where the sum meets the collective's time exactly, or
+    a rounding away from it."""
+    rng = random.Random(3)
+    graph = fx.Graph()
+    nodes = [graph.placeholder(f"n{i}") for i in range(300)]
+    checked = ties = 0
+    for _ in range(30):
+        times = [rng.choice([0.0, rng.random(), rng.random() * 1e4, 0.1, 0.2, 0.3]) for _ in nodes]
+        windows = _Windows(nodes, times)
+        for _ in range(200):
+            start = rng.randrange(len(nodes))
+            stop = rng.randrange(start, len(nodes))
+            added = [rng.choice([0.0, 0.1, 0.2, 0.3, rng.random() * 1e3]) for _ in range(rng.randrange(1, 12))]
+            exact = 0.0
+            for i in range(start + 1, stop):
+                exact += times[i]
+            for time in added:
+                exact += time
+            need = rng.choice([exact, exact * (1 + 1e-15), exact * (1 - 1e-15), exact + 0.1, exact / 2, exact * 2])
+            have = windows.compute_between(nodes[start], nodes[stop], need)
+            if have is None:  # the window alone covers it: no walk back
+                continue
+            for time in added:
+                have += time
+            assert windows.reaches(nodes[start], nodes[stop], have, added, need) == (exact >= need)
+            checked += 1
+            ties += need in (exact, exact * (1 + 1e-15), exact * (1 - 1e-15))
+    assert checked > 1000 and ties > 300  # the ties were met, not skipped
 
 
 def _bucket_like_graph(rng: random.Random) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
