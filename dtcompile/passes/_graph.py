@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -40,15 +40,16 @@ def single_wait(collective: fx.Node) -> fx.Node | None:
     return None
 
 
-def replace_uses(replacements: Mapping[fx.Node, fx.Node]) -> None:
+def replace_uses(replacements: Mapping[fx.Node, fx.Node], keep: Set[fx.Node] = frozenset()) -> None:
     """What ``old.replace_all_uses_with(new)`` does for each ``old: new`` of ``replacements``,
     each reader's arguments rewritten once.  torch's rewrites a reader's arguments whole for
     each node it replaces there, and a fused optimizer's node reads every gradient: a
-    bucket's members replaced one by one cost the bucket's size times the node's."""
+    bucket's members replaced one by one cost the bucket's size times the node's.  The
+    readers in ``keep`` are left as they are (the caller rewrites them later)."""
     def swap(node: fx.Node) -> fx.Node:
         return replacements.get(node, node)
 
-    readers = dict.fromkeys(reader for old in replacements for reader in old.users)
+    readers = dict.fromkeys(reader for old in replacements for reader in old.users if reader not in keep)
     hooks = next(iter(replacements)).graph.owning_module if replacements else None
     hooks = getattr(hooks, "_replace_hooks", None) or ()
     for reader in readers:

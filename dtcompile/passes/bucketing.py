@@ -373,19 +373,29 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     # Rewritten in graph order of their last members, whichever way they were made: two
     # buckets issued after one node end up in an order of the rewrites, which must be every
     # rank's, whether it priced the plan or followed a peer's.
+    # The graph's output reads every bucket's results (a backward's gradients): it is
+    # rewritten once, for every bucket, at the end (rewriting it for each bucket costs the
+    # buckets times its length); the replaced collectives and waits go then too.
+    output = next(iter(graph.find_nodes(op="output")))
+    replaced: dict[fx.Node, fx.Node] = {}
     for bucket in sorted(closed, key=lambda b: index[b.members[-1].node]):
         if len(bucket.members) < 2:
             continue
         # The last input as the graph is now: a bucket that reduces the results of
         # an earlier one (an all-reduce over dp of all-reduces over ep) reads that
         # bucket's slices, which replaced the waits it was collected after.
-        _rewrite(gm, bucket, _hoist(bucket, written))
+        replaced.update(_rewrite(gm, bucket, _hoist(bucket, written), output))
         names = ", ".join(m.node.name for m in bucket.members)
         kind = bucket.key[0]
         saves, costs = sum(p.saves_us for p in bucket.prices), sum(p.costs_us for p in bucket.prices)
         what = _COPIES_AND_DELAY if any(p.costs_what == _COPIES_AND_DELAY for p in bucket.prices) else _COPIES
         price = ctx.price(saves, costs, what, added[id(bucket)])
         ctx.bucketed(f"{kind}[{len(bucket.members)} -> 1]: {names} ({bucket.num_bytes} B)", price)
+    replace_uses(replaced)  # only the output reads them now
+    for wait in replaced:
+        (collective,) = wait.all_input_nodes
+        graph.erase_node(wait)
+        graph.erase_node(collective)
     graph.eliminate_dead_code()
     graph.lint()
     refresh_metadata(gm, example_inputs)
@@ -509,7 +519,10 @@ def _hoist(bucket: _Bucket, written: set[fx.Node]) -> fx.Node:
     return cursor
 
 
-def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
+def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node, output: fx.Node) -> dict[fx.Node, fx.Node]:
+    """The bucket as one collective issued right after ``after``, every reader of a member's
+    wait but ``output`` reading its piece of the result instead; returns each member's wait
+    -> its piece, for the caller to rewrite ``output`` with and to erase the members."""
     graph = gm.graph
     kind, group, group_size, _, reduce_op, _ = bucket.key
     values = [m.value for m in bucket.members]
@@ -555,10 +568,8 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node) -> None:
             # of it fails.
             result = cursor(aten.clone.default, (result,), {"memory_format": torch.contiguous_format})
         results[member.wait] = result
-    replace_uses(results)
-    for member in bucket.members:
-        graph.erase_node(member.wait)
-        graph.erase_node(member.node)
+    replace_uses(results, keep={output})
+    return results
 
 
 class _Cursor:
