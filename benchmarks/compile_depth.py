@@ -50,10 +50,13 @@ side by side in one run.
 ``--calls`` prints instead, per dtcompile way and depth, the Python function calls made
 inside the passes (counted by cProfile, so their seconds are not shown): the passes' work,
 which does not change with the machine's speed or load, nor with how the interpreter's
-per-call time grows with the heap.
+per-call time grows with the heap.  ``--lines`` counts the lines of dtcompile's own code
+run there instead (``sys.settrace``): also the steps of a loop that calls nothing, which
+function calls miss.
 
     python benchmarks/compile_depth.py --layers 2 8 32 64
     python benchmarks/compile_depth.py --layers 8 64 --calls
+    python benchmarks/compile_depth.py --layers 8 32 --lines --ways dtcompile "compile_step fused"
 """
 
 from __future__ import annotations
@@ -139,10 +142,13 @@ def _stages(records: Any) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _counting_passes_calls(counts: list[int]) -> Iterator[None]:
-    """The Python function calls made inside dtcompile's passes (``run_passes``, as each front
-    door calls it), appended to ``counts``: a count of the passes' work that a slower or
-    busier machine, or a larger heap, does not change, where their seconds do."""
+def _counting_passes(counts: list[int], what: str) -> Iterator[None]:
+    """The work done inside dtcompile's passes (``run_passes``, as each front door calls it),
+    appended to ``counts``: with ``what`` ``"calls"`` the Python function calls made there
+    (cProfile), with ``"lines"`` the lines of dtcompile's own code run there (``sys.settrace``),
+    which also counts the steps of a loop that calls nothing.  Counts of the passes' work
+    that a slower or busier machine, or a larger heap, does not change, where their seconds
+    do."""
     import cProfile
     import pstats
 
@@ -150,8 +156,25 @@ def _counting_passes_calls(counts: list[int]) -> Iterator[None]:
     import dtcompile.pipeline.step_pass as step_pass
 
     original = step_pass.run_passes
+    package = str(Path(dtcompile.__file__).resolve().parent)
+    lines = [0]
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        lines[0] += event == "line"
+        return line
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        return line if frame.f_code.co_filename.startswith(package) else None
 
     def counted(*args: Any, **kwargs: Any) -> Any:
+        if what == "lines":
+            lines[0] = 0
+            sys.settrace(call)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sys.settrace(None)
+                counts.append(lines[0])
         profile = cProfile.Profile()
         profile.enable()
         try:
@@ -184,11 +207,11 @@ def _clocks() -> Iterator[_Clocks]:
     clocks.wall, clocks.cpu = time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bool = False) -> dict[str, Any]:
+def _way(rank: int, layers: int, way: str, count: str = "", digest: bool = False) -> dict[str, Any]:
     import support.titan as titan
 
     calls: list[int] = []
-    with titan.torchtitan_on_cpu(), _counting_passes_calls(calls) if count_calls else contextlib.nullcontext():
+    with titan.torchtitan_on_cpu(), _counting_passes(calls, count) if count else contextlib.nullcontext():
         model, x = _build(rank, layers)
         reference = _loss(model, *x).item()
         records: Any = ()
@@ -251,23 +274,25 @@ def _way(rank: int, layers: int, way: str, count_calls: bool = False, digest: bo
         "per_pass": per_pass,
         "nodes": nodes,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "passes_calls": sum(calls),
+        "passes_count": sum(calls),
     }
 
 
-def _print_calls(args: argparse.Namespace) -> None:
-    """``--calls``: the passes' function calls per way and depth, against the first depth's."""
+def _print_counts(args: argparse.Namespace, what: str) -> None:
+    """``--calls`` / ``--lines``: the passes' function calls or lines run, per way and depth,
+    against the first depth's."""
     ways = [w for w in args.ways if w in DTCOMPILE_WAYS]
-    print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0: Python function calls inside dtcompile's passes")
-    print("| layers | way | nodes | passes calls | calls per node | calls x | nodes x |")
+    counted = {"calls": "Python function calls", "lines": "lines of dtcompile's code run"}[what]
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0: {counted} inside dtcompile's passes")
+    print(f"| layers | way | nodes | passes {what} | {what} per node | {what} x | nodes x |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     first: dict[str, dict[str, Any]] = {}
     for layers in args.layers:
         for way in ways:
-            row = run_gloo(WORLD, _way, layers, way, True, timeout=3600)[0]
+            row = run_gloo(WORLD, _way, layers, way, what, timeout=3600)[0]
             base = first.setdefault(way, row)
-            print(f"| {layers} | {way} | {row['nodes']} | {row['passes_calls']} | {row['passes_calls'] / row['nodes']:.0f} | "
-                  f"{row['passes_calls'] / base['passes_calls']:.2f} | {row['nodes'] / base['nodes']:.2f} |", flush=True)
+            print(f"| {layers} | {way} | {row['nodes']} | {row['passes_count']} | {row['passes_count'] / row['nodes']:.0f} | "
+                  f"{row['passes_count'] / base['passes_count']:.2f} | {row['nodes'] / base['nodes']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -277,9 +302,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="the ways in turn this many times; each row its fastest")
     parser.add_argument("--calls", action="store_true",
                         help="instead of seconds, count the Python function calls inside the passes (under cProfile)")
+    parser.add_argument("--lines", action="store_true",
+                        help="instead of seconds, count the lines of dtcompile's code run inside the passes (sys.settrace)")
     args = parser.parse_args()
-    if args.calls:
-        _print_calls(args)
+    if args.calls or args.lines:
+        _print_counts(args, "lines" if args.lines else "calls")
         return
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
     print("| layers | way | seconds | compile s | vs aot_eager | vs decomp | vs gt tracer | (compile s) | CPU s | "
