@@ -6,6 +6,7 @@ replaced waits (:func:`~dtcompile.passes._graph.replace_uses`)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import torch
 from torch import fx
@@ -87,27 +88,37 @@ def _walk(times: list[float], start: int, stop: int, need: float) -> float | Non
     return None if have >= need else have
 
 
-def test_the_compute_under_a_collective_is_what_adding_it_up_node_by_node_gives() -> None:
-    rng = random.Random(1)
+def _random_windows(
+    rng: random.Random, length: int, graphs: int, windows_each: int
+) -> Iterator[tuple[_Windows, list[float], fx.Node, fx.Node, float]]:
+    """Windows of random graphs: ``(windows, times, node, wait, total)``, ``total`` the
+    times strictly between ``node`` and ``wait`` added up in order.  Times of every scale,
+    zeros (views), and tenths whose sums meet a collective's time exactly."""
     graph = fx.Graph()
-    nodes = [graph.placeholder(f"n{i}") for i in range(400)]
-    for _ in range(30):
-        # Times of every scale, zeros (views), and sums that meet a collective's time exactly.
+    nodes = [graph.placeholder(f"n{i}") for i in range(length)]
+    for _ in range(graphs):
         times = [rng.choice([0.0, rng.random(), rng.random() * 1e4, 0.1, 0.2, 0.3]) for _ in nodes]
         windows = _Windows(nodes, times)
-        for _ in range(300):
+        for _ in range(windows_each):
             start = rng.randrange(len(nodes))
             stop = rng.randrange(start, len(nodes))
             total = 0.0
             for i in range(start + 1, stop):
                 total += times[i]
-            need = rng.choice([total, total * (1 + 1e-15), total * (1 - 1e-15), total / 2, total * 2, 0.0, 1e-300])
-            got, walked = windows.compute_between(nodes[start], nodes[stop], need), _walk(times, start + 1, stop, need)
-            # Covered or not as the walk says; what an uncovered window takes, to within rounding
-            # (the walk back goes on from it, and decides its ties node by node: below).
-            assert (got is None) == (walked is None)
-            if got is not None:
-                assert abs(got - walked) <= 1e-12 * (sum(times) + need)
+            yield windows, times, nodes[start], nodes[stop], total
+
+
+def test_the_compute_under_a_collective_is_what_adding_it_up_node_by_node_gives() -> None:
+    rng = random.Random(1)
+    for windows, times, node, wait, total in _random_windows(rng, 400, 30, 300):
+        start, stop = windows.place[node], windows.place[wait]
+        need = rng.choice([total, total * (1 + 1e-15), total * (1 - 1e-15), total / 2, total * 2, 0.0, 1e-300])
+        got, walked = windows.compute_between(node, wait, need), _walk(times, start + 1, stop, need)
+        # Covered or not as the walk says; what an uncovered window takes, to within rounding
+        # (the walk back goes on from it, and decides its ties node by node: below).
+        assert (got is None) == (walked is None)
+        if got is not None:
+            assert abs(got - walked) <= 1e-12 * (sum(times) + need)
 
 
 def test_the_walk_back_stops_where_adding_every_time_up_in_order_reaches_the_collective() -> None:
@@ -116,30 +127,21 @@ def test_the_walk_back_stops_where_adding_every_time_up_in_order_reaches_the_col
     from the window's first node: also where the sum meets the collective's time exactly, or
     a rounding away from it."""
     rng = random.Random(3)
-    graph = fx.Graph()
-    nodes = [graph.placeholder(f"n{i}") for i in range(300)]
     checked = ties = 0
-    for _ in range(30):
-        times = [rng.choice([0.0, rng.random(), rng.random() * 1e4, 0.1, 0.2, 0.3]) for _ in nodes]
-        windows = _Windows(nodes, times)
-        for _ in range(200):
-            start = rng.randrange(len(nodes))
-            stop = rng.randrange(start, len(nodes))
-            added = [rng.choice([0.0, 0.1, 0.2, 0.3, rng.random() * 1e3]) for _ in range(rng.randrange(1, 12))]
-            exact = 0.0
-            for i in range(start + 1, stop):
-                exact += times[i]
-            for time in added:
-                exact += time
-            need = rng.choice([exact, exact * (1 + 1e-15), exact * (1 - 1e-15), exact + 0.1, exact / 2, exact * 2])
-            have = windows.compute_between(nodes[start], nodes[stop], need)
-            if have is None:  # the window alone covers it: no walk back
-                continue
-            for time in added:
-                have += time
-            assert windows.reaches(nodes[start], nodes[stop], have, added, need) == (exact >= need)
-            checked += 1
-            ties += need in (exact, exact * (1 + 1e-15), exact * (1 - 1e-15))
+    for windows, _, node, wait, total in _random_windows(rng, 300, 30, 200):
+        added = [rng.choice([0.0, 0.1, 0.2, 0.3, rng.random() * 1e3]) for _ in range(rng.randrange(1, 12))]
+        exact = total
+        for time in added:
+            exact += time
+        need = rng.choice([exact, exact * (1 + 1e-15), exact * (1 - 1e-15), exact + 0.1, exact / 2, exact * 2])
+        have = windows.compute_between(node, wait, need)
+        if have is None:  # the window alone covers it: no walk back
+            continue
+        for time in added:
+            have += time
+        assert windows.reaches(node, wait, have, added, need) == (exact >= need)
+        checked += 1
+        ties += need in (exact, exact * (1 + 1e-15), exact * (1 - 1e-15))
     assert checked > 1000 and ties > 300  # the ties were met, not skipped
 
 
