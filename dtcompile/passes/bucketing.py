@@ -370,14 +370,14 @@ def bucket_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
             before = tracker.peak
             tracker.commit(memory_spans(bucket.members, index, tracker))
             added[id(bucket)] = tracker.peak - before
-    # Rewritten in graph order of their last members, whichever way they were made: two
-    # buckets issued after one node end up in an order of the rewrites, which must be every
-    # rank's, whether it priced the plan or followed a peer's.
     # The graph's output reads every bucket's results (a backward's gradients): it is
     # rewritten once, for every bucket, at the end (rewriting it for each bucket costs the
     # buckets times its length); the replaced collectives and waits go then too.
     output = next(iter(graph.find_nodes(op="output")))
     replaced: dict[fx.Node, fx.Node] = {}
+    # Rewritten in graph order of their last members, whichever way they were made: two
+    # buckets issued after one node end up in an order of the rewrites, which must be every
+    # rank's, whether it priced the plan or followed a peer's.
     for bucket in sorted(closed, key=lambda b: index[b.members[-1].node]):
         if len(bucket.members) < 2:
             continue
