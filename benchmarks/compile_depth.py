@@ -79,6 +79,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support: torchtitan's harness (CPU device, SDPA)
 
 import dtcompile  # noqa: E402
+from dtcompile._testing.pass_work import counting_pass_work  # noqa: E402
 from dtcompile.records import Stage  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
@@ -141,55 +142,6 @@ def _stages(records: Any) -> dict[str, float]:
     return _summed((str(stage), seconds) for record in records for stage, seconds in record.stages.items())
 
 
-@contextlib.contextmanager
-def _counting_passes(counts: list[int], what: str) -> Iterator[None]:
-    """The work done inside dtcompile's passes (``run_passes``, as each front door calls it),
-    appended to ``counts``: with ``what`` ``"calls"`` the Python function calls made there
-    (cProfile), with ``"lines"`` the lines of dtcompile's own code run there (``sys.settrace``),
-    which also counts the steps of a loop that calls nothing.  Counts of the passes' work
-    that a slower or busier machine, or a larger heap, does not change, where their seconds
-    do."""
-    import cProfile
-    import pstats
-
-    import dtcompile.pipeline.graph_compile as graph_compile
-    import dtcompile.pipeline.step_pass as step_pass
-
-    original = step_pass.run_passes
-    package = str(Path(dtcompile.__file__).resolve().parent)
-    lines = [0]
-
-    def line(frame: Any, event: str, arg: Any) -> Any:
-        lines[0] += event == "line"
-        return line
-
-    def call(frame: Any, event: str, arg: Any) -> Any:
-        return line if frame.f_code.co_filename.startswith(package) else None
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        if what == "lines":
-            lines[0] = 0
-            sys.settrace(call)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                sys.settrace(None)
-                counts.append(lines[0])
-        profile = cProfile.Profile()
-        profile.enable()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            profile.disable()
-            counts.append(pstats.Stats(profile).total_calls)
-
-    step_pass.run_passes = graph_compile.run_passes = counted
-    try:
-        yield
-    finally:
-        step_pass.run_passes = graph_compile.run_passes = original
-
-
 class _Clocks:
     """The seconds a span took: ``wall`` (perf_counter) and ``cpu``, the CPU seconds this
     rank's process spent in it (``time.process_time``, every thread): what the span
@@ -210,8 +162,7 @@ def _clocks() -> Iterator[_Clocks]:
 def _way(rank: int, layers: int, way: str, count: str = "", digest: bool = False) -> dict[str, Any]:
     import support.titan as titan
 
-    calls: list[int] = []
-    with titan.torchtitan_on_cpu(), _counting_passes(calls, count) if count else contextlib.nullcontext():
+    with titan.torchtitan_on_cpu(), counting_pass_work(count) if count else contextlib.nullcontext() as work:
         model, x = _build(rank, layers)
         reference = _loss(model, *x).item()
         records: Any = ()
@@ -274,7 +225,7 @@ def _way(rank: int, layers: int, way: str, count: str = "", digest: bool = False
         "per_pass": per_pass,
         "nodes": nodes,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "passes_count": sum(calls),
+        "passes_count": (sum(work.lines.values()) if count == "lines" else work.calls) if count else 0,
     }
 
 
@@ -325,21 +276,17 @@ def main() -> None:
                     rows[way] = row
                 cpu[way] = min(cpu.get(way, math.inf), row["cpu_s"])
                 compile_cpu[way] = min(compile_cpu.get(way, math.inf), row["compile_cpu_s"])
+        walls = {w: r["seconds"] for w, r in rows.items()}
         for way, row in rows.items():
             step = way.startswith("compile_step")
-
-            def ratio(base: str, value: float | None, rows: dict[str, Any], applies: bool) -> str:
-                return f"{value / rows[base]:.2f}x" if applies and value is not None and rows.get(base) else "-"
-
-            walls = {w: r["seconds"] for w, r in rows.items()}
-            vs_stock = ratio("aot_eager", row["seconds"], walls, way in BACKENDS)
-            vs_decomp = ratio("aot_eager_decomp_partition", row["seconds"], walls, way in BACKENDS)
-            vs_tracer = ratio("gt tracer", row["seconds"], walls, step)
-            vs_tracer_compile = ratio("gt tracer", row["compile_s"], walls, step)
-            cpu_stock = ratio("aot_eager", cpu[way], cpu, way in BACKENDS)
-            cpu_decomp = ratio("aot_eager_decomp_partition", cpu[way], cpu, way in BACKENDS)
-            cpu_tracer = ratio("gt tracer", cpu[way], cpu, step)
-            cpu_tracer_compile = ratio("gt tracer", compile_cpu[way], cpu, step)
+            vs_stock = _ratio(row["seconds"], walls, "aot_eager", way in BACKENDS)
+            vs_decomp = _ratio(row["seconds"], walls, "aot_eager_decomp_partition", way in BACKENDS)
+            vs_tracer = _ratio(row["seconds"], walls, "gt tracer", step)
+            vs_tracer_compile = _ratio(row["compile_s"], walls, "gt tracer", step)
+            cpu_stock = _ratio(cpu[way], cpu, "aot_eager", way in BACKENDS)
+            cpu_decomp = _ratio(cpu[way], cpu, "aot_eager_decomp_partition", way in BACKENDS)
+            cpu_tracer = _ratio(cpu[way], cpu, "gt tracer", step)
+            cpu_tracer_compile = _ratio(compile_cpu[way], cpu, "gt tracer", step)
             passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
             print(f"| {layers} | {way} | {row['seconds']:.1f} | {row['compile_s']:.1f} | {vs_stock} | {vs_decomp} | {vs_tracer} | "
                   f"{vs_tracer_compile} | {cpu[way]:.1f} | {cpu_stock} | {cpu_decomp} | {cpu_tracer} | {cpu_tracer_compile} | {passes} | "
@@ -351,6 +298,11 @@ def main() -> None:
     passes = tuple(dict.fromkeys(name for _, _, seconds in per_pass for name in seconds))
     _print_seconds("Per pass, rank 0's seconds summed over its graphs (the records' PassRecord.seconds):",
                    passes, per_pass, 3)
+
+
+def _ratio(value: float, of: dict[str, float], base: str, applies: bool) -> str:
+    """``value`` over way ``base``'s entry in ``of``, where the column ``applies`` and that way ran."""
+    return f"{value / of[base]:.2f}x" if applies and of.get(base) else "-"
 
 
 def _print_seconds(title: str, columns: tuple[str, ...], rows: list[tuple[int, str, dict[str, float]]], digits: int) -> None:

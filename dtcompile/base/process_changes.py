@@ -160,4 +160,7 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
      "before) leaves them; counts only"),
     ("dtcompile._testing.idioms", "corpus_failures", _C,
      "with stock=True, dtcompile's own sharding-cache clearing off while the corpus runs stock"),
+    ("dtcompile._testing.pass_work", "counting_pass_work", _C,
+     "the front doors' run_passes (graph_compile's and step_pass's names for it) wrapped to count "
+     "the passes' work, inside the with block only; the trace function set around each call is put back"),
 ))

@@ -13,62 +13,34 @@ fails on each of them.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import dtcompile
-import dtcompile.pipeline.graph_compile as graph_compile
 from dtcompile._testing.models import build_norm_mlp_stack
+from dtcompile._testing.pass_work import counting_pass_work
 from dtcompile.testing import fake_world
 
 pytestmark = pytest.mark.slow
 
-_DTCOMPILE = str(Path(dtcompile.__file__).resolve().parent)
 
-
-def _lines_in_passes(layers: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, Counter[tuple[str, str]]]:
+def _lines_in_passes(layers: int) -> tuple[int, Counter[tuple[str, str]]]:
     """The graphs' nodes, and the lines of dtcompile's code run inside the passes, by
     function, for one forward and backward of the stack at ``layers`` layers."""
-    lines: Counter[tuple[str, str]] = Counter()
-    nodes = 0
-    run_passes = graph_compile.run_passes
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line":
-            lines[frame.f_code.co_filename, frame.f_code.co_name] += 1
-        return local
-
-    def calls(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename.startswith(_DTCOMPILE) else None
-
-    def counted(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        nonlocal nodes
-        nodes += len(gm.graph.nodes)
-        previous = sys.gettrace()
-        sys.settrace(calls)
-        try:
-            return run_passes(gm, *args, **kwargs)
-        finally:
-            sys.settrace(previous)
-
-    monkeypatch.setattr(graph_compile, "run_passes", counted)
-    with fake_world(4, (4,), ("dp",)) as mesh:
+    with fake_world(4, (4,), ("dp",)) as mesh, counting_pass_work("lines") as work:
         _, parallel, x = build_norm_mlp_stack(mesh, rows=4, dim=16, hidden=32, layers=layers)
         torch._dynamo.reset()
         out = torch.compile(parallel, backend=dtcompile.backend(inductor=False))(x.chunk(4)[0])
         out.sum().backward()
-    monkeypatch.undo()
-    return nodes, lines
+    return work.nodes, work.lines
 
 
-def test_the_passes_lines_grow_with_the_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    small_nodes, small = _lines_in_passes(4, monkeypatch)
-    large_nodes, large = _lines_in_passes(16, monkeypatch)
+def test_the_passes_lines_grow_with_the_nodes() -> None:
+    small_nodes, small = _lines_in_passes(4)
+    large_nodes, large = _lines_in_passes(16)
     growth = large_nodes / small_nodes
     assert 3.5 < growth < 4.5  # 4x the layers: about 4x the nodes
     total = sum(large.values()) / sum(small.values())
