@@ -18,6 +18,9 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
   ``aot_eager``); dtcompile reshards them after the forward, as FSDP2 does, and gathers them
   again in the backward, a larger backward graph to partition, trace and run.  This way
   shows what that costs the compile;
+- ``inductor`` and ``dtcompile inductor``: the same first forward and backward with Inductor's
+  code generation, as users run them: stock ``backend="inductor"`` and ``dtcompile.backend()``,
+  each rank with an empty cache of its own (``TORCHINDUCTOR_CACHE_DIR``: a cold start);
 - ``gt tracer``: graph_trainer's tracer (``minimal_fx_tracer``) over forward, loss and
   backward as one graph, no pass run;
 - ``compile_step``: ``dtcompile.compile_step`` with AdamW inside (``foreach=False``: a
@@ -28,7 +31,8 @@ own Dynamo, its own peak RSS), the ways in turn; rank 0's seconds:
 - ``compile_step fused``: the same with ``fused=True``, torchtitan's default
   ``optimizer.implementation``.
 
-``vs aot_eager`` and ``vs decomp`` compare the dtcompile backend's seconds with the two stock ways'.
+``vs aot_eager`` and ``vs decomp`` compare the dtcompile backend's seconds with the two stock ways';
+``vs inductor``, ``dtcompile inductor``'s with stock ``inductor``'s.
 ``compile s``: the way's seconds less those of its next call (the same step run warm: the
 graph runs, nothing compiles), what compiling added; the tracer's is its seconds (it runs
 nothing).  ``vs gt tracer`` compares seconds as measured, ``(compile s)`` the compile seconds.
@@ -64,12 +68,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -83,14 +90,16 @@ from dtcompile._testing.pass_work import counting_pass_work  # noqa: E402
 from dtcompile.records import Stage  # noqa: E402
 from dtcompile.testing import run_gloo  # noqa: E402
 
-STOCK = ("aot_eager", "aot_eager_decomp_partition")
+STOCK = ("aot_eager", "aot_eager_decomp_partition", "inductor")
 """The stock backends, by the names torch registers them under."""
+INDUCTOR = ("inductor", "dtcompile inductor")
+"""The ways that generate code, each rank with an empty Inductor cache of its own."""
 DTCOMPILE_WAYS = ("dtcompile", "compile_step", "compile_step foreach", "compile_step fused")
 """The ways through dtcompile's passes (each with records)."""
 NO_RESHARD = "dtcompile reshard off"
 """dtcompile with ``reshard_after_forward=False``: what resharding costs the compile."""
-WAYS = (*STOCK, "dtcompile", NO_RESHARD, "gt tracer", *DTCOMPILE_WAYS[1:])
-BACKENDS = ("dtcompile", NO_RESHARD)
+WAYS = (*STOCK, "dtcompile", NO_RESHARD, "dtcompile inductor", "gt tracer", *DTCOMPILE_WAYS[1:])
+BACKENDS = ("dtcompile", NO_RESHARD, "dtcompile inductor")
 """The ways through ``torch.compile(backend=dtcompile.backend(...))``."""
 STAGES = tuple(str(stage) for stage in Stage)
 WORLD = 2
@@ -159,17 +168,31 @@ def _clocks() -> Iterator[_Clocks]:
     clocks.wall, clocks.cpu = time.perf_counter() - wall, time.process_time() - cpu
 
 
+@contextlib.contextmanager
+def _cold_inductor_cache(rank: int) -> Iterator[None]:
+    """Inside: Inductor's caches (FX graphs, AOTAutograd, kernels) in an empty folder of this rank's."""
+    with (
+        tempfile.TemporaryDirectory(prefix=f"compile_depth_rank{rank}_") as folder,
+        mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": folder}),
+    ):
+        yield
+
+
 def _way(rank: int, layers: int, way: str, count: str = "", digest: bool = False) -> dict[str, Any]:
     import support.titan as titan
 
-    with titan.torchtitan_on_cpu(), counting_pass_work(count) if count else contextlib.nullcontext() as work:
+    with (
+        _cold_inductor_cache(rank) if way in INDUCTOR else contextlib.nullcontext(),
+        titan.torchtitan_on_cpu(),
+        counting_pass_work(count) if count else contextlib.nullcontext() as work,
+    ):
         model, x = _build(rank, layers)
         reference = _loss(model, *x).item()
         records: Any = ()
         nodes = 0
         if way in (*STOCK, *BACKENDS):
             if way in BACKENDS:
-                backend = dtcompile.backend(inductor=False, reshard_after_forward=way != NO_RESHARD)
+                backend = dtcompile.backend(inductor=way in INDUCTOR, reshard_after_forward=way != NO_RESHARD)
             else:
                 backend = way
             compiled = torch.compile(model, backend=backend)
@@ -261,8 +284,9 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, rank 0's seconds (the fastest of {args.rounds} rounds)")
     print("| layers | way | seconds | compile s | vs aot_eager | vs decomp | vs gt tracer | (compile s) | CPU s | "
-          "vs aot_eager (CPU) | vs decomp (CPU) | vs gt tracer (CPU) | (compile CPU s) | passes s | nodes | peak RSS MiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "vs aot_eager (CPU) | vs decomp (CPU) | vs gt tracer (CPU) | (compile CPU s) | vs inductor | vs inductor (CPU) | passes s | "
+          "nodes | peak RSS MiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     stages: list[tuple[int, str, dict[str, float]]] = []
     per_pass: list[tuple[int, str, dict[str, float]]] = []
     for layers in args.layers:
@@ -279,17 +303,21 @@ def main() -> None:
         walls = {w: r["seconds"] for w, r in rows.items()}
         for way, row in rows.items():
             step = way.startswith("compile_step")
-            vs_stock = _ratio(row["seconds"], walls, "aot_eager", way in BACKENDS)
-            vs_decomp = _ratio(row["seconds"], walls, "aot_eager_decomp_partition", way in BACKENDS)
+            without_code = way in BACKENDS and way not in INDUCTOR  # against the stock ways without code generation
+            vs_stock = _ratio(row["seconds"], walls, "aot_eager", without_code)
+            vs_decomp = _ratio(row["seconds"], walls, "aot_eager_decomp_partition", without_code)
+            vs_inductor = _ratio(row["seconds"], walls, "inductor", way == "dtcompile inductor")
+            cpu_inductor = _ratio(cpu[way], cpu, "inductor", way == "dtcompile inductor")
             vs_tracer = _ratio(row["seconds"], walls, "gt tracer", step)
             vs_tracer_compile = _ratio(row["compile_s"], walls, "gt tracer", step)
-            cpu_stock = _ratio(cpu[way], cpu, "aot_eager", way in BACKENDS)
-            cpu_decomp = _ratio(cpu[way], cpu, "aot_eager_decomp_partition", way in BACKENDS)
+            cpu_stock = _ratio(cpu[way], cpu, "aot_eager", without_code)
+            cpu_decomp = _ratio(cpu[way], cpu, "aot_eager_decomp_partition", without_code)
             cpu_tracer = _ratio(cpu[way], cpu, "gt tracer", step)
             cpu_tracer_compile = _ratio(compile_cpu[way], cpu, "gt tracer", step)
             passes = f"{row['passes_s']:.2f}" if row["passes_s"] is not None else "-"
             print(f"| {layers} | {way} | {row['seconds']:.1f} | {row['compile_s']:.1f} | {vs_stock} | {vs_decomp} | {vs_tracer} | "
-                  f"{vs_tracer_compile} | {cpu[way]:.1f} | {cpu_stock} | {cpu_decomp} | {cpu_tracer} | {cpu_tracer_compile} | {passes} | "
+                  f"{vs_tracer_compile} | {cpu[way]:.1f} | {cpu_stock} | {cpu_decomp} | {cpu_tracer} | {cpu_tracer_compile} | "
+                  f"{vs_inductor} | {cpu_inductor} | {passes} | "
                   f"{row['nodes'] or '-'} | {row['rss_mib']:.0f} |", flush=True)
             if row["stages"]:
                 stages.append((layers, way, row["stages"]))

@@ -26,11 +26,19 @@ equal on a deep model's graphs (issue #70).
     python benchmarks/records_digest.py --depth 8
 
 Seconds are left out (they differ run to run); everything else must be equal.
+
+``--decisions`` (before the other arguments) leaves out the graphs' form too, their code and
+each pass's node counts, and keeps their collectives and each pass's decisions: for a change
+that rewrites what a pass emits (bucketing's copies in and out of a bucket as two ops of its
+own) and must not change what it decides.
+
+    python benchmarks/records_digest.py --decisions --depth 8
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -63,12 +71,19 @@ def shared_models() -> None:
             print(f"model {name} {record_line(r)}")
 
 
+DECISIONS = "RECORDS_DIGEST_DECISIONS"
+"""Set (to 1) by ``--decisions``: in the environment, so that the ranks ``--depth`` spawns read it too."""
+
+
 def record_line(record: Any) -> str:
     """One compiled graph: its compile id and kind, a digest of its code, its collectives and
-    each pass's record (ran, nodes and collectives before and after, decisions)."""
-    passes = [(p.name, p.ran, p.nodes_before, p.nodes_after, p.collectives_before, p.collectives_after,
-               [str(d) for d in p.decisions]) for p in record.passes]
-    return (f"{record.compile_id} {record.kind} code={_digest(record.graph.code)} "
+    each pass's record (ran, nodes and collectives before and after, decisions); under
+    ``--decisions``, without the code and the node counts."""
+    form = not os.environ.get(DECISIONS)
+    passes = [(p.name, p.ran, *((p.nodes_before, p.nodes_after) if form else ()), p.collectives_before,
+               p.collectives_after, [str(d) for d in p.decisions]) for p in record.passes]
+    code = f" code={_digest(record.graph.code)}" if form else ""
+    return (f"{record.compile_id} {record.kind}{code} "
             f"collectives={[str(c) for c in record.collectives]} passes={_digest(repr(passes))}")
 
 
@@ -122,8 +137,12 @@ def idioms() -> None:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    if sys.argv[1:2] == ["--depth"]:
-        depth(int(sys.argv[2]))
+    args = sys.argv[1:]
+    if args[:1] == ["--decisions"]:
+        os.environ[DECISIONS] = "1"
+        args = args[1:]
+    if args[:1] == ["--depth"]:
+        depth(int(args[1]))
         return
     shared_models()
     zoo_plans()

@@ -91,6 +91,9 @@ CHANGES: tuple[Change, ...] = tuple(Change(*entry) for entry in (
     ("dtcompile.base.fused_ops", "<module>", _P,
      "defines dtcompile::fused_all_gather_matmul and dtcompile::fused_matmul_reduce_scatter in "
      "torch.library: new names in our own namespace, changing no existing op"),
+    ("dtcompile.base.bucket_ops", "<module>", _P,
+     "defines dtcompile::pack_columns and dtcompile::unpack_columns in torch.library: new names in "
+     "our own namespace, changing no existing op"),
     ("dtcompile.base.fused_ops", "_enable_symm_mem", _P,
      "enables symmetric memory for a process group before a fused op first runs on it, as torch's "
      "own async-TP pass does; only for groups a fused op runs on"),

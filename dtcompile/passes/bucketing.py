@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch import fx
 
+import dtcompile.base.bucket_ops  # noqa: F401  (registers the dtcompile:: ops the buckets use)
 from dtcompile.base.channels import Meta
 from dtcompile.base.notation import format_bytes
 from dtcompile.base.op_facts import is_ordering_barrier
@@ -79,7 +80,6 @@ from dtcompile.passes._graph import (
     provenance,
     refresh_metadata,
     replace_uses,
-    reshape_is_contiguous,
     single_wait,
     written_args,
 )
@@ -532,42 +532,49 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node, output: fx.Nod
     first = bucket.members[0].node
     meta = {**provenance(first), Meta.BUCKET: tuple(m.node.name for m in bucket.members)}
     cursor = _Cursor(graph, after, meta)
+    # The copies in and out are dtcompile's ops (dtcompile.base.bucket_ops): as aten's cat,
+    # slice and reshape, Inductor would write each member's offset into a kernel of its own.
+    inputs = [m.node.args[0] for m in bucket.members]
     if kind == "reduce_scatter":
-        # [n, numel / n] per input, concatenated on dim 1: rank r's chunk holds its piece of each.
-        rows = [cursor(aten.reshape.default, (m.node.args[0], [group_size, -1])) for m in bucket.members]
-        buffer = cursor(aten.reshape.default, (cursor(aten.cat.default, (rows, 1)), [-1]))
+        # Rank r's chunk holds its rows of each input (each input [n, numel / n], side by side).
+        buffer = cursor(torch.ops.dtcompile.pack_columns.default, (inputs, group_size))
         out = cursor(c10d.reduce_scatter_tensor.default, (buffer, reduce_op, group_size, group))
         pieces = [n // group_size for n in numels]
     else:
-        flat = [cursor(aten.reshape.default, (m.node.args[0], [-1])) for m in bucket.members]
-        buffer = cursor(aten.cat.default, (flat,))
+        buffer = cursor(torch.ops.dtcompile.pack_columns.default, (inputs, 1))
         if kind == "all_gather":
             out = cursor(c10d.all_gather_into_tensor.default, (buffer, group_size, group))
         else:
             out = cursor(c10d.all_reduce.default, (buffer, reduce_op, group))
         pieces = numels
     waited = cursor(c10d.wait_tensor.default, (out,))
+    shapes = [list(v.shape) for v in values]
+    offsets = list(itertools.accumulate(pieces, initial=0))[:-1]
+    copied: dict[int, fx.Node] = {}  # member -> its copy out of the gathered result
     if kind == "all_gather":
+        for shape in shapes:
+            shape[0] *= group_size
         waited = cursor(aten.reshape.default, (waited, [group_size, -1]))
-    offset = 0
+        # A gathered member is a column of the [group_size, total] result, copied out unless
+        # it is the whole result or the result is one row (a view of it then).
+        apart = [i for i, piece in enumerate(pieces) if not (group_size == 1 or piece == sum(pieces) or piece == 0)]
+        if apart:
+            unpacked = cursor(
+                torch.ops.dtcompile.unpack_columns.default,
+                (waited, [offsets[i] for i in apart], [pieces[i] for i in apart]),
+            )
+            copied = {i: cursor(operator.getitem, (unpacked, j)) for j, i in enumerate(apart)}
+    elif kind == "reduce_scatter":
+        for shape in shapes:
+            shape[0] //= group_size
     results: dict[fx.Node, fx.Node] = {}
-    for member, value, piece in zip(bucket.members, values, pieces):
+    for i, (member, piece, offset, shape) in enumerate(zip(bucket.members, pieces, offsets, shapes)):
+        if i in copied:
+            results[member.wait] = cursor(aten.reshape.default, (copied[i], shape))  # a view of its copy
+            continue
         dim = 1 if kind == "all_gather" else 0
         part = cursor(aten.slice.Tensor, (waited, dim, offset, offset + piece))
-        offset += piece
-        shape = list(value.shape)
-        if kind == "all_gather":
-            shape[0] *= group_size
-        elif kind == "reduce_scatter":
-            shape[0] //= group_size
-        result = cursor(aten.reshape.default, (part, shape))
-        if kind == "all_gather" and not reshape_is_contiguous(group_size, sum(pieces), offset - piece, piece, shape):
-            # A gathered member is a column of the [group_size, total] result; reshaped, it
-            # is a copy (contiguous) unless its rows stay rows (a leading dim of 1): then a
-            # strided view, where the collective's own output was contiguous, and a view
-            # of it fails.
-            result = cursor(aten.clone.default, (result,), {"memory_format": torch.contiguous_format})
-        results[member.wait] = result
+        results[member.wait] = cursor(aten.reshape.default, (part, shape))
     replace_uses(results, keep={output})
     return results
 

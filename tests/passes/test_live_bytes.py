@@ -140,37 +140,3 @@ def test_a_buckets_spans_kept_as_members_join_are_what_adding_them_all_again_giv
                 bucket.undo()
             assert [live.get(i) for i in range(length)] == _walk(curve, memory_spans(kept, index, tracker))
         assert bucket.members == kept and bucket.ready == max(m.ready for m in kept)
-
-
-def test_a_gathered_members_reshape_is_contiguous_as_torch_says() -> None:
-    """The bucketing pass reads off the sizes whether a member's reshaped column of a
-    gathered bucket is contiguous; torch's own reshape says the same."""
-    import math
-
-    import torch
-
-    from dtcompile.passes._graph import reshape_is_contiguous
-
-    rng = random.Random(2)
-    for _ in range(3000):
-        rows = rng.choice([1, 2, 3, 4, 8])
-        piece_shape = [rng.choice([1, 1, 2, 3, 4, 6]) for _ in range(rng.randint(0, 3))]
-        if rng.random() < 0.1:
-            piece_shape.append(0)
-        piece = math.prod(piece_shape)
-        offset, after = rng.choice([0, 0, 1, 5]), rng.choice([0, 0, 2, 7])
-        total = offset + piece + after
-        # The member's shape, or another of as many elements: dims split or merged anywhere.
-        flat = [rows, *piece_shape] if rng.random() < 0.5 else [rows * piece]
-        if rng.random() < 0.5 and rows * piece:
-            numel, shape = rows * piece, []
-            while numel > 1:
-                d = rng.choice([d for d in range(1, numel + 1) if numel % d == 0])
-                shape.append(d)
-                numel //= d
-            shape += [1] * rng.randint(0, 2)
-            rng.shuffle(shape)
-            flat = shape or [1]
-        columns = torch.empty(rows, total, device="meta")[:, offset : offset + piece]
-        assert reshape_is_contiguous(rows, total, offset, piece, flat) == columns.reshape(flat).is_contiguous(), (
-            rows, total, offset, piece, flat)
