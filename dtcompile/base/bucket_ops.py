@@ -22,6 +22,8 @@ rank and issue nothing (:func:`~dtcompile.base.op_facts.is_ordering_barrier`: no
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 __all__ = ["pack_columns", "unpack_columns"]
@@ -29,6 +31,9 @@ __all__ = ["pack_columns", "unpack_columns"]
 
 @torch.library.custom_op("dtcompile::pack_columns", mutates_args=())
 def pack_columns(tensors: list[torch.Tensor], rows: int) -> torch.Tensor:
+    if all(t.dim() and t.shape[0] % rows == 0 for t in tensors):
+        # FSDP2's copy-in for its reduce-scatter: one kernel on CUDA.
+        return torch._chunk_cat(tensors, dim=0, num_chunks=rows).reshape(-1)
     return torch.cat([t.reshape(rows, -1) for t in tensors], dim=1).reshape(-1)
 
 
@@ -39,6 +44,11 @@ def _(tensors, rows):
 
 @torch.library.custom_op("dtcompile::unpack_columns", mutates_args=())
 def unpack_columns(rows: torch.Tensor, offsets: list[int], widths: list[int]) -> list[torch.Tensor]:
+    if offsets == list(itertools.accumulate(widths, initial=0))[:-1] and sum(widths) == rows.shape[1]:
+        # Every column, in order: FSDP2's copy-out for its all-gather, one kernel on CUDA.
+        outs = [rows.new_empty((rows.shape[0], width)) for width in widths]
+        torch.split_with_sizes_copy(rows, widths, dim=1, out=outs)
+        return outs
     # clone, not contiguous(): an op's results may not alias its input (one row is contiguous).
     return [
         rows[:, offset : offset + width].clone(memory_format=torch.contiguous_format)

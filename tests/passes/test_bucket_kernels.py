@@ -37,12 +37,17 @@ def test_the_ops_copy_what_cat_and_slices_do() -> None:
             torch.randn(rows * rng.randint(1, 3), *[rng.randint(1, 3)] * rng.randint(0, 2))
             for _ in range(rng.randint(1, 4))
         ]
+        if rows == 2 and rng.random() < 0.5:  # rows of a tensor whose first dim they do not divide
+            tensors.append(torch.randn(3, 4))
         packed = pack_columns(tensors, rows)
         assert torch.equal(packed, torch.cat([t.reshape(rows, -1) for t in tensors], dim=1).reshape(-1))
         table = packed.view(rows, -1)
         widths = [t.numel() // rows for t in tensors]
         offsets = [sum(widths[:i]) for i in range(len(widths))]
+        # Some columns (clones), or every one in order (split_with_sizes_copy).
         keep = sorted(rng.sample(range(len(tensors)), rng.randint(1, len(tensors))))
+        if rng.random() < 0.5:
+            keep = list(range(len(tensors)))
         outs = unpack_columns(table, [offsets[i] for i in keep], [widths[i] for i in keep])
         for out, i in zip(outs, keep):
             assert out.is_contiguous() and out.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()
