@@ -59,6 +59,7 @@ run there instead (``sys.settrace``): also the steps of a loop that calls nothin
 function calls miss.
 
     python benchmarks/compile_depth.py --layers 2 8 32 64
+    python benchmarks/compile_depth.py --layers 8 32 --ways inductor "dtcompile inductor"
     python benchmarks/compile_depth.py --layers 8 64 --calls
     python benchmarks/compile_depth.py --layers 8 32 --lines --ways dtcompile "compile_step fused"
 """
