@@ -44,10 +44,13 @@ what its ranks share (the graph's dependencies, the cap), records that it did, a
 prices it for the records as it prices its own.
 
 A bucket is issued right after its last input can be computed: inputs are
-flattened and concatenated (for a reduce-scatter, rank by rank, so that each
-rank's chunk holds its piece of every input), one collective and one wait run,
-and each member's result is a slice of the output, reshaped (and, gathered, made
-contiguous, as the collective's own output was).  Every decision,
+copied into one buffer (``dtcompile::pack_columns``; for a reduce-scatter, rank by
+rank, so that each rank's chunk holds its piece of every input), one collective and
+one wait run, and each member's result is its piece of the output, reshaped: a
+gathered member's column is copied out contiguous, as the collective's own output
+was (``dtcompile::unpack_columns``).  Both copies are ops of their own
+(:mod:`dtcompile.base.bucket_ops`), so that Inductor compiles no kernel per member
+and a model's repeated layers share their kernels.  Every decision,
 taken or not, is recorded with its reason, and what it adds to the peak.
 """
 
