@@ -256,6 +256,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(_P(*entry) for entry in (
     # dtcompile.auto_parallel.measure: a DTensor made from a fake shard and its spec, as DTensor's
     # own ops make their results (from_local's autograd function is a fifth of a measurement)
     ("torch.distributed.tensor", "DTensor.__new__", None),
+    # dtcompile.base.bucket_ops: a reduce-scatter bucket's copy-in, FSDP2's (one kernel on CUDA)
+    ("torch", "_chunk_cat", None),
     # dtcompile.auto_parallel.local_ops: the CPU flash attention borrows this op's strategies
     ("torch", "ops.aten._scaled_dot_product_efficient_attention", None),
     ("torch", "ops.aten._scaled_dot_product_efficient_attention.default", None),
