@@ -560,7 +560,8 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node, output: fx.Nod
         waited = cursor(aten.reshape.default, (waited, [group_size, -1]))
         # A gathered member is a column of the [group_size, total] result, copied out unless
         # it is the whole result or the result is one row (a view of it then).
-        apart = [i for i, piece in enumerate(pieces) if not (group_size == 1 or piece == sum(pieces) or piece == 0)]
+        total = sum(pieces)
+        apart = [i for i, piece in enumerate(pieces) if not (group_size == 1 or piece == total or piece == 0)]
         if apart:
             unpacked = cursor(
                 torch.ops.dtcompile.unpack_columns.default,
@@ -570,12 +571,12 @@ def _rewrite(gm: fx.GraphModule, bucket: _Bucket, after: fx.Node, output: fx.Nod
     elif kind == "reduce_scatter":
         for shape in shapes:
             shape[0] //= group_size
+    dim = 1 if kind == "all_gather" else 0  # where a member's piece lies in the result
     results: dict[fx.Node, fx.Node] = {}
     for i, (member, piece, offset, shape) in enumerate(zip(bucket.members, pieces, offsets, shapes)):
         if i in copied:
             results[member.wait] = cursor(aten.reshape.default, (copied[i], shape))  # a view of its copy
             continue
-        dim = 1 if kind == "all_gather" else 0
         part = cursor(aten.slice.Tensor, (waited, dim, offset, offset + piece))
         results[member.wait] = cursor(aten.reshape.default, (part, shape))
     replace_uses(results, keep={output})
